@@ -1,0 +1,188 @@
+"""KV caches for Mistral decoding, PyTorch side. jax_cache/cache.py mirrors this file.
+
+Layout (the same in both backends):
+  keys[layer], values[layer]  [batch, kv_heads, cache_len, head_dim]  one pair per layer, allocated up front
+  slot_positions              [batch, cache_len] int32  absolute position of the token held in each slot; -1 = empty
+  length                      []                 int32  columns written so far = the next column to write
+A column indexes the left-padded batch layout; for an unpadded row it equals the token's absolute position.
+  StaticCache:         column c lives in slot c; cache_len = max_cache_len.
+  SlidingWindowCache:  a ring of W = min(sliding_window, max_cache_len) slots; column c lives in slot c % W.
+Visibility comes from slot_positions (the model's mask), never from slot order: RoPE is applied before caching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twincache.config import MistralConfig
+from twincache.errors import CacheError, InputError
+
+
+class StaticCache:
+    """Per-layer K/V buffers written in place with `index_copy_`; addresses never change."""
+
+    def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if batch_size <= 0 or max_cache_len <= 0:
+            raise CacheError(f"batch_size={batch_size} and max_cache_len={max_cache_len} must both be > 0")
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.batch_size = batch_size
+        self.max_cache_len = max_cache_len
+        self.cache_len = self._buffer_len(config, max_cache_len)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.slot_positions = torch.full((batch_size, self.cache_len), -1, dtype=torch.int32, device=self.device)
+        self.length = torch.zeros((), dtype=torch.int32, device=self.device)
+        for buffer in (*self.keys, *self.values, self.slot_positions, self.length):
+            torch._dynamo.mark_static_address(buffer)  # cudagraphs may keep pointers to these across replays
+
+    @staticmethod
+    def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
+        return max_cache_len
+
+    @property
+    def capacity(self) -> int | None:
+        """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
+        return self.max_cache_len
+
+    # --- slot mapping: the only place the two caches differ ---------------------------------------------------------
+
+    def _write_slots(self, num_new: int) -> tuple[torch.Tensor, int]:
+        """Slots receiving the last `kept` of `num_new` tokens written from column `length`. [kept] int64."""
+        columns = self.length + torch.arange(num_new, device=self.device, dtype=torch.int32)  # [S]
+        return columns.long(), num_new
+
+    def _attends_in_place(self, num_new: int) -> bool:
+        """Whether attention can read the buffers after this write (else it reads old buffers + new tokens)."""
+        return True
+
+    # --- the forward-pass protocol: attended_positions, update per layer, then advance ------------------------------
+
+    def attended_positions(self, new_positions: torch.Tensor) -> torch.Tensor:
+        """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
+        num_new = new_positions.shape[1]
+        slots, kept = self._write_slots(num_new)
+        if self._attends_in_place(num_new):
+            return self.slot_positions.index_copy(1, slots, new_positions[:, num_new - kept:])  # [B, L]
+        return torch.cat([self.slot_positions, new_positions], dim=1)  # [B, L + S]
+
+    def update(self, layer_idx: int, key_states: torch.Tensor,
+               value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write S new tokens' K/V ([B, Hkv, S, D]) of one layer; return the K/V attention reads."""
+        if not torch.compiler.is_compiling():
+            self._check_states(layer_idx, key_states, value_states)
+        num_new = key_states.shape[2]
+        slots, kept = self._write_slots(num_new)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]  # [B, Hkv, L, D]
+        if self._attends_in_place(num_new):
+            keys.index_copy_(2, slots, key_states[:, :, num_new - kept:])
+            values.index_copy_(2, slots, value_states[:, :, num_new - kept:])
+            return keys, values
+        attended_keys = torch.cat([keys, key_states], dim=2)  # [B, Hkv, L + S, D], read before the write below
+        attended_values = torch.cat([values, value_states], dim=2)  # [B, Hkv, L + S, D]
+        keys.index_copy_(2, slots, key_states[:, :, num_new - kept:])
+        values.index_copy_(2, slots, value_states[:, :, num_new - kept:])
+        return attended_keys, attended_values
+
+    def advance(self, new_positions: torch.Tensor) -> None:
+        """Record the positions written by this forward ([B, S]) and move `length` past them; call once per forward."""
+        num_new = new_positions.shape[1]
+        slots, kept = self._write_slots(num_new)
+        self.slot_positions.index_copy_(1, slots, new_positions[:, num_new - kept:].to(torch.int32))
+        self.length.add_(num_new)
+
+    def reset(self) -> None:
+        """Empty the cache in place: afterwards it behaves exactly like a fresh one, at the same addresses."""
+        for buffer in (*self.keys, *self.values):
+            buffer.zero_()
+        self.slot_positions.fill_(-1)
+        self.length.zero_()
+
+    # --- eager-only checks (skipped while torch.compile traces; generate validates its whole budget up front) --------
+
+    def check_forward(self, config: MistralConfig, input_ids: torch.Tensor, model_dtype: torch.dtype,
+                      model_device: torch.device) -> None:
+        """Refuse a forward this cache was not built for, before anything is written."""
+        if (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) != (
+                self.num_layers, self.num_kv_heads, self.head_dim):
+            raise CacheError(
+                f"cache was built for {self.num_layers} layers x {self.num_kv_heads} kv heads x head_dim "
+                f"{self.head_dim}, but the model has {config.num_hidden_layers} x {config.num_key_value_heads} x "
+                f"{config.head_dim}; build the cache from this model's config")
+        if model_dtype != self.dtype:
+            raise CacheError(f"cache dtype {self.dtype} differs from model dtype {model_dtype}; "
+                             f"build the cache with dtype={model_dtype}")
+        for what, device in (("model", model_device), ("input_ids", input_ids.device)):
+            if device != self.device:
+                raise CacheError(f"{what} is on {device} but the cache is on {self.device}; move them to one device")
+        if input_ids.ndim != 2 or input_ids.shape[0] != self.batch_size:
+            raise CacheError(f"input_ids has shape {list(input_ids.shape)}, but the cache was built for batch "
+                             f"{self.batch_size}; pass [{self.batch_size}, seq_len] or build a new cache")
+        self._check_write_range(input_ids.shape[1])
+
+    def _check_write_range(self, num_new: int) -> None:
+        start = int(self.length)
+        if start < 0 or (self.capacity is not None and start + num_new > self.capacity):
+            raise CacheError(f"writing {num_new} tokens at columns {start}..{start + num_new - 1} is outside this "
+                             f"{type(self).__name__}'s capacity [0, {self.capacity}); reset() it or build a larger "
+                             "cache (max_cache_len)")
+
+    def _check_states(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not 0 <= layer_idx < self.num_layers:
+            raise CacheError(f"layer_idx={layer_idx} is outside [0, {self.num_layers})")
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            batch, heads, _, head_dim = states.shape if states.ndim == 4 else (None,) * 4
+            if (batch, heads, head_dim) != (self.batch_size, self.num_kv_heads, self.head_dim):
+                raise CacheError(f"{name} has shape {list(states.shape)}; this cache needs [{self.batch_size}, "
+                                 f"{self.num_kv_heads}, seq_len, {self.head_dim}]")
+            if states.dtype != self.dtype:
+                raise CacheError(f"{name} dtype {states.dtype} differs from cache dtype {self.dtype}")
+            if states.device != self.device:
+                raise CacheError(f"{name} is on {states.device} but the cache is on {self.device}")
+        self._check_write_range(key_states.shape[2])
+
+
+class SlidingWindowCache(StaticCache):
+    """A ring buffer of W slots: a decode step writes one slot; nothing is rolled, shifted or copied."""
+
+    def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if config.sliding_window is None:
+            raise CacheError("a SlidingWindowCache needs a config with sliding_window set, but it is null; "
+                             "use StaticCache")
+        self.sliding_window = config.sliding_window
+        super().__init__(config, batch_size, max_cache_len, dtype, device)
+
+    @staticmethod
+    def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
+        return min(config.sliding_window, max_cache_len)
+
+    @property
+    def capacity(self) -> int | None:
+        # A ring shorter than the window would forget keys the window still sees, so it is bounded like a static cache.
+        return None if self.cache_len == self.sliding_window else self.max_cache_len
+
+    def _write_slots(self, num_new: int) -> tuple[torch.Tensor, int]:
+        kept = min(num_new, self.cache_len)  # a prefill longer than the ring keeps only its last W tokens
+        first = self.length + (num_new - kept)
+        columns = first + torch.arange(kept, device=self.device, dtype=torch.int32)  # [kept]
+        return torch.remainder(columns, self.cache_len).long(), kept
+
+    def _attends_in_place(self, num_new: int) -> bool:
+        # One token overwrites the slot of position q - W, which its query cannot see; several would overwrite
+        # keys that earlier queries of the same chunk still need.
+        return num_new == 1
+
+
+def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StaticCache:
+    """Build a cache by name: "static" or "sliding_window"."""
+    classes = {"static": StaticCache, "sliding_window": SlidingWindowCache}
+    if kind not in classes:
+        raise InputError(f"cache={kind!r} is not one of {', '.join(classes)}")
+    return classes[kind](config, batch_size, max_cache_len, dtype, device)

@@ -1,0 +1,188 @@
+"""Mistral in PyTorch: a lean decoder that reads and writes a StaticCache or SlidingWindowCache.
+
+jax_cache/model.py mirrors this file: same classes, methods and argument order. Parameter names equal the HF
+checkpoint's, so loading is a strict name-for-name copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from torch_cache.cache import StaticCache
+from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
+from twincache.config import MistralConfig
+from twincache.errors import InputError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # normalise in fp32, then cast back, as transformers does
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for the rotate-half layout, computed in fp32 from positions [B, S]. Each [B, 1, S, D]."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)  # [D/2]
+    freqs = positions.float()[:, :, None] * inv_freq  # [B, S, D/2]
+    angles = torch.cat([freqs, freqs], dim=-1)  # [B, S, D]
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # [B, H, S, D]
+    return x * cos + rotated * sin
+
+
+def attention_visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, query_valid: torch.Tensor,
+                         sliding_window: int | None) -> torch.Tensor:
+    """Which keys each query sees: k >= 0 and q - W < k <= q. [B, 1, S, Lkv] bool.
+
+    Padding queries see every key: their outputs are discarded, and an all-masked row would make softmax NaN.
+    """
+    q = query_positions[:, :, None]  # [B, S, 1]
+    k = key_positions[:, None, :]  # [B, 1, Lkv]
+    visible = (k >= 0) & (k <= q)  # [B, S, Lkv]
+    if sliding_window is not None:
+        visible = visible & (k > q - sliding_window)
+    visible = visible | ~query_valid[:, :, None]
+    return visible[:, None]  # [B, 1, S, Lkv]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MistralConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
+                cache: StaticCache, layer_idx: int) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        groups = self.num_heads // self.num_kv_heads
+        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, Lkv, D]
+        # Grouped-query attention without repeating K/V: the G query heads of one KV head become G*S query rows.
+        q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
+        mask = visible[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * seq_len, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*S, D]
+        out = out.view(batch, self.num_heads, seq_len, self.head_dim).transpose(1, 2)  # [B, S, H, D]
+        return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: MistralConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MistralConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
+                cache: StaticCache, layer_idx: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MistralModel(nn.Module):
+    def __init__(self, config: MistralConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Mistral(nn.Module):
+    """Mistral causal LM. `forward(input_ids, positions, cache, attention_mask=None) -> logits [B, S, V]`."""
+
+    def __init__(self, config: MistralConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = MistralModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens."""
+        embed = self.model.embed_tokens.weight
+        if not torch.compiler.is_compiling():
+            self.check_inputs(input_ids, positions, attention_mask)
+            cache.check_forward(self.config, input_ids, embed.dtype, embed.device)
+        query_valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        new_positions = torch.where(query_valid, positions, -1).to(torch.int32)  # [B, S]; padding is never a key
+        key_positions = cache.attended_positions(new_positions)  # [B, Lkv]
+        visible = attention_visibility(positions, key_positions, query_valid, self.config.sliding_window)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, embed.dtype)
+        x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
+        for layer_idx, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, visible, cache, layer_idx)
+        cache.advance(new_positions)
+        x = self.model.norm(x)
+        return F.linear(x, embed if self.lm_head is None else self.lm_head.weight)  # [B, S, V]
+
+    def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     attention_mask: torch.Tensor | None) -> None:
+        """Eager-only checks of ids, positions and mask (they read values, so they would sync a GPU)."""
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len >= 1]")
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise InputError(f"input_ids dtype {input_ids.dtype} must be int32 or int64")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            bad = low if low < 0 else high
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        for name, tensor in (("positions", positions), ("attention_mask", attention_mask)):
+            if tensor is not None and tuple(tensor.shape) != tuple(input_ids.shape):
+                raise InputError(f"{name} has shape {list(tensor.shape)} but input_ids has "
+                                 f"{list(input_ids.shape)}; they must match")
+        valid = positions if attention_mask is None else positions[attention_mask.bool()]
+        if valid.numel() and int(valid.min()) < 0:
+            raise InputError(f"positions of real tokens must be >= 0, got {int(valid.min())}")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> Mistral:
+        """Load an HF Mistral checkpoint directory (safetensors only), converting to `dtype` on `device`."""
+        config, files = open_checkpoint(model_dir)
+        with torch.device("meta"):
+            model = cls(config)
+        wanted = expected_tensor_shapes(config)
+        state = {}
+        for path in sorted(set(files.values())):
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    if name in wanted:
+                        state[name] = f.get_tensor(name).to(dtype)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval().requires_grad_(False)

@@ -1,0 +1,54 @@
+"""The `twincache` command line. Every error is one line on stderr and exit code 2, without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from twincache.errors import TwincacheError
+
+# Modules that contribute a subcommand: each has add_parser(subparsers) and run(args) -> int.
+SUBCOMMAND_MODULES = ["twincache.generate_cmd"]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage plus the message; we print one line
+        self.exit(2, f"twincache: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog="twincache", description="One KV-cache design for Mistral decoding, built twice: "
+                            "torch_cache (PyTorch) and jax_cache (JAX/Flax).")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except TwincacheError as err:
+        print(f"twincache: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("twincache: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the CLI contract is one line, never a traceback
+        if os.environ.get("TWINCACHE_DEBUG"):
+            raise
+        print(f"twincache: error: unexpected {type(err).__name__}: {err} (set TWINCACHE_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+    return 2
+
+
+def print_json(record: dict) -> None:
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
