@@ -1,0 +1,69 @@
+"""Session-scoped tiny Mistral checkpoints, written by transformers' save_pretrained from seeded random models.
+
+Every checkpoint is built once per test session. Window 8 with a cache of 40 lets a short generation wrap the
+ring several times while each forward stays tiny.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+WINDOW = 8
+
+# name -> overrides of the base transformers MistralConfig
+CHECKPOINT_VARIANTS: dict[str, dict] = {
+    "gqa": {},
+    "mqa": {"num_key_value_heads": 1},
+    "head_dim": {"head_dim": 24},  # explicit head_dim != hidden / heads (= 16)
+    "tied": {"tie_word_embeddings": True},
+    "no_window": {"sliding_window": None},
+}
+
+
+def hf_config(**overrides: object):
+    from transformers import MistralConfig as HFMistralConfig
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, sliding_window=WINDOW, max_position_embeddings=512, rms_norm_eps=1e-6,
+                initializer_range=0.15, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    base.update(overrides)
+    return HFMistralConfig(**base)
+
+
+def save_hf_checkpoint(directory: Path, seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None,
+                       **overrides: object) -> Path:
+    """Write a seeded random transformers MistralForCausalLM with save_pretrained; returns the directory."""
+    import torch
+    from transformers import MistralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(hf_config(**overrides)).to(getattr(torch, dtype)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """All tiny checkpoint directories by name: the CHECKPOINT_VARIANTS plus 'sharded' and 'bf16_stored'."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    dirs = {name: save_hf_checkpoint(root / name, seed=i, **overrides)
+            for i, (name, overrides) in enumerate(CHECKPOINT_VARIANTS.items())}
+    dirs["sharded"] = save_hf_checkpoint(root / "sharded", seed=10, max_shard_size="40KB")
+    dirs["bf16_stored"] = save_hf_checkpoint(root / "bf16_stored", seed=11, dtype="bfloat16")
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model, built into a per-session TWINCACHE_HOME so tests never touch the user's cache."""
+    from twincache import default_model
+
+    home = tmp_path_factory.mktemp("twincache_home")
+    os.environ["TWINCACHE_HOME"] = str(home)
+    return default_model.default_model_dir()
