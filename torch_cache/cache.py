@@ -21,6 +21,8 @@ from twincache.errors import CacheError, InputError
 class StaticCache:
     """Per-layer K/V buffers written in place with `index_copy_`; addresses never change."""
 
+    kind = "static"
+
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         if batch_size <= 0 or max_cache_len <= 0:
@@ -32,7 +34,7 @@ class StaticCache:
         self.max_cache_len = max_cache_len
         self.cache_len = self._buffer_len(config, max_cache_len)
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
         shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
@@ -66,6 +68,8 @@ class StaticCache:
     def attended_positions(self, new_positions: torch.Tensor) -> torch.Tensor:
         """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
         num_new = new_positions.shape[1]
+        if not torch.compiler.is_compiling():  # the first call of a forward: refuse before index_copy's IndexError
+            self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if self._attends_in_place(num_new):
             return self.slot_positions.index_copy(1, slots, new_positions[:, num_new - kept:])  # [B, L]
@@ -105,9 +109,9 @@ class StaticCache:
 
     # --- eager-only checks (skipped while torch.compile traces; generate validates its whole budget up front) --------
 
-    def check_forward(self, config: MistralConfig, input_ids: torch.Tensor, model_dtype: torch.dtype,
-                      model_device: torch.device) -> None:
-        """Refuse a forward this cache was not built for, before anything is written."""
+    def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: torch.dtype,
+                         model_device: torch.device) -> None:
+        """Refuse a cache built for another model, batch, dtype or device."""
         if (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) != (
                 self.num_layers, self.num_kv_heads, self.head_dim):
             raise CacheError(
@@ -117,13 +121,26 @@ class StaticCache:
         if model_dtype != self.dtype:
             raise CacheError(f"cache dtype {self.dtype} differs from model dtype {model_dtype}; "
                              f"build the cache with dtype={model_dtype}")
-        for what, device in (("model", model_device), ("input_ids", input_ids.device)):
-            if device != self.device:
-                raise CacheError(f"{what} is on {device} but the cache is on {self.device}; move them to one device")
-        if input_ids.ndim != 2 or input_ids.shape[0] != self.batch_size:
-            raise CacheError(f"input_ids has shape {list(input_ids.shape)}, but the cache was built for batch "
-                             f"{self.batch_size}; pass [{self.batch_size}, seq_len] or build a new cache")
+        if model_device != self.device:
+            raise CacheError(f"model is on {model_device} but the cache is on {self.device}; move them to one device")
+        if batch_size != self.batch_size:
+            raise CacheError(f"batch {batch_size} was given, but the cache was built for batch {self.batch_size}; "
+                             "build a cache whose batch_size equals the number of rows")
+
+    def check_forward(self, config: MistralConfig, input_ids: torch.Tensor, model_dtype: torch.dtype,
+                      model_device: torch.device) -> None:
+        """Refuse a forward this cache was not built for, before anything is written."""
+        if input_ids.device != self.device:
+            raise CacheError(f"input_ids is on {input_ids.device} but the cache is on {self.device}; "
+                             "move them to one device")
+        if input_ids.ndim != 2:
+            raise CacheError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len]")
+        self.check_compatible(config, input_ids.shape[0], model_dtype, model_device)
         self._check_write_range(input_ids.shape[1])
+
+    def next_positions(self) -> torch.Tensor:
+        """Position the next token of each row takes: one past the newest position held. [B] int64."""
+        return self.slot_positions.max(dim=1).values.long() + 1
 
     def _check_write_range(self, num_new: int) -> None:
         start = int(self.length)
@@ -149,6 +166,8 @@ class StaticCache:
 
 class SlidingWindowCache(StaticCache):
     """A ring buffer of W slots: a decode step writes one slot; nothing is rolled, shifted or copied."""
+
+    kind = "sliding_window"
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
@@ -182,7 +201,7 @@ class SlidingWindowCache(StaticCache):
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StaticCache:
     """Build a cache by name: "static" or "sliding_window"."""
-    classes = {"static": StaticCache, "sliding_window": SlidingWindowCache}
+    classes = {cls.kind: cls for cls in (StaticCache, SlidingWindowCache)}
     if kind not in classes:
         raise InputError(f"cache={kind!r} is not one of {', '.join(classes)}")
     return classes[kind](config, batch_size, max_cache_len, dtype, device)

@@ -7,22 +7,26 @@ process for no decode-time gain (measured in bench/).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
-from torch_cache.cache import SlidingWindowCache, StaticCache, make_cache
+from torch_cache.cache import StaticCache, make_cache
 from torch_cache.model import Mistral
 from twincache.errors import CacheError, InputError, NonFiniteLogitsError
 from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
+    append_tokens,
     left_pad,
+    pad_token_id,
     plan_cache,
     positions_from_mask,
+    validate_attention_mask,
     validate_prompts,
 )
 
@@ -64,7 +68,9 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
 def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             cache: StaticCache) -> torch.Tensor:
     """Run the left-padded prompt [B, T] through the model, filling the cache. Returns last-token logits [B, V] fp32."""
-    positions = torch.from_numpy(positions_from_mask(attention_mask.cpu().numpy())).to(input_ids.device)
+    mask_np = attention_mask.cpu().numpy()
+    validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
+    positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device)
     return model(input_ids, positions.long(), cache, attention_mask)[:, -1].float()
 
 
@@ -82,66 +88,105 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampling = sampling or SamplingParams()
     prompt_ids = validate_prompts(prompts, config)
     sampling.validate(config.vocab_size)
-    pad_id = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
-    ids_np, mask_np = left_pad(prompt_ids, pad_id)
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    ids_np, mask_np = left_pad(prompt_ids, pad_token_id(config))  # [B, T]
     batch, prompt_len = ids_np.shape
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     if isinstance(cache, StaticCache):
+        cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
         if cache.capacity is not None and prompt_len + max_new_tokens > cache.capacity:
             raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the given "
                              f"cache's capacity {cache.capacity}; build a larger cache")
-        if max_new_tokens < 0:
-            raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
         cache.reset()
-        kind = "sliding_window" if isinstance(cache, SlidingWindowCache) else "static"
     else:
         kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         cache = make_cache(kind, config, batch, cache_len, dtype, device)
-    input_ids = torch.from_numpy(ids_np).long().to(device)  # [B, T]
-    attention_mask = torch.from_numpy(mask_np).to(device)  # [B, T]
-    generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
-
-    tokens: list[list[int]] = [[] for _ in range(batch)]
-    step_logits: list[torch.Tensor] = []
     if max_new_tokens == 0:
-        return GenerationResult(kind, cache.max_cache_len, prompt_ids, tokens, 0.0, 0.0, 0.0, 0, None)
-
+        return GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
+                                0, 0, None, cache)
+    generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     start = time.perf_counter()
-    logits = prefill(model, input_ids, attention_mask, cache)  # [B, V]
+    logits = prefill(model, torch.from_numpy(ids_np).long().to(device), torch.from_numpy(mask_np).to(device), cache)
+    _, _, first = _pick(logits, torch.zeros(batch, dtype=torch.bool, device=device), sampling, generator,
+                        config.eos_token_id, step=0)
+    prefill_s = time.perf_counter() - start
+    if on_token is not None:
+        on_token(first)
+    rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
+                               on_token=on_token, return_logits=return_logits, generator=generator)
+    tokens = [[token] for token in first]
+    for step_ids in zip(*rest.token_ids, strict=False) if rest.token_ids else ():
+        append_tokens(tokens, list(step_ids), config.eos_token_id)
+    step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
+    return dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
+                               step_logits=step_logits)
+
+
+@torch.inference_mode()
+def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
+                        sampling: SamplingParams | None = None, compile: bool = True,
+                        on_token: TokenCallback | None = None, return_logits: bool = False,
+                        generator: torch.Generator | None = None) -> GenerationResult:
+    """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
+
+    Positions come from the cache itself, so a cache handed over from jax_cache continues exactly where it was.
+    A row whose last token is EOS is finished. Returns only the new tokens; `result.cache` is `cache`, written in place.
+    """
+    config = model.config
+    sampling = sampling or SamplingParams()
+    sampling.validate(config.vocab_size)
+    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
+    last_tokens = validate_prompts([[int(t)] for t in last_tokens], config)
+    cache.check_compatible(config, len(last_tokens), dtype, device)
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
+    if generator is None and not sampling.greedy:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    eos = config.eos_token_id
+    next_ids = torch.tensor([t[0] for t in last_tokens], dtype=torch.long, device=device)  # [B]
+    finished = next_ids == eos if eos is not None else torch.zeros_like(next_ids, dtype=torch.bool)
+    positions = cache.next_positions()[:, None]  # [B, 1]
     step = decode_step_fn(model, compile)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    next_ids = torch.zeros(batch, dtype=torch.long, device=device)  # replaced by the first sample
-    positions = torch.from_numpy(mask_np.sum(axis=1, keepdims=True)).long().to(device)  # [B, 1] next position
-    prefill_s, first_step_s, decode_start, decode_steps = 0.0, 0.0, 0.0, 0
-    for produced in range(max_new_tokens):
-        if produced:
-            logits = step(next_ids[:, None], positions, cache).float()  # [B, V]
-            positions = positions + 1
-            decode_steps += 1
+    tokens: list[list[int]] = [[] for _ in last_tokens]
+    step_logits: list[torch.Tensor] = []
+    first_step_s = decode_s = 0.0
+    decode_steps = 0
+    decode_start = time.perf_counter()
+    all_done = eos is not None and all(t[0] == eos for t in last_tokens)
+    while decode_steps < max_new_tokens and not all_done:
+        logits = step(next_ids[:, None], positions, cache).float()  # [B, V]
+        positions = positions + 1
+        decode_steps += 1
         if return_logits:
-            step_logits.append(logits.clone())
-        next_ids = sample(logits, sampling, generator)
-        if config.eos_token_id is not None:  # rows already done keep emitting EOS; they are trimmed below
-            next_ids = torch.where(finished, config.eos_token_id, next_ids)
-            finished = finished | (next_ids == config.eos_token_id)
-        # One host sync per step: the tokens, whether every row is done, and whether any logit is non-finite.
-        host = torch.cat([next_ids, finished.all()[None].long(), (~torch.isfinite(logits).all())[None].long()])
-        *row_ids, all_done, non_finite = host.tolist()
-        if non_finite:
-            raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {produced}; "
-                                       f"the weights or dtype ({dtype}) are not usable for this input")
-        if produced == 0:
-            prefill_s, decode_start = time.perf_counter() - start, time.perf_counter()
-        elif produced == 1:  # compile happens here; timing of the steady state starts after it
+            step_logits.append(logits.clone())  # cudagraph outputs are overwritten by the next replay
+        next_ids, finished, row_ids = _pick(logits, finished, sampling, generator, eos, decode_steps)
+        all_done = eos is not None and all(token == eos for token in row_ids)
+        if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
             first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
-        for row, token in enumerate(row_ids):
-            if not tokens[row] or tokens[row][-1] != config.eos_token_id:
-                tokens[row].append(token)
+        append_tokens(tokens, row_ids, eos)
         if on_token is not None:
             on_token(row_ids)
-        if all_done:
-            break
-    decode_s = time.perf_counter() - decode_start if decode_steps > 1 else 0.0
-    logits_out = torch.stack(step_logits, dim=1) if return_logits else None  # [B, steps, V]
-    return GenerationResult(kind, cache.max_cache_len, prompt_ids, tokens, prefill_s, first_step_s, decode_s,
-                            decode_steps, logits_out)
+    if decode_steps > 1:
+        decode_s = time.perf_counter() - decode_start
+    logits_out = torch.stack(step_logits, dim=1) if return_logits and step_logits else (
+        torch.zeros(len(tokens), 0, config.vocab_size, device=device) if return_logits else None)  # [B, steps, V]
+    return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
+                            decode_s, decode_steps, max(decode_steps - 1, 0), logits_out, cache)
+
+
+def _pick(logits: torch.Tensor, finished: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+          eos: int | None, step: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Sample one step's tokens [B]; finished rows keep emitting EOS. Raises on non-finite logits.
+
+    Returns the tokens on device and on the host: one host sync per step carries them and the finiteness flag."""
+    next_ids = sample(logits, sampling, generator)  # [B]
+    if eos is not None:
+        next_ids = torch.where(finished, eos, next_ids)
+        finished = finished | (next_ids == eos)
+    *row_ids, non_finite = torch.cat([next_ids, (~torch.isfinite(logits).all())[None].long()]).tolist()
+    if non_finite:
+        raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
+                                   f"or dtype ({logits.dtype}) are not usable for this input")
+    return next_ids, finished, row_ids

@@ -10,6 +10,8 @@ import json
 import struct
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError
 
@@ -71,10 +73,20 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is corrupted: its safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    data_end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    try:
+        data_end = max((int(entry["data_offsets"][1]) for entry in header.values()), default=0)
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise CheckpointError(f"{path} is corrupted: its safetensors header has a tensor entry without valid "
+                              "data_offsets") from None
     if 8 + header_len + data_end > size:
         raise CheckpointError(f"{path} is truncated: tensors need {8 + header_len + data_end} bytes "
                               f"but the file has {size}; re-download or re-save the checkpoint")
+    try:  # safetensors' own header validation (dtypes, shapes vs offsets, no gaps) before any backend loads it
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except SafetensorError as err:
+        reason = " ".join(str(err).split())
+        raise CheckpointError(f"{path} is corrupted: safetensors rejects its header ({reason})") from None
     return header
 
 

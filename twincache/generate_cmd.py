@@ -80,12 +80,14 @@ def run_backend(backend: str, model_dir: Path, dtype: str, prompt_ids: list[int]
         model = Mistral.from_pretrained(model_dir, getattr(torch, dtype), device)
         return generate(model, [prompt_ids], args.max_new_tokens, cache=args.cache, max_cache_len=args.max_cache_len,
                         sampling=sampling, compile=not args.no_compile, on_token=on_token)
+    import jax.numpy as jnp
+
     from jax_cache.generate import generate as jax_generate
     from jax_cache.model import Mistral as JaxMistral
 
-    model = JaxMistral.from_pretrained(model_dir, dtype)
+    model = JaxMistral.from_pretrained(model_dir, getattr(jnp, dtype))
     return jax_generate(model, [prompt_ids], args.max_new_tokens, cache=args.cache,
-                        max_cache_len=args.max_cache_len, sampling=sampling, fused=not args.stream and on_token is None,
+                        max_cache_len=args.max_cache_len, sampling=sampling, fused=on_token is None,
                         on_token=on_token)
 
 

@@ -52,15 +52,29 @@ class GenerationResult:
     prompt_ids: list[list[int]]  # per row, without padding
     token_ids: list[list[int]]  # per row, generated ids up to and including its EOS
     prefill_s: float
-    first_step_s: float  # the first decode step alone: it includes compilation or tracing when that happens
-    decode_s: float  # every decode step after the first
+    first_step_s: float  # compilation/tracing plus, in step mode, the first decode step: kept out of decode_s
+    decode_s: float  # wall time of the `timed_steps` steady-state decode steps
     decode_steps: int  # forward calls after prefill
+    timed_steps: int  # decode steps inside decode_s
     step_logits: Any = None  # [B, steps, V] float32 (backend array) when asked for
+    cache: Any = None  # the cache after the last step: torch writes in place; JAX returns the donated result
 
     @property
     def decode_tok_s(self) -> float:
-        """Tokens per second per sequence over the decode steps after the first (warm-up and compile excluded)."""
-        return (self.decode_steps - 1) / self.decode_s if self.decode_steps > 1 and self.decode_s > 0 else 0.0
+        """Tokens per second per sequence in the steady state (warm-up and compile excluded)."""
+        return self.timed_steps / self.decode_s if self.timed_steps and self.decode_s > 0 else 0.0
+
+
+def pad_token_id(config: MistralConfig) -> int:
+    """The id that fills left padding (never attended to, so any valid id works)."""
+    return config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
+
+
+def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: int | None) -> None:
+    """Append one step's token per row, except to rows that already ended with EOS."""
+    for row, token in enumerate(row_ids):
+        if eos is None or not tokens[row] or tokens[row][-1] != eos:
+            tokens[row].append(token)
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]], config: MistralConfig) -> list[list[int]]:

@@ -1,0 +1,247 @@
+"""KV caches for Mistral decoding, JAX side: pytrees updated functionally, in place under buffer donation.
+torch_cache/cache.py is the reference this file mirrors.
+
+Layout (the same in both backends):
+  keys[layer], values[layer]  [batch, kv_heads, cache_len, head_dim]  one pair per layer, allocated up front
+  slot_positions              [batch, cache_len] int32  absolute position of the token held in each slot; -1 = empty
+  length                      []                 int32  columns written so far = the next column to write
+A column indexes the left-padded batch layout; for an unpadded row it equals the token's absolute position.
+  StaticCache:         column c lives in slot c; cache_len = max_cache_len.
+  SlidingWindowCache:  a ring of W = min(sliding_window, max_cache_len) slots; column c lives in slot c % W.
+Visibility comes from slot_positions (the model's mask), never from slot order: RoPE is applied before caching.
+
+Arrays are leaves; everything else (sizes, dtype) is static pytree metadata. A cache passed to a jitted call with
+donation is consumed: using it again raises StaleCacheError instead of JAX's bare "Array has been deleted".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from twincache.config import MistralConfig
+from twincache.errors import CacheError, InputError, StaleCacheError
+
+
+@jax.tree_util.register_pytree_node_class
+class StaticCache:
+    """Per-layer K/V buffers written with `lax.dynamic_update_slice`; with donation XLA writes them in place."""
+
+    kind = "static"
+
+    def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
+                 dtype: jnp.dtype = jnp.float32) -> None:
+        if batch_size <= 0 or max_cache_len <= 0:
+            raise CacheError(f"batch_size={batch_size} and max_cache_len={max_cache_len} must both be > 0")
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.batch_size = batch_size
+        self.max_cache_len = max_cache_len
+        self.cache_len = self._buffer_len(config, max_cache_len)
+        self.dtype = jnp.dtype(dtype)
+        shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
+        self.keys = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        self.values = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
+        self.slot_positions = jnp.full((batch_size, self.cache_len), -1, jnp.int32)
+        self.length = jnp.zeros((), jnp.int32)
+
+    @staticmethod
+    def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
+        return max_cache_len
+
+    @property
+    def capacity(self) -> int | None:
+        """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
+        return self.max_cache_len
+
+    # --- pytree protocol: arrays are children, sizes are static ----------------------------------------------------
+
+    def tree_flatten(self) -> tuple[tuple, tuple]:
+        static = tuple((k, v) for k, v in vars(self).items() if k not in ("keys", "values", "slot_positions", "length"))
+        return (self.keys, self.values, self.slot_positions, self.length), static
+
+    @classmethod
+    def tree_unflatten(cls, static: tuple, children: tuple) -> StaticCache:
+        cache = object.__new__(cls)
+        cache.__dict__.update(static)
+        cache.keys, cache.values, cache.slot_positions, cache.length = children
+        cache.keys, cache.values = list(cache.keys), list(cache.values)
+        return cache
+
+    def replace(self, **changes: object) -> StaticCache:
+        """A shallow copy with some arrays replaced (the functional form of torch_cache's in-place writes)."""
+        cache = object.__new__(type(self))
+        cache.__dict__.update(vars(self), **changes)
+        return cache
+
+    # --- slot mapping: the only place the two caches differ ---------------------------------------------------------
+
+    def _write_slots(self, num_new: int) -> tuple[jax.Array, int]:
+        """Slots receiving the last `kept` of `num_new` tokens written from column `length`. [kept] int32."""
+        return self.length + jnp.arange(num_new, dtype=jnp.int32), num_new  # [S]
+
+    def _attends_in_place(self, num_new: int) -> bool:
+        """Whether attention can read the buffers after this write (else it reads old buffers + new tokens)."""
+        return True
+
+    def _write(self, buffer: jax.Array, new: jax.Array, slots: jax.Array, axis: int) -> jax.Array:
+        # In-place-attended writes are contiguous, so one dynamic_update_slice; a wrapping chunk scatters.
+        if self._attends_in_place(new.shape[axis]):
+            return lax.dynamic_update_slice_in_dim(buffer, new, slots[0], axis=axis)
+        index = (slice(None),) * axis + (slots,)
+        return buffer.at[index].set(new, mode="promise_in_bounds")
+
+    # --- the forward-pass protocol: attended_positions, update per layer, then advance ------------------------------
+
+    def attended_positions(self, new_positions: jax.Array) -> jax.Array:
+        """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
+        num_new = new_positions.shape[1]
+        slots, kept = self._write_slots(num_new)
+        if self._attends_in_place(num_new):
+            return self._write(self.slot_positions, new_positions[:, num_new - kept:], slots, axis=1)  # [B, L]
+        return jnp.concatenate([self.slot_positions, new_positions], axis=1)  # [B, L + S]
+
+    def update(self, layer_idx: int, key_states: jax.Array,
+               value_states: jax.Array) -> tuple[StaticCache, jax.Array, jax.Array]:
+        """Write S new tokens' K/V ([B, Hkv, S, D]) of one layer; return the new cache and the K/V attention reads."""
+        if not isinstance(key_states, jax.core.Tracer):
+            self._check_states(layer_idx, key_states, value_states)
+        num_new = key_states.shape[2]
+        slots, kept = self._write_slots(num_new)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]  # [B, Hkv, L, D]
+        new_keys = self._write(keys, key_states[:, :, num_new - kept:], slots, axis=2)
+        new_values = self._write(values, value_states[:, :, num_new - kept:], slots, axis=2)
+        all_keys, all_values = list(self.keys), list(self.values)
+        all_keys[layer_idx], all_values[layer_idx] = new_keys, new_values
+        cache = self.replace(keys=all_keys, values=all_values)
+        if self._attends_in_place(num_new):
+            return cache, new_keys, new_values
+        attended_keys = jnp.concatenate([keys, key_states], axis=2)  # [B, Hkv, L + S, D], the buffers before writing
+        attended_values = jnp.concatenate([values, value_states], axis=2)  # [B, Hkv, L + S, D]
+        return cache, attended_keys, attended_values
+
+    def advance(self, new_positions: jax.Array) -> StaticCache:
+        """Record the positions written by this forward ([B, S]) and move `length` past them; call once per forward."""
+        num_new = new_positions.shape[1]
+        slots, kept = self._write_slots(num_new)
+        slot_positions = self._write(self.slot_positions, new_positions[:, num_new - kept:].astype(jnp.int32), slots,
+                                     axis=1)
+        return self.replace(slot_positions=slot_positions, length=self.length + num_new)
+
+    def reset(self) -> StaticCache:
+        """An empty cache of the same type and shapes: using it is identical to using a fresh one."""
+        return self.replace(keys=[jnp.zeros_like(k) for k in self.keys],
+                            values=[jnp.zeros_like(v) for v in self.values],
+                            slot_positions=jnp.full_like(self.slot_positions, -1),
+                            length=jnp.zeros_like(self.length))
+
+    # --- checks before dispatch (JAX would clamp or drop out-of-range writes silently) ------------------------------
+
+    def check_live(self) -> None:
+        """Refuse a cache whose buffers were donated to an earlier jitted call."""
+        if any(array.is_deleted() for array in (*self.keys, *self.values, self.slot_positions, self.length)):
+            raise StaleCacheError(
+                "this cache's buffers were donated to a jitted call and no longer exist: twincache updates caches "
+                "in place by donation, so each call consumes its input cache. Use the cache that call returned "
+                "(logits, cache = ...), or reset()/build a new cache")
+
+    def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: jnp.dtype) -> None:
+        """Refuse a cache built for another model, batch or dtype, or one already donated."""
+        self.check_live()
+        if (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) != (
+                self.num_layers, self.num_kv_heads, self.head_dim):
+            raise CacheError(
+                f"cache was built for {self.num_layers} layers x {self.num_kv_heads} kv heads x head_dim "
+                f"{self.head_dim}, but the model has {config.num_hidden_layers} x {config.num_key_value_heads} x "
+                f"{config.head_dim}; build the cache from this model's config")
+        if jnp.dtype(model_dtype) != self.dtype:
+            raise CacheError(f"cache dtype {self.dtype} differs from model dtype {jnp.dtype(model_dtype)}; "
+                             f"build the cache with dtype={jnp.dtype(model_dtype)}")
+        if batch_size != self.batch_size:
+            raise CacheError(f"batch {batch_size} was given, but the cache was built for batch {self.batch_size}; "
+                             "build a cache whose batch_size equals the number of rows")
+
+    def check_forward(self, config: MistralConfig, input_ids: jax.Array, model_dtype: jnp.dtype) -> None:
+        """Refuse a forward this cache was not built for, before anything is dispatched."""
+        if input_ids.ndim != 2:
+            raise CacheError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len]")
+        self.check_compatible(config, input_ids.shape[0], model_dtype)
+        self._check_write_range(input_ids.shape[1])
+
+    def next_positions(self) -> jax.Array:
+        """Position the next token of each row takes: one past the newest position held. [B] int32."""
+        return self.slot_positions.max(axis=1) + 1
+
+    def _check_write_range(self, num_new: int) -> None:
+        start = int(self.length)
+        if start < 0 or (self.capacity is not None and start + num_new > self.capacity):
+            raise CacheError(f"writing {num_new} tokens at columns {start}..{start + num_new - 1} is outside this "
+                             f"{type(self).__name__}'s capacity [0, {self.capacity}); reset() it or build a larger "
+                             "cache (max_cache_len)")
+
+    def _check_states(self, layer_idx: int, key_states: jax.Array, value_states: jax.Array) -> None:
+        self.check_live()
+        if not 0 <= layer_idx < self.num_layers:
+            raise CacheError(f"layer_idx={layer_idx} is outside [0, {self.num_layers})")
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            batch, heads, _, head_dim = states.shape if states.ndim == 4 else (None,) * 4
+            if (batch, heads, head_dim) != (self.batch_size, self.num_kv_heads, self.head_dim):
+                raise CacheError(f"{name} has shape {list(states.shape)}; this cache needs [{self.batch_size}, "
+                                 f"{self.num_kv_heads}, seq_len, {self.head_dim}]")
+            if states.dtype != self.dtype:
+                raise CacheError(f"{name} dtype {states.dtype} differs from cache dtype {self.dtype}")
+        self._check_write_range(key_states.shape[2])
+
+
+@jax.tree_util.register_pytree_node_class
+class SlidingWindowCache(StaticCache):
+    """A ring buffer of W slots: a decode step writes one slot; nothing is rolled, shifted or copied."""
+
+    kind = "sliding_window"
+
+    def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
+                 dtype: jnp.dtype = jnp.float32) -> None:
+        if config.sliding_window is None:
+            raise CacheError("a SlidingWindowCache needs a config with sliding_window set, but it is null; "
+                             "use StaticCache")
+        self.sliding_window = config.sliding_window
+        super().__init__(config, batch_size, max_cache_len, dtype)
+
+    @staticmethod
+    def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
+        return min(config.sliding_window, max_cache_len)
+
+    @property
+    def capacity(self) -> int | None:
+        # A ring shorter than the window would forget keys the window still sees, so it is bounded like a static cache.
+        return None if self.cache_len == self.sliding_window else self.max_cache_len
+
+    def _write_slots(self, num_new: int) -> tuple[jax.Array, int]:
+        kept = min(num_new, self.cache_len)  # a prefill longer than the ring keeps only its last W tokens
+        first = self.length + (num_new - kept)
+        columns = first + jnp.arange(kept, dtype=jnp.int32)  # [kept]
+        return jnp.remainder(columns, self.cache_len), kept
+
+    def _attends_in_place(self, num_new: int) -> bool:
+        # One token overwrites the slot of position q - W, which its query cannot see; several would overwrite
+        # keys that earlier queries of the same chunk still need.
+        return num_new == 1
+
+
+def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
+               dtype: jnp.dtype = jnp.float32) -> StaticCache:
+    """Build a cache by name: "static" or "sliding_window"."""
+    classes = {cls.kind: cls for cls in (StaticCache, SlidingWindowCache)}
+    if kind not in classes:
+        raise InputError(f"cache={kind!r} is not one of {', '.join(classes)}")
+    return classes[kind](config, batch_size, max_cache_len, dtype)
+
+
+def cache_fields(cache: StaticCache) -> dict[str, object]:
+    """The static description of a cache (everything but its arrays), for comparisons and handoff."""
+    return {k: v for k, v in vars(cache).items() if k not in ("keys", "values", "slot_positions", "length")}
+
+
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields"]

@@ -1,0 +1,311 @@
+"""Generation with jax_cache: a jitted prefill over power-of-two prompt buckets, then decoding with the cache donated
+to every jitted call, so XLA updates its buffers in place.
+
+Two decode modes:
+  fused (default when nothing streams): the whole decode loop is one jitted `lax.while_loop`, stopping each row at EOS.
+  step (streaming): one jitted step per token; the tokens come back to the host after each step.
+Both fold the step index into one PRNG key, so they sample the same tokens for the same seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_cache.cache import StaticCache, make_cache
+from jax_cache.model import Mistral
+from twincache.errors import CacheError, InputError, NonFiniteLogitsError
+from twincache.generation import (
+    GenerationResult,
+    SamplingParams,
+    TokenCallback,
+    append_tokens,
+    left_pad,
+    pad_token_id,
+    plan_cache,
+    validate_prompts,
+)
+
+MIN_PROMPT_BUCKET = 16
+DecodeStep = Callable[[jax.Array, jax.Array, StaticCache], tuple[jax.Array, StaticCache]]
+
+
+def sample(logits: jax.Array, sampling: SamplingParams, key: jax.Array) -> jax.Array:
+    """Next token per row from fp32 logits [B, V]: greedy, or temperature with top-k and top-p filtering. [B] int32."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)  # [B, V]
+        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
+        drop_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) >= sampling.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _forward_last(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+                  positions: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, StaticCache]:
+    logits, cache = nnx.merge(graphdef, state)(input_ids, positions, cache, attention_mask)
+    return logits[:, -1].astype(jnp.float32), cache  # [B, V]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+             attention_mask: jax.Array) -> tuple[jax.Array, StaticCache]:
+    positions = jnp.cumsum(attention_mask, axis=-1) - 1  # [B, T], padding at -1
+    return _forward_last(graphdef, state, cache, input_ids, positions, attention_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def _decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+                 positions: jax.Array) -> tuple[jax.Array, StaticCache]:
+    return _forward_last(graphdef, state, cache, input_ids, positions, None)
+
+
+def _pick(logits: jax.Array, finished: jax.Array, step: jax.Array, key: jax.Array, sampling: SamplingParams,
+          eos: int | None) -> tuple[jax.Array, jax.Array]:
+    """Sample step `step`'s tokens; rows already finished keep emitting EOS."""
+    tokens = sample(logits, sampling, jax.random.fold_in(key, step))  # [B]
+    if eos is None:
+        return tokens, finished
+    tokens = jnp.where(finished, eos, tokens)
+    return tokens, finished | (tokens == eos)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"), donate_argnames=("cache",))
+def _sampled_step(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, tokens: jax.Array,
+                  positions: jax.Array, finished: jax.Array, step: jax.Array, key: jax.Array,
+                  sampling: SamplingParams, eos: int | None) -> tuple:
+    """Feed tokens [B] at positions [B], sample the next ones. Streaming mode calls this once per token."""
+    logits, cache = _forward_last(graphdef, state, cache, tokens[:, None], positions[:, None], None)
+    next_tokens, finished = _pick(logits, finished, step, key, sampling, eos)
+    return next_tokens, finished, logits, ~jnp.isfinite(logits).all(), cache
+
+
+_FUSED_STATIC = ("graphdef", "sampling", "eos", "num_steps", "vocab_size", "return_logits")
+
+
+@functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("cache",))
+def _fused_decode(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, tokens: jax.Array,
+                  positions: jax.Array, finished: jax.Array, key: jax.Array, first_step: jax.Array,
+                  sampling: SamplingParams,
+                  eos: int | None, num_steps: int, vocab_size: int, return_logits: bool) -> tuple:
+    """Up to `num_steps` decode steps in one lax.while_loop; stops early once every row has emitted EOS."""
+    batch = tokens.shape[0]
+    out_tokens = jnp.full((batch, num_steps), -1, jnp.int32)  # [B, N]
+    out_logits = jnp.zeros((batch, num_steps if return_logits else 0, vocab_size), jnp.float32)  # [B, N, V]
+
+    def cond(carry: tuple) -> jax.Array:
+        step, finished, bad_step = carry[0], carry[3], carry[7]
+        return (step < num_steps) & ~finished.all() & (bad_step < 0)
+
+    def body(carry: tuple) -> tuple:
+        step, tokens, positions, finished, cache, out_tokens, out_logits, bad_step = carry
+        logits, cache = _forward_last(graphdef, state, cache, tokens[:, None], positions[:, None], None)
+        next_tokens, finished = _pick(logits, finished, first_step + step, key, sampling, eos)
+        out_tokens = out_tokens.at[:, step].set(next_tokens)
+        if return_logits:
+            out_logits = out_logits.at[:, step].set(logits)
+        bad_step = jnp.where(jnp.isfinite(logits).all(), bad_step, step)
+        return step + 1, next_tokens, positions + 1, finished, cache, out_tokens, out_logits, bad_step
+
+    carry = (jnp.int32(0), tokens, positions, finished, cache, out_tokens, out_logits, jnp.int32(-1))
+    steps, _, _, _, cache, out_tokens, out_logits, bad_step = jax.lax.while_loop(cond, body, carry)
+    return out_tokens, out_logits, steps, bad_step, cache
+
+
+_fused_executables: dict[tuple, jax.stages.Compiled] = {}
+
+
+def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compiled, float]:
+    """The compiled fused loop for these argument shapes, compiled ahead of time once per shape so its compile time is
+    measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args[1:])
+    signature = (args[0], treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves), tuple(sorted(static.items())))
+    if signature in _fused_executables:
+        return _fused_executables[signature], 0.0
+    start = time.perf_counter()
+    _fused_executables[signature] = _fused_decode.lower(*args, **static).compile()
+    return _fused_executables[signature], time.perf_counter() - start
+
+
+def decode_step_fn(model: Mistral) -> DecodeStep:
+    """The one-token step `(input_ids [B, 1], positions [B, 1], cache) -> (logits [B, V], cache)`, jitted once, with
+    the cache donated: the input cache is consumed and the returned one reuses its buffers."""
+    graphdef, state = nnx.split(model)
+
+    def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache) -> tuple[jax.Array, StaticCache]:
+        cache.check_live()
+        return _decode_step(graphdef, state, cache, input_ids, positions)
+
+    return step
+
+
+def prompt_bucket(prompt_len: int, room: int | None) -> int:
+    """Prompts are left-padded to a power of two (>= 16) so one process compiles few prefills; `room` caps it."""
+    bucket = max(MIN_PROMPT_BUCKET, 1 << (prompt_len - 1).bit_length())
+    return max(prompt_len, min(bucket, room)) if room is not None else bucket
+
+
+def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
+            cache: StaticCache) -> tuple[jax.Array, StaticCache]:
+    """Run the left-padded prompt [B, T] through the model, filling the (donated) cache.
+    Returns last-token logits [B, V] fp32 and the new cache."""
+    model.check_inputs(input_ids, jnp.cumsum(attention_mask, axis=-1) - 1, attention_mask)
+    cache.check_forward(model.config, input_ids, model.dtype)
+    graphdef, state = nnx.split(model)
+    return _prefill(graphdef, state, cache, input_ids, attention_mask)
+
+
+def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+             cache: str | StaticCache | None = None, max_cache_len: int | None = None,
+             sampling: SamplingParams | None = None, fused: bool = True,
+             on_token: TokenCallback | None = None, return_logits: bool = False) -> GenerationResult:
+    """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
+
+    `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
+    object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused=False`, or an `on_token`
+    callback, decodes one jitted step at a time.
+    """
+    config = model.config
+    sampling = sampling or SamplingParams()
+    prompt_ids = validate_prompts(prompts, config)
+    sampling.validate(config.vocab_size)
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    ids_np, mask_np = left_pad(prompt_ids, pad_token_id(config))  # [B, T]
+    batch, prompt_len = ids_np.shape
+    if isinstance(cache, StaticCache):
+        cache.check_compatible(config, batch, model.dtype)  # before reset(): a refused call changes nothing
+        if cache.capacity is not None and prompt_len + max_new_tokens > cache.capacity:
+            raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the given "
+                             f"cache's capacity {cache.capacity}; build a larger cache")
+        cache = cache.reset()
+        bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens)
+    else:
+        kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
+        bounded = kind == "static" or cache_len < config.sliding_window
+        bucket = prompt_bucket(prompt_len, cache_len - max_new_tokens if bounded and max_cache_len else None)
+        if max_cache_len is None:  # room for the bucket's extra padding columns
+            cache_len = bucket + max_new_tokens
+        cache = make_cache(kind, config, batch, cache_len, model.dtype)
+    if max_new_tokens == 0:
+        return GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
+                                0, 0, None, cache)
+    extra = ((0, 0), (bucket - prompt_len, 0))  # the bucket's extra columns are padding too
+    ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
+    mask_np = np.pad(mask_np, extra)  # [B, bucket]
+    key = jax.random.key(sampling.seed)
+    start = time.perf_counter()
+    logits, cache = prefill(model, jnp.asarray(ids_np), jnp.asarray(mask_np), cache)  # [B, V]
+    first, _ = _pick(logits, jnp.zeros(batch, bool), jnp.int32(0), key, _without_seed(sampling), config.eos_token_id)
+    first = np.asarray(first).tolist()
+    prefill_s = time.perf_counter() - start
+    _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
+    if on_token is not None:
+        on_token(first)
+    rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
+                               on_token=on_token, return_logits=return_logits, _first_step=1)
+    tokens = [[token] for token in first]
+    for step_ids in zip(*rest.token_ids, strict=False) if rest.token_ids else ():
+        append_tokens(tokens, list(step_ids), config.eos_token_id)
+    step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
+    return dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
+                               step_logits=step_logits)  # step_logits: [B, steps, V]
+
+
+def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
+                        sampling: SamplingParams | None = None, fused: bool = True,
+                        on_token: TokenCallback | None = None, return_logits: bool = False,
+                        _first_step: int = 0) -> GenerationResult:
+    """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
+
+    Positions come from the cache itself, so a cache handed over from torch_cache continues exactly where it was.
+    A row whose last token is EOS is finished. Returns only the new tokens; `cache` is donated, and `result.cache`
+    is the updated one.
+    """
+    config = model.config
+    sampling = sampling or SamplingParams()
+    sampling.validate(config.vocab_size)
+    last_tokens = [t[0] for t in validate_prompts([[int(t)] for t in last_tokens], config)]
+    cache.check_compatible(config, len(last_tokens), model.dtype)
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
+    eos, batch = config.eos_token_id, len(last_tokens)
+    graphdef, state = nnx.split(model)
+    key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
+    tokens_now = jnp.asarray(last_tokens, jnp.int32)  # [B]
+    finished = tokens_now == eos if eos is not None else jnp.zeros(batch, bool)  # [B]
+    positions = cache.next_positions()  # [B]
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    logits_per_step: list[jax.Array] = []
+    first_step_s = decode_s = 0.0
+    decode_steps = timed_steps = 0
+    all_done = eos is not None and all(t == eos for t in last_tokens)
+    if fused and on_token is None and max_new_tokens and not all_done:
+        executable, first_step_s = fused_executable(
+            graphdef, state, cache, tokens_now, positions, finished, key, jnp.int32(_first_step),
+            sampling=static_sampling, eos=eos, num_steps=max_new_tokens, vocab_size=config.vocab_size,
+            return_logits=return_logits)
+        decode_start = time.perf_counter()
+        out_tokens, out_logits, steps, bad_step, cache = executable(state, cache, tokens_now, positions, finished,
+                                                                    key, jnp.int32(_first_step))
+        out_host, decode_steps, bad_step = np.asarray(out_tokens), int(steps), int(bad_step)
+        decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps
+        if bad_step >= 0:
+            _raise_if_non_finite(True, _first_step + bad_step, model.dtype)
+        for step in range(decode_steps):
+            append_tokens(tokens, out_host[:, step].tolist(), eos)
+        if return_logits:
+            logits_per_step = [out_logits[:, :decode_steps]]
+    elif max_new_tokens and not all_done:
+        decode_start = time.perf_counter()
+        while decode_steps < max_new_tokens and not all_done:
+            cache.check_live()
+            tokens_now, finished, logits, non_finite, cache = _sampled_step(
+                graphdef, state, cache, tokens_now, positions, finished, jnp.int32(_first_step + decode_steps), key,
+                static_sampling, eos)
+            positions = positions + 1
+            decode_steps += 1
+            row_ids = np.asarray(tokens_now).tolist()  # the step's one host sync
+            _raise_if_non_finite(bool(non_finite), _first_step + decode_steps - 1, model.dtype)
+            all_done = eos is not None and all(token == eos for token in row_ids)
+            if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
+                first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+            if return_logits:
+                logits_per_step.append(logits[:, None])
+            append_tokens(tokens, row_ids, eos)
+            if on_token is not None:
+                on_token(row_ids)
+        if decode_steps > 1:
+            decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps - 1
+    step_logits = None
+    if return_logits:
+        empty = jnp.zeros((batch, 0, config.vocab_size), jnp.float32)
+        step_logits = jnp.concatenate([empty, *logits_per_step], axis=1)  # [B, steps, V]
+    return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
+                            decode_s, decode_steps, timed_steps, step_logits, cache)
+
+
+def _without_seed(sampling: SamplingParams) -> SamplingParams:
+    """The sampling settings as a static jit argument: the seed lives in the PRNG key, so it never retraces."""
+    return dataclasses.replace(sampling, seed=0)
+
+
+def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
+    if non_finite:
+        raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
+                                   f"or dtype ({dtype}) are not usable for this input")

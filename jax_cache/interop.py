@@ -1,0 +1,89 @@
+"""torch <-> JAX handoff: weights and live caches. The only jax_cache module that imports torch.
+
+Weights move zero-copy through DLPack where dtype and device allow (JAX then reads torch's memory: do not modify
+the torch weights in place afterwards). Caches are copied, because torch writes its caches in place while JAX
+treats arrays as immutable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import torch_cache.cache as torch_caches
+import torch_cache.model as torch_model
+from jax_cache import cache as jax_caches
+from jax_cache.model import Mistral
+from twincache.config import MistralConfig
+
+_ARRAY_FIELDS = ("slot_positions", "length")
+
+
+def _to_jax(tensor: torch.Tensor) -> jax.Array:
+    """Zero-copy through DLPack when possible; a host copy otherwise (e.g. torch on a device JAX does not see)."""
+    tensor = tensor.detach()
+    try:
+        return jax.dlpack.from_dlpack(tensor.contiguous())
+    except Exception:  # noqa: BLE001 - DLPack refuses some devices/dtypes: fall back to a copy
+        return jnp.asarray(tensor.float().cpu().numpy()).astype(_jax_dtype(tensor.dtype))
+
+
+def _to_torch(array: jax.Array, device: torch.device) -> torch.Tensor:
+    """A torch copy of a JAX array on `device` (a copy: torch will write it in place)."""
+    try:
+        return torch.from_dlpack(array).to(device).clone()
+    except Exception:  # noqa: BLE001 - fall back to a host round trip
+        return torch.from_numpy(np.asarray(array.astype(jnp.float32) if array.dtype == jnp.bfloat16 else array)
+                                ).to(device=device, dtype=_torch_dtype(array.dtype)).clone()
+
+
+def _jax_dtype(dtype: torch.dtype) -> jnp.dtype:
+    return jnp.dtype(str(dtype).removeprefix("torch."))
+
+
+def _torch_dtype(dtype: jnp.dtype) -> torch.dtype:
+    return getattr(torch, jnp.dtype(dtype).name)
+
+
+def from_torch(model: torch_model.Mistral) -> Mistral:
+    """The jax_cache model with a torch_cache model's weights (same names, same [out, in] layout)."""
+    weights = {name: _to_jax(param) for name, param in model.state_dict().items()}
+    return Mistral.from_weights(model.config, weights)
+
+
+def to_torch(model: Mistral, device: str | torch.device = "cpu") -> torch_model.Mistral:
+    """The torch_cache model with a jax_cache model's weights (copied)."""
+    with torch.device("meta"):
+        torch_version = torch_model.Mistral(model.config)
+    state = {}
+    from flax import nnx
+
+    for path, variable in nnx.to_flat_state(nnx.state(model)):
+        state[".".join(map(str, path))] = _to_torch(variable.get_value(), torch.device(device))
+    torch_version.load_state_dict(state, strict=True, assign=True)
+    return torch_version.eval().requires_grad_(False)
+
+
+def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig) -> jax_caches.StaticCache:
+    """A jax_cache copy of a live torch cache: same kind, sizes, contents, positions and length."""
+    jax_cache = jax_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
+                                      _jax_dtype(cache.dtype))
+    copy = lambda t: jnp.array(_to_jax(t.clone()))  # noqa: E731 - an owned JAX buffer, independent of torch
+    return jax_cache.replace(keys=[copy(k) for k in cache.keys], values=[copy(v) for v in cache.values],
+                             **{name: copy(getattr(cache, name)) for name in _ARRAY_FIELDS})
+
+
+def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig,
+                   device: str | torch.device = "cpu") -> torch_caches.StaticCache:
+    """A torch_cache copy of a live JAX cache. Its buffers are fresh static addresses on `device`."""
+    cache.check_live()
+    torch_cache = torch_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
+                                          _torch_dtype(cache.dtype), device)
+    for ours, theirs in ((torch_cache.keys, cache.keys), (torch_cache.values, cache.values)):
+        for buffer, array in zip(ours, theirs, strict=True):
+            buffer.copy_(_to_torch(array, torch_cache.device))
+    for name in _ARRAY_FIELDS:
+        getattr(torch_cache, name).copy_(_to_torch(getattr(cache, name), torch_cache.device))
+    return torch_cache

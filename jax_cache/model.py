@@ -1,0 +1,232 @@
+"""Mistral in Flax NNX: a lean decoder that reads and writes a StaticCache or SlidingWindowCache.
+
+torch_cache/model.py is the reference this file mirrors: same classes, methods and argument order. Parameter names
+equal the HF checkpoint's, so loading is a strict name-for-name copy. Weights keep the HF/torch [out, in] layout and
+are contracted with dot_general over their last axis: on XLA-CPU that runs ~26x faster than `x @ W.T`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from safetensors import safe_open
+
+from jax_cache.cache import StaticCache
+from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
+from twincache.config import MistralConfig
+from twincache.errors import CheckpointError, InputError
+
+_ModuleList = getattr(nnx, "List", list)
+
+
+def _precision(dtype: jnp.dtype) -> lax.Precision:
+    # fp32 parity needs true fp32 matmuls (GPUs default to TF32); lower precisions use the default.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+class Linear(nnx.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))  # [out, in], as in HF and torch
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.weight[...]
+        return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=_precision(weight.dtype))
+
+
+class Embedding(nnx.Module):
+    def __init__(self, num_embeddings: int, features: int, dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.zeros((num_embeddings, features), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)  # ids were range-checked before dispatch
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype) -> None:
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)  # normalise in fp32, then cast back, as transformers does
+        x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
+                 dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin for the rotate-half layout, computed in fp32 from positions [B, S]. Each [B, 1, S, D]."""
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(jnp.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)  # [D/2]
+    freqs = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, S, D/2]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # [B, S, D]
+    return jnp.cos(angles).astype(dtype)[:, None], jnp.sin(angles).astype(dtype)[:, None]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [B, H, S, D]
+    return x * cos + rotated * sin
+
+
+def attention_visibility(query_positions: jax.Array, key_positions: jax.Array, query_valid: jax.Array,
+                         sliding_window: int | None) -> jax.Array:
+    """Which keys each query sees: k >= 0 and q - W < k <= q. [B, 1, S, Lkv] bool.
+
+    Padding queries see every key: their outputs are discarded, and an all-masked row would make softmax NaN.
+    """
+    q = query_positions[:, :, None]  # [B, S, 1]
+    k = key_positions[:, None, :]  # [B, 1, Lkv]
+    visible = (k >= 0) & (k <= q)  # [B, S, Lkv]
+    if sliding_window is not None:
+        visible = visible & (k > q - sliding_window)
+    visible = visible | ~query_valid[:, :, None]
+    return visible[:, None]  # [B, 1, S, Lkv]
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: MistralConfig, dtype: jnp.dtype) -> None:
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, dtype)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, dtype)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, dtype)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, visible: jax.Array,
+                 cache: StaticCache, layer_idx: int) -> tuple[jax.Array, StaticCache]:
+        batch, seq_len, _ = x.shape
+        groups = self.num_heads // self.num_kv_heads
+        q = self.q_proj(x).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)  # [B, H, S, D]
+        k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # k, v: [B, Hkv, S, D]
+        cache, keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, Lkv, D]
+        # Grouped-query attention without repeating K/V: the G query heads of one KV head become G*S query rows.
+        q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
+        mask = jnp.broadcast_to(visible[:, :, None], (batch, 1, groups, seq_len, visible.shape[-1]))
+        mask = mask.reshape(batch, 1, groups * seq_len, -1)  # [B, 1, G*S, Lkv]
+        out = scaled_dot_product_attention(q, keys, values, mask)  # [B, Hkv, G*S, D]
+        out = out.reshape(batch, self.num_heads, seq_len, self.head_dim).transpose(0, 2, 1, 3)  # [B, S, H, D]
+        return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim)), cache
+
+
+def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v with softmax in fp32. q [B, Hkv, R, D], keys/values [B, Hkv, L, D]. [B, Hkv, R, D]"""
+    precision = _precision(q.dtype)
+    scores = jnp.einsum("bhrd,bhld->bhrl", q, keys, precision=precision,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(q.shape[-1]))  # [B, Hkv, R, L]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("bhrl,bhld->bhrd", weights, values, precision=precision)
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: MistralConfig, dtype: jnp.dtype) -> None:
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, dtype)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: MistralConfig, dtype: jnp.dtype) -> None:
+        self.self_attn = Attention(config, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, visible: jax.Array,
+                 cache: StaticCache, layer_idx: int) -> tuple[jax.Array, StaticCache]:
+        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer_idx)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class MistralModel(nnx.Module):
+    def __init__(self, config: MistralConfig, dtype: jnp.dtype) -> None:
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = _ModuleList([DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class Mistral(nnx.Module):
+    """Mistral causal LM. `__call__(input_ids, positions, cache, attention_mask=None) -> (logits [B, S, V], cache)`."""
+
+    def __init__(self, config: MistralConfig, dtype: jnp.dtype = jnp.float32) -> None:
+        self.config = config
+        self.model = MistralModel(config, dtype)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, dtype)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, cache: StaticCache,
+                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, StaticCache]:
+        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens."""
+        embed = self.model.embed_tokens.weight[...]
+        if not isinstance(input_ids, jax.core.Tracer):
+            self.check_inputs(input_ids, positions, attention_mask)
+            cache.check_forward(self.config, input_ids, embed.dtype)
+        query_valid = jnp.ones_like(input_ids, dtype=bool) if attention_mask is None else attention_mask.astype(bool)
+        new_positions = jnp.where(query_valid, positions, -1).astype(jnp.int32)  # [B, S]; padding is never a key
+        key_positions = cache.attended_positions(new_positions)  # [B, Lkv]
+        visible = attention_visibility(positions, key_positions, query_valid, self.config.sliding_window)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, embed.dtype)
+        x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
+        for layer_idx, layer in enumerate(self.model.layers):
+            x, cache = layer(x, cos, sin, visible, cache, layer_idx)
+        cache = cache.advance(new_positions)
+        x = self.model.norm(x)
+        head = embed if self.lm_head is None else self.lm_head.weight[...]
+        logits = lax.dot_general(x, head, (((2,), (1,)), ((), ())), precision=_precision(head.dtype))  # [B, S, V]
+        return logits, cache
+
+    def check_inputs(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array | None) -> None:
+        """Checks of ids, positions and mask before dispatch (they read values, so they wait for the device)."""
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len >= 1]")
+        if input_ids.dtype not in (jnp.int32, jnp.int64):
+            raise InputError(f"input_ids dtype {input_ids.dtype} must be int32 or int64")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.config.vocab_size:
+            bad = low if low < 0 else high
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        for name, array in (("positions", positions), ("attention_mask", attention_mask)):
+            if array is not None and tuple(array.shape) != tuple(input_ids.shape):
+                raise InputError(f"{name} has shape {list(array.shape)} but input_ids has "
+                                 f"{list(input_ids.shape)}; they must match")
+        valid = positions if attention_mask is None else jnp.where(attention_mask.astype(bool), positions, 0)
+        if valid.size and int(valid.min()) < 0:
+            raise InputError(f"positions of real tokens must be >= 0, got {int(valid.min())}")
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.model.embed_tokens.weight[...].dtype
+
+    @classmethod
+    def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array]) -> Mistral:
+        """Build a model from HF-named arrays (no copy of the arrays themselves)."""
+        graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(config, jnp.float32)))
+        flat = []
+        for path, variable in nnx.to_flat_state(abstract_state):
+            name = ".".join(map(str, path))
+            if name not in weights:
+                raise CheckpointError(f"weights lack tensor {name}")
+            flat.append((path, variable.replace(weights[name])))
+        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: jnp.dtype = jnp.float32) -> Mistral:
+        """Load an HF Mistral checkpoint directory (safetensors only, torch not needed), converting to `dtype`."""
+        config, files = open_checkpoint(model_dir)
+        wanted = expected_tensor_shapes(config)
+        weights = {}
+        for path in sorted(set(files.values())):
+            with safe_open(str(path), framework="flax") as f:
+                for name in f.keys():
+                    if name in wanted:
+                        weights[name] = f.get_tensor(name).astype(dtype)
+        return cls.from_weights(config, weights)
