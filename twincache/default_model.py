@@ -21,7 +21,7 @@ from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 
 DEFAULT_SEED = 1234
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 _COMPLETE_STAMP = ".twincache-complete"
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 
@@ -57,8 +57,12 @@ def default_model_dir(seed: int = DEFAULT_SEED) -> Path:
     return build_default_model(final, seed)
 
 
-def default_weights(config: MistralConfig, seed: int) -> dict[str, np.ndarray]:
-    """Seeded fp32 weights scaled so activations and logits are O(1): greedy margins are clear, not near-ties."""
+def default_weights(config: MistralConfig, seed: int, quiet_token_ids: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+    """Seeded fp32 weights scaled so activations and logits are O(1): greedy margins are clear, not near-ties.
+
+    The lm_head rows of `quiet_token_ids` are shrunk, so those tokens rarely win: the default model uses it to prefer
+    printable ASCII over raw bytes that would decode to mojibake.
+    """
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in expected_tensor_shapes(config).items():
@@ -69,7 +73,17 @@ def default_weights(config: MistralConfig, seed: int) -> dict[str, np.ndarray]:
         else:
             fan_in = shape[1]
             weights[name] = (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+    if quiet_token_ids and "lm_head.weight" in weights:
+        weights["lm_head.weight"][list(quiet_token_ids)] *= 0.2
     return weights
+
+
+def _non_printable_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Byte tokens other than printable ASCII, space and newline (special tokens excluded)."""
+    printable: set[int] = set()
+    for text in [chr(c) for c in range(32, 127)] + ["\n"]:
+        printable.update(tokenizer.encode(text, add_special_tokens=False).ids)
+    return tuple(i for i in range(len(_SPECIAL_TOKENS), tokenizer.get_vocab_size()) if i not in printable)
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -99,8 +113,9 @@ def build_default_model(final: Path, seed: int = DEFAULT_SEED) -> Path:
         shutil.rmtree(final)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
     try:
-        write_checkpoint(staging, DEFAULT_CONFIG, default_weights(DEFAULT_CONFIG, seed))
-        byte_level_tokenizer().save(str(staging / "tokenizer.json"))
+        tokenizer = byte_level_tokenizer()
+        write_checkpoint(staging, DEFAULT_CONFIG, default_weights(DEFAULT_CONFIG, seed, _non_printable_ids(tokenizer)))
+        tokenizer.save(str(staging / "tokenizer.json"))
         (staging / _COMPLETE_STAMP).write_text(f"seed={seed} version={BUILD_VERSION}\n")
         try:
             os.rename(staging, final)
