@@ -1,0 +1,241 @@
+"""`twincache parity`: teacher-forced logit parity of transformers, torch_cache and jax_cache on any checkpoint.
+
+Every implementation is fed the same token sequence (the prompt, then a greedy continuation made once by
+torch_cache), step by step through its own cache; step i's logits predict continuation token i. Each pair is judged
+against the bounds of NOTES §2 for the dtype. Backends are imported lazily, so this module stays framework-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from twincache.checkpoint import load_config
+from twincache.default_model import default_model_dir
+from twincache.errors import InputError
+from twincache.generation import CACHE_KINDS, validate_prompts
+
+# The promise (NOTES §2): fp32 logits within 1e-5 and the same greedy token wherever the reference's top-1 margin
+# exceeds 1e-4; half precision within a mean KL of 1e-3 with >= 99% top-1 agreement.
+FP32_MAX_ABS_LOGIT_DIFF = 1e-5
+FP32_TOP1_MARGIN = 1e-4
+HALF_MEAN_KL = 1e-3
+HALF_TOP1_AGREEMENT = 0.99
+
+
+@dataclasses.dataclass
+class PairReport:
+    cache: str
+    reference: str
+    candidate: str
+    dtype: str
+    steps: int
+    max_abs_logit_diff: float
+    mean_kl: float
+    top1_agreement: float
+    first_greedy_divergence_step: int | None  # first step whose argmax differs; None when they never do
+    top1_mismatches_above_margin: int  # argmax differences where the reference's top-1 margin > 1e-4
+    within_bounds: bool
+
+
+def compare_logits(reference: np.ndarray, candidate: np.ndarray, dtype: str) -> dict[str, Any]:
+    """Metrics of candidate vs reference step logits [steps, V] (any float dtype; computed in fp64)."""
+    ref, cand = reference.astype(np.float64), candidate.astype(np.float64)
+    ref_logp = ref - _logsumexp(ref)
+    cand_logp = cand - _logsumexp(cand)
+    kl = (np.exp(ref_logp) * (ref_logp - cand_logp)).sum(-1)  # [steps]
+    ref_top1, cand_top1 = ref.argmax(-1), cand.argmax(-1)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]  # [steps]
+    differs = ref_top1 != cand_top1
+    metrics = {
+        "steps": int(ref.shape[0]),
+        "max_abs_logit_diff": float(np.abs(ref - cand).max()),
+        "mean_kl": float(kl.mean()),
+        "top1_agreement": float(1.0 - differs.mean()),
+        "first_greedy_divergence_step": int(np.argmax(differs)) if differs.any() else None,
+        "top1_mismatches_above_margin": int((differs & (margin > FP32_TOP1_MARGIN)).sum()),
+    }
+    if dtype == "float32":
+        ok = metrics["max_abs_logit_diff"] <= FP32_MAX_ABS_LOGIT_DIFF and metrics["top1_mismatches_above_margin"] == 0
+    else:
+        ok = metrics["mean_kl"] <= HALF_MEAN_KL and metrics["top1_agreement"] >= HALF_TOP1_AGREEMENT
+    return metrics | {"within_bounds": bool(ok)}
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    peak = x.max(-1, keepdims=True)
+    return peak + np.log(np.exp(x - peak).sum(-1, keepdims=True))
+
+
+# --- teacher-forced runners: sequence [L] ids, prompt_len P -> logits [L - P, V] float32 -----------------------------
+
+def torch_step_logits(model: Any, sequence: Sequence[int], prompt_len: int, cache_kind: str,
+                      compile: bool = False) -> np.ndarray:
+    import torch
+
+    from torch_cache.cache import make_cache
+    from torch_cache.generate import decode_step_fn
+
+    weight = model.model.embed_tokens.weight
+    ids = torch.tensor([list(sequence)], device=weight.device)  # [1, L]
+    cache = make_cache(cache_kind, model.config, 1, len(sequence), weight.dtype, weight.device)
+    step = decode_step_fn(model, compile)
+    with torch.inference_mode():
+        logits = [model(ids[:, :prompt_len], torch.arange(prompt_len, device=weight.device)[None], cache)[:, -1]]
+        for pos in range(prompt_len, len(sequence) - 1):
+            logits.append(step(ids[:, pos:pos + 1], torch.tensor([[pos]], device=weight.device), cache))
+        return torch.cat(logits).float().cpu().numpy()
+
+
+def jax_step_logits(model: Any, sequence: Sequence[int], prompt_len: int, cache_kind: str) -> np.ndarray:
+    import jax.numpy as jnp
+
+    from jax_cache.cache import make_cache
+    from jax_cache.generate import decode_step_fn, prefill
+
+    ids = jnp.asarray([list(sequence)], jnp.int32)  # [1, L]
+    cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype)
+    first, cache = prefill(model, ids[:, :prompt_len], jnp.ones((1, prompt_len), jnp.int32), cache)
+    step = decode_step_fn(model)
+    logits = [first]
+    for pos in range(prompt_len, len(sequence) - 1):
+        step_logits, cache = step(ids[:, pos:pos + 1], jnp.asarray([[pos]], jnp.int32), cache)
+        logits.append(step_logits)
+    return np.asarray(jnp.concatenate(logits).astype(jnp.float32))
+
+
+def transformers_step_logits(hf_model: Any, sequence: Sequence[int], prompt_len: int) -> np.ndarray:
+    """One uncached full forward: transformers' own mask applies the sliding window over the whole sequence."""
+    import torch
+
+    device = next(hf_model.parameters()).device
+    with torch.inference_mode():
+        out = hf_model(torch.tensor([list(sequence)], device=device)).logits  # [1, L, V]
+    return out[0, prompt_len - 1:len(sequence) - 1].float().cpu().numpy()
+
+
+@dataclasses.dataclass
+class Implementations:
+    """Loaded models, any of which may be absent: torch_cache's, jax_cache's and transformers'."""
+
+    torch: Any = None
+    jax: Any = None
+    transformers: Any = None
+
+
+def load_implementations(model_dir: Path, dtype: str, with_transformers: bool = True) -> Implementations:
+    import jax.numpy as jnp
+    import torch
+
+    from jax_cache.model import Mistral as JaxMistral
+    from torch_cache.model import Mistral as TorchMistral
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    impls = Implementations(TorchMistral.from_pretrained(model_dir, getattr(torch, dtype), device),
+                            JaxMistral.from_pretrained(model_dir, getattr(jnp, dtype)))
+    if with_transformers:
+        try:
+            from transformers import MistralForCausalLM
+            from transformers.utils import logging as hf_logging
+        except ImportError:  # transformers is optional: compare the two backends alone
+            return impls
+        hf_logging.disable_progress_bar()
+        impls.transformers = MistralForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
+        impls.transformers.eval()
+    return impls
+
+
+def greedy_sequence(torch_model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Prompt + a greedy continuation by torch_cache, ignoring EOS so every run has max_new_tokens steps."""
+    from torch_cache.generate import generate
+
+    config = torch_model.config
+    torch_model.config = dataclasses.replace(config, eos_token_id=None)
+    try:
+        result = generate(torch_model, [prompt_ids], max_new_tokens, cache="static", compile=False)
+    finally:
+        torch_model.config = config
+    return prompt_ids + result.token_ids[0]
+
+
+def parity_reports(impls: Implementations, prompt_ids: list[int], max_new_tokens: int, dtype: str,
+                   caches: Sequence[str]) -> list[PairReport]:
+    """Teacher-forced comparison of every pair of loaded implementations, for each cache kind."""
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 1 for a parity run")
+    config = impls.torch.config
+    validate_prompts([prompt_ids], config)
+    sequence = greedy_sequence(impls.torch, prompt_ids, max_new_tokens)
+    prompt_len = len(prompt_ids)
+    reference = transformers_step_logits(impls.transformers, sequence, prompt_len) if impls.transformers else None
+    reports = []
+    for cache in caches:
+        runs = {"torch": torch_step_logits(impls.torch, sequence, prompt_len, cache)}
+        if impls.jax is not None:
+            runs["jax"] = jax_step_logits(impls.jax, sequence, prompt_len, cache)
+        if reference is not None:
+            runs = {"transformers": reference, **runs}
+        names = list(runs)
+        for i, ref_name in enumerate(names):
+            for cand_name in names[i + 1:]:
+                metrics = compare_logits(runs[ref_name], runs[cand_name], dtype)
+                reports.append(PairReport(cache=cache, reference=ref_name, candidate=cand_name, dtype=dtype, **metrics))
+    return reports
+
+
+def format_table(reports: Sequence[PairReport]) -> str:
+    header = (f"{'cache':<15} {'pair':<22} {'steps':>5} {'max_abs_logit_diff':>19} {'mean_kl':>10} "
+              f"{'top1_agree':>10} {'diverges_at':>11}  verdict")
+    lines = [header, "-" * len(header)]
+    for r in reports:
+        diverges = "-" if r.first_greedy_divergence_step is None else str(r.first_greedy_divergence_step)
+        lines.append(f"{r.cache:<15} {r.reference + ' vs ' + r.candidate:<22} {r.steps:>5} "
+                     f"{r.max_abs_logit_diff:>19.3e} {r.mean_kl:>10.2e} {r.top1_agreement:>10.2%} {diverges:>11}  "
+                     f"{'ok' if r.within_bounds else 'OUT OF BOUNDS'}")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from twincache.generate_cmd import add_model_arguments
+
+    parser = subparsers.add_parser(
+        "parity", help="check transformers, torch_cache and jax_cache agree on a checkpoint",
+        description="Teacher-forced logit parity over every decode step. Exit 0 when every pair is within the "
+                    "bounds for the dtype (fp32: max abs logit diff <= 1e-5; bf16/fp16: mean KL <= 1e-3 and top-1 "
+                    "agreement >= 99%), 1 when one is not, 2 on bad input.")
+    add_model_arguments(parser)
+    parser.add_argument("--cache", choices=(*CACHE_KINDS, "both"), default="both")
+    parser.add_argument("--no-transformers", action="store_true", help="compare the two backends only")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from twincache.generate_cmd import resolve_prompt
+
+    model_dir = args.model if args.model is not None else default_model_dir()
+    config = load_config(model_dir)
+    prompt_ids, _ = resolve_prompt(args, model_dir)
+    caches = list(CACHE_KINDS) if args.cache == "both" else [args.cache]
+    if config.sliding_window is None:
+        caches = [c for c in caches if c != "sliding_window"] or caches
+    impls = load_implementations(model_dir, args.dtype, with_transformers=not args.no_transformers)
+    reports = parity_reports(impls, prompt_ids, args.max_new_tokens, args.dtype, caches)
+    passed = all(r.within_bounds for r in reports)
+    if args.json:
+        print(json.dumps({"model": str(model_dir), "dtype": args.dtype, "prompt_len": len(prompt_ids),
+                          "transformers_compared": impls.transformers is not None, "passed": passed,
+                          "pairs": [dataclasses.asdict(r) for r in reports]}))
+    else:
+        print(format_table(reports))
+        print(f"{'PASS' if passed else 'FAIL'}: {sum(r.within_bounds for r in reports)}/{len(reports)} pairs within "
+              f"the {args.dtype} bounds", file=sys.stderr)
+    return 0 if passed else 1
