@@ -1,0 +1,264 @@
+"""Faults: interrupts mid-generation, damaged checkpoint files, a crash while building the default model, and
+non-finite logits. Each must end in a clear error or a state that is safe to reuse -- never wrong tokens.
+
+torch backend now; the JAX versions plug into the same shapes of test (BACKENDS) once jax_cache lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity_tests.test_cli_bad_inputs import copy_checkpoint, rewrite_tensors
+from torch_cache.cache import make_cache
+from torch_cache.generate import generate
+from torch_cache.model import Mistral
+from twincache import default_model
+from twincache.errors import CheckpointError, NonFiniteLogitsError
+
+PROMPTS = [[1, 5, 9, 13, 2, 7, 11], [3, 4, 6]]  # two rows, different left padding
+MAX_CACHE_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints) -> Mistral:
+    return Mistral.from_pretrained(checkpoints["gqa"])
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    return [*cache.keys, *cache.values, cache.slot_positions, cache.length]
+
+
+def assert_cache_equal(cache, other) -> None:
+    assert type(cache) is type(other) and cache.cache_len == other.cache_len
+    for mine, theirs in zip(cache_tensors(cache), cache_tensors(other), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+# --- 1. KeyboardInterrupt mid-generation ------------------------------------------------------------------------------
+
+
+def _interrupt_after(count: int, seen: list[list[int]]):
+    def on_token(row_ids: list[int]) -> None:
+        seen.append(row_ids)
+        if len(seen) == count:
+            raise KeyboardInterrupt
+
+    return on_token
+
+
+def _check_reset_then_reuse(model: Mistral, cache, kind: str, streamed: list[list[int]]) -> None:
+    fresh = make_cache(kind, model.config, len(PROMPTS), MAX_CACHE_LEN)
+    cache.reset()
+    assert_cache_equal(cache, fresh)
+    reused = generate(model, PROMPTS, 20, cache=cache, compile=False, return_logits=True)
+    clean = generate(model, PROMPTS, 20, cache=fresh, compile=False, return_logits=True)
+    assert reused.token_ids == clean.token_ids
+    assert torch.equal(reused.step_logits, clean.step_logits)
+    assert [list(step) for step in zip(*clean.token_ids)][:len(streamed)] == streamed  # what streamed was right
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "static"])
+def test_interrupt_from_streaming_callback_then_reset_equals_fresh(model, kind: str):
+    cache = make_cache(kind, model.config, len(PROMPTS), MAX_CACHE_LEN)
+    seen: list[list[int]] = []
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, PROMPTS, 30, cache=cache, compile=False, on_token=_interrupt_after(12, seen))
+    assert len(seen) == 12
+    assert int(cache.length) == len(PROMPTS[0]) + 11  # interrupted mid-way, past a ring wrap (window 8)
+    _check_reset_then_reuse(model, cache, kind, seen)
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "static"])
+def test_interrupt_inside_a_forward_between_layer_writes_then_reset_equals_fresh(model, kind: str):
+    """The worst moment: layer 0 wrote its K/V, layer 1 did not, positions and length were never advanced."""
+    cache = make_cache(kind, model.config, len(PROMPTS), MAX_CACHE_LEN)
+    layer = model.model.layers[1]
+    calls = {"n": 0}
+    original_forward = layer.forward
+
+    def interrupted_forward(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return original_forward(*args, **kwargs)
+
+    layer.forward = interrupted_forward
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(model, PROMPTS, 30, cache=cache, compile=False)
+    finally:
+        del layer.forward  # back to the class's forward
+    assert calls["n"] == 10
+    assert int(cache.length) == len(PROMPTS[0]) + 8  # prefill + 8 decode steps advanced; the 9th was cut
+    _check_reset_then_reuse(model, cache, kind, [])
+
+
+# --- 2. truncated or corrupted safetensors ----------------------------------------------------------------------------
+
+
+def _state(model_dir: Path) -> dict[str, torch.Tensor]:
+    return Mistral.from_pretrained(model_dir).state_dict()
+
+
+def test_truncated_safetensors_at_any_length_is_a_checkpoint_error(checkpoints, tmp_path):
+    model_dir = copy_checkpoint(checkpoints["gqa"], tmp_path / "cut")
+    path = model_dir / "model.safetensors"
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    cuts = [0, 3, 8, 9, 8 + header_len // 2, 8 + header_len, 8 + header_len + 1, len(data) // 2, len(data) - 1]
+    for cut in cuts:
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="truncated|corrupted") as info:
+            Mistral.from_pretrained(model_dir)
+        assert str(path) in str(info.value) and "\n" not in str(info.value), cut
+
+
+def test_corrupted_header_bytes_give_a_checkpoint_error_or_the_same_weights(checkpoints, tmp_path):
+    """Random single-byte changes in the header: refused with CheckpointError, or (a harmless byte, e.g. in the
+    metadata) loaded to exactly the original weights -- never another exception, never different weights."""
+    original = _state(checkpoints["gqa"])
+    model_dir = copy_checkpoint(checkpoints["gqa"], tmp_path / "flip")
+    path = model_dir / "model.safetensors"
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    rng = random.Random(0)
+    refused = 0
+    for _ in range(40):
+        position = rng.randrange(8, 8 + header_len)
+        damaged = bytearray(data)
+        damaged[position] = (damaged[position] + rng.randrange(1, 256)) % 256  # always a different byte
+        path.write_bytes(bytes(damaged))
+        try:
+            loaded = _state(model_dir)
+        except CheckpointError as err:
+            assert "\n" not in str(err)
+            refused += 1
+            continue
+        assert all(torch.equal(loaded[name], original[name]) for name in original), position
+    assert refused >= 30  # nearly every header byte matters
+
+
+# --- 3. a crash while the default model is being built ----------------------------------------------------------------
+
+
+def _final_dir(home: Path) -> Path:
+    return home / f"default-mistral-v{default_model.BUILD_VERSION}-seed{default_model.DEFAULT_SEED}"
+
+
+@pytest.fixture(scope="module")
+def reference_build(tmp_path_factory) -> Path:
+    """A default model built once without interference: every rebuild below must equal it file for file."""
+    return default_model.build_default_model(_final_dir(tmp_path_factory.mktemp("reference_home")))
+
+
+def _assert_good_default_model(home: Path, reference: Path) -> None:
+    final = _final_dir(home)
+    assert (final / default_model._COMPLETE_STAMP).is_file()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (final / name).read_bytes() == (reference / name).read_bytes(), name
+    Mistral.from_pretrained(final)  # and it loads
+
+
+def _save_half_then_raise(error: BaseException):
+    real_save = default_model.save_file
+
+    def save_file(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        real_save(tensors, filename, metadata=metadata)
+        data = Path(filename).read_bytes()
+        Path(filename).write_bytes(data[:len(data) // 2])  # half the bytes are on disk when the failure hits
+        raise error
+
+    return save_file
+
+
+def _tokenizer_that_raises(error: BaseException):
+    def byte_level_tokenizer() -> None:
+        raise error
+
+    return byte_level_tokenizer
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()],
+                         ids=["disk_full", "interrupt"])
+@pytest.mark.parametrize("stage", ["weights", "tokenizer"])
+def test_failed_default_model_build_leaves_nothing_trusted_and_next_run_rebuilds(tmp_path, monkeypatch, error,
+                                                                                 stage: str, reference_build):
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    if stage == "weights":
+        monkeypatch.setattr(default_model, "save_file", _save_half_then_raise(error))
+    else:
+        monkeypatch.setattr(default_model, "byte_level_tokenizer", _tokenizer_that_raises(error))
+    with pytest.raises(type(error)):
+        default_model.default_model_dir()
+    assert not _final_dir(tmp_path).exists()
+    assert list(tmp_path.iterdir()) == []  # the staging directory is gone too
+    monkeypatch.undo()
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    assert default_model.default_model_dir() == _final_dir(tmp_path)
+    _assert_good_default_model(tmp_path, reference_build)
+
+
+def test_build_killed_without_cleanup_is_never_trusted(tmp_path, monkeypatch, reference_build):
+    """A SIGKILL skips `finally`: the half-written staging dir stays, but never under the final name."""
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    stale = tmp_path / ".building-killed"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    recent = tmp_path / ".building-recent"  # perhaps another process building right now: left alone
+    recent.mkdir()
+    assert default_model.default_model_dir() == _final_dir(tmp_path)
+    _assert_good_default_model(tmp_path, reference_build)
+    assert not stale.exists() and recent.exists()
+
+
+@pytest.mark.parametrize("contents", ["empty", "half_written", "other_model"])
+def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpoints, reference_build,
+                                                 contents: str):
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    final = _final_dir(tmp_path)
+    if contents == "empty":
+        final.mkdir()
+    elif contents == "half_written":
+        final.mkdir()
+        (final / "config.json").write_text(json.dumps(default_model.DEFAULT_CONFIG.to_hf_dict()))
+        (final / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    else:  # a complete, loadable checkpoint -- but not the one this build would write
+        copy_checkpoint(checkpoints["gqa"], final)
+    assert default_model.default_model_dir() == final
+    _assert_good_default_model(tmp_path, reference_build)
+
+
+# --- 4. non-finite logits stop generation -----------------------------------------------------------------------------
+
+
+def test_non_finite_logits_at_prefill_stop_before_any_token(checkpoints, tmp_path):
+    model_dir = copy_checkpoint(checkpoints["gqa"], tmp_path / "inf_head")
+    rewrite_tensors(model_dir, lambda t: t["lm_head.weight"].__setitem__((7,), float("inf")))
+    seen: list[list[int]] = []
+    with pytest.raises(NonFiniteLogitsError, match="NaN or Inf logits at generated token 0"):
+        generate(Mistral.from_pretrained(model_dir), PROMPTS, 10, compile=False, on_token=seen.append)
+    assert seen == []
+
+
+def test_non_finite_logits_mid_generation_stop_without_garbage_tokens(checkpoints, tmp_path):
+    """Poison the embedding of the token greedy decoding emits at step k: step k+1 sees NaN and must stop there,
+    after streaming exactly the k+1 clean tokens."""
+    prompt = [[1, 5, 9, 13]]
+    clean = generate(Mistral.from_pretrained(checkpoints["gqa"]), prompt, 16, compile=False).token_ids[0]
+    k = next(i for i in range(2, len(clean)) if clean[i] not in prompt[0] + clean[:i])
+    model_dir = copy_checkpoint(checkpoints["gqa"], tmp_path / "nan_embedding")
+    rewrite_tensors(model_dir, lambda t: t["model.embed_tokens.weight"].__setitem__((clean[k],), float("nan")))
+    seen: list[list[int]] = []
+    with pytest.raises(NonFiniteLogitsError, match=f"NaN or Inf logits at generated token {k + 1};"):
+        generate(Mistral.from_pretrained(model_dir), prompt, 16, compile=False, on_token=seen.append)
+    assert [row[0] for row in seen] == clean[:k + 1]

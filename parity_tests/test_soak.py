@@ -1,0 +1,71 @@
+"""A shortened `twincache soak`: several hundred compiled decode steps through many ring wraps on the default model.
+
+It asserts the counts, never the time: no recompile after the first step, finite logits, the ring holding exactly the
+last W positions, and RSS that does not grow (bounded loosely: allocator noise is a few MB, a per-step leak over
+~300 steps of this model is far more). The full 10,000-step run is `twincache soak` (bench/soak.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bench.soak import soak
+from twincache.cli import main
+
+BACKENDS = ["torch"]  # add "jax" once its soak figures are asserted too (the JaxDriver in bench/soak.py exists)
+STEPS = 320  # the default window is 32: about ten wraps
+RSS_GROWTH_LIMIT_MB = 50.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_short_compiled_soak_has_no_recompiles_finite_logits_and_flat_rss(default_model_dir, backend: str):
+    record = soak(backend, steps=STEPS, model_dir=default_model_dir, prompt_len=16, compile=True)
+    assert record["steps"] == STEPS and record["compiled"]
+    assert record["ring_wraps"] >= 10 and record["cache_len"] == record["window"] == 32
+    assert record["graphs_at_first_step"] <= 1  # compiled (or reused) once, at the first step
+    assert record["recompiles_after_first"] == 0
+    assert record["finite"] is True
+    assert record["cache_ok"] is True
+    assert record["rss_growth_mb"] < RSS_GROWTH_LIMIT_MB
+    assert record["rss_peak_mb"] - record["rss_start_mb"] < RSS_GROWTH_LIMIT_MB
+    assert record["ok"] is True
+
+
+def _one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_soak_subcommand_prints_one_json_record(default_model_dir, capsys):
+    code, out, err = _one_line(capsys, ["soak", "--steps", "80", "--no-compile", "--model", str(default_model_dir)])
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["backend"] == "torch" and record["steps"] == 80 and not record["compiled"]
+    assert record["recompiles_after_first"] == 0 and record["finite"] and record["cache_ok"] and record["ok"]
+    assert set(record) >= {"rss_start_mb", "rss_end_mb", "rss_growth_mb", "first_step_s", "decode_tok_s"}
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--steps", "0"], "steps=0 and prompt_len=16 must both be >= 1"),
+    (["--prompt-len", "0"], "steps=10000 and prompt_len=0 must both be >= 1"),
+    (["--no-window"], "has sliding_window=null"),
+    (["--backend", "jax", "--jax-missing"], "the jax backend is unavailable: cannot import jax_cache"),
+])
+def test_soak_refusals_are_one_line_exit_2(default_model_dir, checkpoints, capsys, monkeypatch, argv, expected):
+    model = checkpoints["no_window"] if "--no-window" in argv else default_model_dir
+    if "--jax-missing" in argv:
+        monkeypatch.setitem(sys.modules, "jax_cache", None)  # `import jax_cache...` now raises ImportError
+    argv = [a for a in argv if a not in ("--no-window", "--jax-missing")]
+    code, out, err = _one_line(capsys, ["soak", "--model", str(model), "--no-compile", *argv])
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and "unexpected" not in err
+    assert expected in lines[0], lines[0]
