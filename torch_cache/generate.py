@@ -115,9 +115,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         on_token(first)
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
                                on_token=on_token, return_logits=return_logits, generator=generator)
-    tokens = [[token] for token in first]
-    for step_ids in zip(*rest.token_ids, strict=False) if rest.token_ids else ():
-        append_tokens(tokens, list(step_ids), config.eos_token_id)
+    # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
+    tokens = [[token] + ([] if token == config.eos_token_id else more) for token, more in zip(first, rest.token_ids)]
     step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
     return dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
                                step_logits=step_logits)

@@ -1,0 +1,170 @@
+"""`twincache generate` end to end, in a real subprocess: text and --json, on the embedded default model (built into
+a fresh TWINCACHE_HOME) and on transformers-written checkpoints (which have no tokenizer.json, so --prompt-ids).
+
+The tokens the CLI prints must equal those of the Python API on the same model. Most runs pass --no-compile; one
+run takes the default compiled decode path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torch_cache.generate import generate
+from torch_cache.model import Mistral
+from twincache.generate_cmd import DEFAULT_PROMPT
+from twincache.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT_IDS = [5, 17, 42, 99, 3]
+JSON_KEYS = {"backend", "cache", "prompt_ids", "token_ids", "text", "prefill_s", "decode_tok_s"}
+
+
+@pytest.fixture(scope="module")
+def cli_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty TWINCACHE_HOME for the subprocesses: the CLI must build the default model there itself."""
+    return tmp_path_factory.mktemp("cli_home")
+
+
+def twincache(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TWINCACHE_HOME": str(home), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("TWINCACHE_DEBUG", None)  # it would turn unexpected errors into tracebacks
+    return subprocess.run([sys.executable, "-m", "twincache.cli", "generate", *args], capture_output=True, env=env,
+                          cwd=REPO, timeout=600, check=False)
+
+
+def succeeded(proc: subprocess.CompletedProcess) -> tuple[str, str]:
+    stdout, stderr = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {stdout}\nstderr: {stderr}"
+    assert "Traceback" not in stderr
+    return stdout, stderr
+
+
+def parse_json(stdout: str) -> dict:
+    lines = stdout.splitlines()
+    assert len(lines) == 1, f"--json must print exactly one line, got {len(lines)}: {stdout!r}"
+    record = json.loads(lines[0])
+    assert JSON_KEYS <= record.keys(), f"missing keys {JSON_KEYS - record.keys()}"
+    assert record["backend"] == "torch"
+    assert isinstance(record["prefill_s"], float) and record["prefill_s"] >= 0
+    assert isinstance(record["decode_tok_s"], float) and record["decode_tok_s"] >= 0
+    assert all(isinstance(t, int) for t in record["prompt_ids"] + record["token_ids"])
+    return record
+
+
+def api_tokens(model_dir: Path, prompt: list[int], max_new_tokens: int, cache: str | None = None) -> list[int]:
+    model = Mistral.from_pretrained(model_dir)
+    return generate(model, [prompt], max_new_tokens, cache=cache, compile=False).token_ids[0]
+
+
+# --- the embedded default model -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_expected(default_model_dir: Path) -> dict:
+    """What the Python API gives for the CLI's default prompt on the default model (built in another home)."""
+    tokenizer = Tokenizer.from_model_dir(default_model_dir)
+    prompt = tokenizer.encode(DEFAULT_PROMPT)
+    tokens = api_tokens(default_model_dir, prompt, 40)
+    return {"prompt_ids": prompt, "token_ids": tokens, "text": tokenizer.decode(tokens)}
+
+
+@pytest.fixture(scope="module")
+def default_json(cli_home: Path) -> dict:
+    stdout, _ = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--no-compile", "--json"))
+    return parse_json(stdout)
+
+
+def test_default_model_json(default_json, default_expected, cli_home):
+    assert default_json["cache"] == "sliding_window", "the default model has a window, so the default cache slides"
+    assert default_json["prompt_ids"] == default_expected["prompt_ids"]
+    assert default_json["token_ids"] == default_expected["token_ids"]
+    assert default_json["text"] == default_expected["text"]
+    assert 0 < len(default_json["token_ids"]) <= 40
+    built = list(cli_home.glob("default-mistral-*/config.json"))
+    assert len(built) == 1, "the CLI must build the default model under TWINCACHE_HOME"
+
+
+def test_default_model_text_streams_the_same_tokens(cli_home, default_json):
+    stdout, stderr = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--no-compile"))
+    assert stdout == default_json["text"] + "\n"
+    summary = stderr.strip().splitlines()
+    assert len(summary) == 1 and summary[0].startswith("[torch sliding_window cache:"), stderr
+
+
+# --- transformers-written checkpoints -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "cache_flag", "expected_cache"), [
+    ("gqa", None, "sliding_window"),
+    ("no_window", None, "static"),
+    ("mqa", "static", "static"),
+])
+def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag, expected_cache):
+    args = ["--model", str(checkpoints[name]), "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
+            "--max-new-tokens", "20", "--no-compile", "--json"]
+    if cache_flag:
+        args += ["--cache", cache_flag]
+    record = parse_json(succeeded(twincache(cli_home, *args))[0])
+    assert record["cache"] == expected_cache
+    assert record["prompt_ids"] == PROMPT_IDS
+    assert record["token_ids"] == api_tokens(checkpoints[name], PROMPT_IDS, 20, cache=expected_cache)
+    assert len(record["token_ids"]) == 20, "eos_token_id is None: every requested token is generated"
+    assert record["text"] is None, "no tokenizer.json, so no text"
+
+
+def test_checkpoint_text_mode_prints_the_ids(checkpoints, cli_home):
+    stdout, stderr = succeeded(twincache(cli_home, "--model", str(checkpoints["sharded"]), "--prompt-ids",
+                                         ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--no-compile"))
+    assert [int(t) for t in stdout.split()] == api_tokens(checkpoints["sharded"], PROMPT_IDS, 20)
+    assert "[torch sliding_window cache:" in stderr
+
+
+def test_compiled_decode_through_the_cli(checkpoints, cli_home):
+    """The default path (torch.compile on) gives the eager API's tokens; 24 new tokens wrap the window 8 thrice."""
+    record = parse_json(succeeded(twincache(cli_home, "--model", str(checkpoints["gqa"]), "--prompt-ids",
+                                            ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "24", "--json"))[0])
+    assert record["token_ids"] == api_tokens(checkpoints["gqa"], PROMPT_IDS, 24)
+    assert record["decode_steps"] == 23
+
+
+# --- errors: one line on stderr, exit code 2, no traceback --------------------------------------------------------
+
+
+ERROR_CASES = {
+    "missing_model_dir": (lambda ck, tmp: ["--model", str(tmp / "absent"), "--prompt-ids", "1,2"],
+                          ["does not exist"]),
+    "token_id_outside_vocab": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "5,999"],
+                               ["999", "[0, 128)"]),
+    "sliding_on_no_window": (lambda ck, tmp: ["--model", str(ck["no_window"]), "--prompt-ids", "1,2",
+                                              "--cache", "sliding_window"], ["sliding_window=null"]),
+    "static_budget": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "1,2,3", "--cache", "static",
+                                       "--max-cache-len", "5", "--max-new-tokens", "4"],
+                      ["prompt (3 tokens)", "max_new_tokens (4)", "max_cache_len=5"]),
+    "no_tokenizer_for_text": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt", "hello"],
+                              ["tokenizer.json", "--prompt-ids"]),
+    "bad_prompt_ids_syntax": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "1,x"],
+                              ["--prompt-ids", "'1,x'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_errors_are_one_line_exit_2_without_traceback(checkpoints, cli_home, tmp_path, case):
+    make_args, fragments = ERROR_CASES[case]
+    proc = twincache(cli_home, *make_args(checkpoints, tmp_path), "--no-compile")
+    stdout, stderr = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
+    assert proc.returncode == 2, f"{case}: exit {proc.returncode}; stderr: {stderr}"
+    assert "Traceback" not in stderr + stdout
+    assert stdout == ""
+    lines = stderr.splitlines()
+    assert len(lines) == 1, f"{case}: stderr must be one line, got {lines}"
+    assert lines[0].startswith("twincache: error: ")
+    assert "unexpected" not in lines[0], f"{case}: a known bad input reached the catch-all: {lines[0]}"
+    for fragment in fragments:
+        assert fragment in lines[0], f"{case}: {fragment!r} missing from {lines[0]!r}"

@@ -1,0 +1,282 @@
+"""torch_cache.generate: left-padded batches, per-row EOS, compiled decode (once, no recompiles), fixed cache
+addresses, and sampling.
+
+Only two compiled generations run in this file (each compile costs ~15-20 s on a 2-core CPU): both in the
+module-scoped `compiled` fixture, on one model, so the second reuses the first one's compiled step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from parity_tests.conftest import WINDOW, save_hf_checkpoint
+from torch_cache.cache import SlidingWindowCache, StaticCache, make_cache
+from torch_cache.generate import generate, sample
+from torch_cache.model import Mistral
+from twincache.generation import SamplingParams
+
+ATOL = 1e-5
+VOCAB = 128
+NEW_TOKENS = 20
+
+
+def make_prompt(length: int, seed: int = 1) -> list[int]:
+    generator = torch.Generator().manual_seed(1000 * seed + length)
+    return torch.randint(1, VOCAB, (length,), generator=generator).tolist()
+
+
+PROMPTS = [make_prompt(3), make_prompt(9), make_prompt(14)]  # shorter than, just over, and well over window 8
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = (a.float() - b.float()).abs().max()
+    return float("inf") if torch.isnan(diff) else float(diff)
+
+
+def cache_buffers(cache: StaticCache) -> list[torch.Tensor]:
+    return [*cache.keys, *cache.values, cache.slot_positions, cache.length]
+
+
+def pointers(cache: StaticCache) -> list[int]:
+    return [t.data_ptr() for t in cache_buffers(cache)]
+
+
+def decode_wraps(prompt_len: int, new_tokens: int, window: int = WINDOW) -> int:
+    """Times decoding writes ring slot 0 again: decode steps write positions prompt_len .. prompt_len+new-2."""
+    return sum(1 for p in range(prompt_len, prompt_len + new_tokens - 1) if p % window == 0)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints: dict[str, Path]) -> Mistral:
+    return Mistral.from_pretrained(checkpoints["gqa"])
+
+
+# --- batches ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding_window"])
+def test_left_padded_batch_rows_equal_each_prompt_alone(model, cache):
+    batch = generate(model, PROMPTS, NEW_TOKENS, cache=cache, compile=False, return_logits=True)
+    assert batch.step_logits.shape == (len(PROMPTS), NEW_TOKENS, VOCAB)
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], NEW_TOKENS, cache=cache, compile=False, return_logits=True)
+        assert batch.token_ids[row] == alone.token_ids[0], f"cache={cache} row {row} (prompt_len={len(prompt)})"
+        for step in range(NEW_TOKENS):
+            diff = max_abs_diff(batch.step_logits[row, step], alone.step_logits[0, step])
+            assert diff <= ATOL, f"cache={cache} row {row} (prompt_len={len(prompt)}) step {step}: {diff:.3g}"
+    assert batch.prompt_ids == PROMPTS
+
+
+@pytest.fixture(scope="module")
+def unstopped(model) -> list[list[int]]:
+    """Greedy tokens of PROMPTS as a batch without an EOS id (the fixture checkpoints have eos_token_id=None)."""
+    assert model.config.eos_token_id is None
+    return generate(model, PROMPTS, NEW_TOKENS, compile=False).token_ids
+
+
+def with_eos(checkpoints: dict[str, Path], tmp_path: Path, eos: int) -> Mistral:
+    """The gqa checkpoint copied with eos_token_id set in its config.json."""
+    directory = tmp_path / f"gqa_eos{eos}"
+    shutil.copytree(checkpoints["gqa"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (directory / "config.json").write_text(json.dumps(config))
+    eos_model = Mistral.from_pretrained(directory)
+    assert eos_model.config.eos_token_id == eos
+    return eos_model
+
+
+def first_index(row: list[int], token: int) -> int | None:
+    return row.index(token) if token in row else None
+
+
+@pytest.mark.parametrize("pattern", ["every_row_stops", "some_rows_never_stop"])
+def test_each_row_stops_at_its_own_eos(checkpoints, tmp_path, unstopped, pattern):
+    # Pick an EOS id that greedy decoding produces, at different steps in different rows.
+    candidates = []
+    for token in sorted({t for row in unstopped for t in row}):
+        stops = [first_index(row, token) for row in unstopped]
+        found = [s for s in stops if s is not None]
+        if pattern == "every_row_stops":
+            ok = len(found) == len(stops) and len(set(found)) == len(found) and max(found) < NEW_TOKENS - 1
+        else:
+            ok = len(found) >= 2 and len(set(found)) == len(found) and len(found) < len(stops)
+        if ok:
+            candidates.append((token, stops))
+    assert candidates, f"no token of {unstopped} fits the pattern {pattern}; change the prompts"
+    eos, stops = candidates[0]
+
+    eos_model = with_eos(checkpoints, tmp_path, eos)
+    streamed: list[list[int]] = []
+    result = generate(eos_model, PROMPTS, NEW_TOKENS, compile=False, return_logits=True, on_token=streamed.append)
+    for row, stop in enumerate(stops):
+        expected = unstopped[row] if stop is None else unstopped[row][: stop + 1]
+        assert result.token_ids[row] == expected, f"eos={eos} row {row}: expected to stop at step {stop}"
+    steps_run = NEW_TOKENS if None in stops else max(stops) + 1
+    assert len(streamed) == steps_run, "generation must end as soon as every row has produced its EOS"
+    assert result.decode_steps == steps_run - 1
+    assert result.step_logits.shape[1] == steps_run
+    for row, stop in enumerate(stops):
+        for step, ids in enumerate(streamed):
+            want = unstopped[row][step] if stop is None or step <= stop else eos
+            assert ids[row] == want, f"eos={eos} row {row} step {step}: callback got {ids[row]}, want {want}"
+
+
+# --- compiled decode ----------------------------------------------------------------------------------------------
+
+
+def graph_stats() -> dict[str, int]:
+    return {"unique_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "aot_compiles": counters["aot_autograd"]["total"]}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two compiled greedy generations on one model (its decode step compiles here, exactly once).
+
+    dynamo caches compiled code per code object and reuses a graph for another model of the same shapes, so this
+    model has a shape no other test uses (3 layers): its first decode step must compile. The first generation counts
+    dynamo graphs around a generation that wraps the window 4 times; the second uses a new cache object and another
+    prompt length under torch.compiler.set_stance("fail_on_recompile").
+    """
+    directory = save_hf_checkpoint(tmp_path_factory.mktemp("compiled") / "three_layers", seed=21, num_hidden_layers=3)
+    compiled_model = Mistral.from_pretrained(directory)
+    assert compiled_model.config.sliding_window == WINDOW
+    first_prompt, second_prompt, new_tokens = make_prompt(5, seed=7), make_prompt(11, seed=7), 30
+    cache = SlidingWindowCache(compiled_model.config, 1, len(first_prompt) + new_tokens)
+    allocated = pointers(cache)
+    before = graph_stats()
+    first = generate(compiled_model, [first_prompt], new_tokens, cache=cache, compile=True, return_logits=True)
+    after_first = graph_stats()
+    after_first_pointers = pointers(cache)
+    second_cache = SlidingWindowCache(compiled_model.config, 1, len(second_prompt) + new_tokens)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        second = generate(compiled_model, [second_prompt], new_tokens, cache=second_cache, compile=True,
+                          return_logits=True)
+    after_second = graph_stats()
+    return dict(model=compiled_model, prompts=(first_prompt, second_prompt), new_tokens=new_tokens,
+                results=(first, second), cache=cache, allocated=allocated, after_first_pointers=after_first_pointers,
+                stats=(before, after_first, after_second))
+
+
+def test_compiled_decode_equals_eager(compiled):
+    for prompt, result in zip(compiled["prompts"], compiled["results"]):
+        eager = generate(compiled["model"], [prompt], compiled["new_tokens"], cache="sliding_window", compile=False,
+                         return_logits=True)
+        assert result.token_ids == eager.token_ids, f"prompt_len={len(prompt)}"
+        for step in range(compiled["new_tokens"]):
+            diff = max_abs_diff(result.step_logits[0, step], eager.step_logits[0, step])
+            assert diff <= ATOL, f"prompt_len={len(prompt)} step {step}: compiled vs eager {diff:.3g}"
+
+
+def test_decode_compiles_once_and_never_recompiles_across_window_wraps(compiled):
+    before, after_first, after_second = compiled["stats"]
+    for prompt in compiled["prompts"]:
+        assert decode_wraps(len(prompt), compiled["new_tokens"]) >= 3
+    assert all(r.decode_steps == compiled["new_tokens"] - 1 for r in compiled["results"])
+    assert after_first["unique_graphs"] - before["unique_graphs"] == 1, (before, after_first)
+    assert after_first["aot_compiles"] - before["aot_compiles"] == 1, (before, after_first)
+    assert after_first["graph_breaks"] == before["graph_breaks"], "fullgraph=True: no graph breaks"
+    # The second generation ran under fail_on_recompile (any recompile raises) and added nothing.
+    assert after_second == after_first
+
+
+def test_cache_buffers_keep_their_addresses_through_a_compiled_generation(compiled):
+    cache = compiled["cache"]
+    assert compiled["after_first_pointers"] == compiled["allocated"]
+    assert pointers(cache) == compiled["allocated"]
+    prompt_len = len(compiled["prompts"][0])
+    assert int(cache.length) == prompt_len + compiled["new_tokens"] - 1, "the cache was really written"
+    assert sorted(cache.slot_positions[0].tolist()) == list(range(int(cache.length) - WINDOW, int(cache.length)))
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding_window"])
+def test_cache_buffers_keep_their_addresses_through_reused_eager_generations(model, kind):
+    cache = make_cache(kind, model.config, len(PROMPTS), 40)
+    allocated = pointers(cache)
+    first = generate(model, PROMPTS, NEW_TOKENS, cache=cache, compile=False)
+    assert pointers(cache) == allocated
+    again = generate(model, PROMPTS, NEW_TOKENS, cache=cache, compile=False)  # reused: reset, then written again
+    assert pointers(cache) == allocated
+    assert again.token_ids == first.token_ids
+    longest = max(len(p) for p in PROMPTS)
+    assert int(cache.length) == longest + NEW_TOKENS - 1
+    # Left padding: positions are cumsum(mask) - 1, so each row's cached positions run 0.. from its first real token.
+    for row, prompt in enumerate(PROMPTS):
+        held = len(prompt) + NEW_TOKENS - 1  # prompt plus every generated token but the last
+        slots = cache.slot_positions[row].tolist()
+        if kind == "static":
+            unused = cache.cache_len - int(cache.length)
+            assert slots == [-1] * (longest - len(prompt)) + list(range(held)) + [-1] * unused, f"row {row}"
+        else:
+            assert sorted(slots) == list(range(held - WINDOW, held)), f"row {row}"
+
+
+# --- sampling -----------------------------------------------------------------------------------------------------
+
+
+def run(model: Mistral, sampling: SamplingParams, prompts: list[list[int]] = PROMPTS, **kwargs: object):
+    return generate(model, prompts, NEW_TOKENS, sampling=sampling, compile=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def greedy(model) -> list[list[int]]:
+    return generate(model, PROMPTS, NEW_TOKENS, compile=False).token_ids
+
+
+def test_same_seed_gives_same_tokens_and_seeds_matter(model):
+    first = run(model, SamplingParams(temperature=1.0, seed=7)).token_ids
+    assert run(model, SamplingParams(temperature=1.0, seed=7)).token_ids == first
+    others = [run(model, SamplingParams(temperature=1.0, seed=seed)).token_ids for seed in (8, 9)]
+    assert any(other != first for other in others), "different seeds must be able to give different samples"
+
+
+def test_top_k_one_equals_greedy(model, greedy):
+    for seed in (0, 1):
+        assert run(model, SamplingParams(temperature=1.5, top_k=1, seed=seed)).token_ids == greedy
+
+
+def test_tiny_top_p_equals_greedy(model, greedy):
+    for seed in (0, 1):
+        assert run(model, SamplingParams(temperature=1.5, top_p=1e-6, seed=seed)).token_ids == greedy
+
+
+def test_temperature_sampling_differs_from_greedy(model, greedy):
+    sampled = [run(model, SamplingParams(temperature=1.0, seed=seed)).token_ids for seed in range(3)]
+    assert any(tokens != greedy for tokens in sampled)
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(3, 1.0), (0, 0.5)])
+def test_sampled_tokens_stay_inside_the_filter(model, top_k, top_p):
+    temperature = 0.8
+    result = run(model, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=3), return_logits=True)
+    for row, tokens in enumerate(result.token_ids):
+        for step, token in enumerate(tokens):
+            logits = result.step_logits[row, step] / temperature
+            order = logits.argsort(descending=True)
+            rank = int((order == token).nonzero())
+            if top_k:
+                assert rank < top_k, f"row {row} step {step}: token of rank {rank} escaped top_k={top_k}"
+            else:
+                mass_above = float(logits.softmax(-1)[order[:rank]].sum())
+                assert mass_above < top_p, f"row {row} step {step}: token with {mass_above:.3f} mass above it"
+
+
+def test_sample_on_hand_made_logits():
+    logits = torch.tensor([[0.0, 5.0, 4.9, -1.0], [3.0, 0.0, 0.0, 2.9]])
+    assert sample(logits, SamplingParams(), None).tolist() == [1, 0]
+    generator = torch.Generator().manual_seed(0)
+    seen: list[set[int]] = [set(), set()]
+    for _ in range(40):
+        assert sample(logits, SamplingParams(temperature=2.0, top_k=1), generator).tolist() == [1, 0]
+        # top_p 0.6: the top token alone has ~0.52 of the mass, so the runner-up stays in and nothing else does.
+        for row, pick in enumerate(sample(logits, SamplingParams(temperature=1.0, top_p=0.6), generator).tolist()):
+            seen[row].add(pick)
+    assert seen == [{1, 2}, {0, 3}]
