@@ -30,6 +30,7 @@ from twincache.generation import (
     validate_prompts,
 )
 
+MAX_DECODE_VARIANTS = 64
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache], torch.Tensor]
 _compiled_steps: weakref.WeakKeyDictionary[Mistral, DecodeStep] = weakref.WeakKeyDictionary()
 
@@ -60,6 +61,10 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
     if not compile:
         return step
     if model not in _compiled_steps:
+        # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype) a process
+        # decodes with is one entry; the default limit of 8 would make the 9th a hard error under fullgraph=True.
+        # A generation itself still compiles exactly once (the tests assert it with fail_on_recompile).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
         _compiled_steps[model] = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     return _compiled_steps[model]
 
