@@ -27,6 +27,16 @@ PROMPTS = [[1, 5, 9, 13, 2, 7, 11], [3, 4, 6]]  # two rows, different left paddi
 MAX_CACHE_LEN = 64
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models decode fastest on one thread; on a shared 2-core machine two OpenMP threads can spin-wait each
+    other down to a few dozen tokens/s. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model(checkpoints) -> Mistral:
     return Mistral.from_pretrained(checkpoints["gqa"])

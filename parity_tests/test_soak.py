@@ -11,6 +11,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from bench.soak import soak
 from twincache.cli import main
@@ -18,6 +19,16 @@ from twincache.cli import main
 BACKENDS = ["torch"]  # add "jax" once its soak figures are asserted too (the JaxDriver in bench/soak.py exists)
 STEPS = 320  # the default window is 32: about ten wraps
 RSS_GROWTH_LIMIT_MB = 50.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models decode fastest on one thread; on a shared 2-core machine two OpenMP threads can spin-wait each
+    other down to a few dozen tokens/s. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
