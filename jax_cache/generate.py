@@ -147,7 +147,10 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
     graphdef, state = nnx.split(model)
 
     def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache) -> tuple[jax.Array, StaticCache]:
-        cache.check_live()
+        # The model's own checks are skipped under tracing, and inside the jitted step an out-of-range write position
+        # would be clamped silently by dynamic_update_slice: refuse it (and bad ids, batch, dtype) before dispatch.
+        model.check_inputs(input_ids, positions, None)
+        cache.check_forward(model.config, input_ids, model.dtype)
         return _decode_step(graphdef, state, cache, input_ids, positions)
 
     return step
@@ -218,9 +221,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         on_token(first)
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
                                on_token=on_token, return_logits=return_logits, _first_step=1)
-    tokens = [[token] for token in first]
-    for step_ids in zip(*rest.token_ids, strict=False) if rest.token_ids else ():
-        append_tokens(tokens, list(step_ids), config.eos_token_id)
+    # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
+    tokens = [[token] + ([] if token == config.eos_token_id else more) for token, more in zip(first, rest.token_ids)]
     step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
     return dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
                                step_logits=step_logits)  # step_logits: [B, steps, V]

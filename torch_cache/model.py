@@ -183,6 +183,9 @@ class Mistral(nn.Module):
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     if name in wanted:
-                        state[name] = f.get_tensor(name).to(dtype)
+                        tensor = f.get_tensor(name).to(dtype)
+                        # safetensors' CPU tensors sit 32 bytes into a Python bytes object; XLA-CPU copies anything
+                        # not 64-byte aligned, so an own copy lets jax_cache.interop.from_torch share them zero-copy.
+                        state[name] = tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)

@@ -1,0 +1,142 @@
+"""torch <-> JAX handoff: weights (zero-copy into JAX through DLPack, exact back to torch) and live caches mid-way
+through a generation. A generation that switches backends gives the tokens of one that never switched.
+
+Checkpoints have eos_token_id None, so every run generates all of its tokens; greedy decoding throughout (the two
+backends draw random numbers differently, so only greedy tokens can be compared across them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import jax_cache.generate as jg
+import torch_cache.generate as tg
+from jax_cache import interop
+from jax_cache.cache import StaticCache, cache_fields
+from jax_cache.model import Mistral
+from torch_cache.model import Mistral as TorchMistral
+from twincache.errors import StaleCacheError
+
+VOCAB = 128
+N1, N2, N3 = 7, 12, 10  # with window 8 the JAX leg alone wraps the ring once and the whole run three times
+PROMPTS = [np.random.default_rng(7).integers(1, VOCAB, 13).tolist(), [9, 40, 77]]  # left-padded batch
+
+
+@pytest.fixture(scope="module")
+def torch_model(checkpoints: dict[str, Path]) -> TorchMistral:
+    return TorchMistral.from_pretrained(checkpoints["gqa"], torch.float32)
+
+
+@pytest.fixture(scope="module")
+def jax_model(torch_model: TorchMistral) -> Mistral:
+    return interop.from_torch(torch_model)
+
+
+def joined(*parts: list[list[int]]) -> list[list[int]]:
+    return [sum(rows, []) for rows in zip(*parts)]
+
+
+def last_tokens(token_ids: list[list[int]]) -> list[int]:
+    return [row[-1] for row in token_ids]
+
+
+def torch_arrays(cache) -> list[np.ndarray]:
+    return [t.numpy() for t in (*cache.keys, *cache.values, cache.slot_positions, cache.length)]
+
+
+def jax_arrays(cache: StaticCache) -> list[np.ndarray]:
+    return [np.asarray(a) for a in (*cache.keys, *cache.values, cache.slot_positions, cache.length)]
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "static"])
+def test_torch_to_jax_to_torch_mid_generation_equals_one_torch_run(torch_model, jax_model, kind):
+    cell = f"cache={kind}"
+    whole = tg.generate(torch_model, PROMPTS, N1 + N2 + N3, cache=kind, max_cache_len=64, compile=False)
+    first = tg.generate(torch_model, PROMPTS, N1, cache=kind, max_cache_len=64, compile=False)
+    jax_cache = interop.cache_from_torch(first.cache, torch_model.config)
+    assert type(jax_cache).__name__ == type(first.cache).__name__ and jax_cache.kind == kind
+    second = jg.continue_generation(jax_model, jax_cache, last_tokens(first.token_ids), N2)  # fused
+    torch_cache = interop.cache_to_torch(second.cache, jax_model.config)
+    third = tg.continue_generation(torch_model, torch_cache, last_tokens(second.token_ids), N3, compile=False)
+    assert [len(row) for row in second.token_ids] == [N2, N2] and [len(row) for row in third.token_ids] == [N3, N3]
+    assert joined(first.token_ids, second.token_ids, third.token_ids) == whole.token_ids, (
+        f"{cell}: torch {N1} -> jax {N2} -> torch {N3} tokens differ from one torch run of {N1 + N2 + N3}")
+    # The caches end where the single run's does: same positions and length; K/V within fp32 parity.
+    assert torch.equal(third.cache.slot_positions, whole.cache.slot_positions)
+    assert int(third.cache.length) == int(whole.cache.length)
+    for ours, ref in zip((*third.cache.keys, *third.cache.values), (*whole.cache.keys, *whole.cache.values)):
+        assert float((ours - ref).abs().max()) <= 1e-5, f"{cell}: cache contents drifted"
+
+
+def test_jax_to_torch_to_jax_mid_generation_equals_one_jax_run_and_one_torch_run(torch_model, jax_model):
+    # One max_cache_len for every cache: it is static pytree metadata, so the legs share compiled code.
+    whole = jg.generate(jax_model, PROMPTS, N1 + N2 + N3, cache="sliding_window", max_cache_len=64, fused=False)
+    first = jg.generate(jax_model, PROMPTS, N1, cache="sliding_window", max_cache_len=64)  # fused
+    torch_cache = interop.cache_to_torch(first.cache, jax_model.config)
+    second = tg.continue_generation(torch_model, torch_cache, last_tokens(first.token_ids), N2, compile=False)
+    jax_cache = interop.cache_from_torch(second.cache, torch_model.config)
+    third = jg.continue_generation(jax_model, jax_cache, last_tokens(second.token_ids), N3, fused=False)
+    tokens = joined(first.token_ids, second.token_ids, third.token_ids)
+    assert tokens == whole.token_ids, f"jax {N1} -> torch {N2} -> jax {N3} differs from one jax run"
+    torch_whole = tg.generate(torch_model, PROMPTS, N1 + N2 + N3, cache="sliding_window", max_cache_len=64,
+                              compile=False)
+    assert tokens == torch_whole.token_ids, "the switching run differs from one torch run"
+
+
+def test_caches_round_trip_exactly_in_both_directions(torch_model, jax_model):
+    torch_side = tg.generate(torch_model, PROMPTS, N1, cache="sliding_window", compile=False).cache
+    there = interop.cache_from_torch(torch_side, torch_model.config)
+    fields = cache_fields(there)
+    assert (there.kind, fields["batch_size"], fields["max_cache_len"], fields["cache_len"], fields["dtype"]) == (
+        torch_side.kind, torch_side.batch_size, torch_side.max_cache_len, torch_side.cache_len, jnp.float32)
+    chex.assert_trees_all_equal(jax_arrays(there), torch_arrays(torch_side))
+    back = interop.cache_to_torch(there, jax_model.config)
+    assert type(back) is type(torch_side) and back.max_cache_len == torch_side.max_cache_len
+    chex.assert_trees_all_equal(torch_arrays(back), torch_arrays(torch_side))
+    # The copies are independent: JAX's arrays never alias torch's in-place-written buffers.
+    assert there.keys[0].unsafe_buffer_pointer() != torch_side.keys[0].data_ptr()
+    assert back.keys[0].data_ptr() != torch_side.keys[0].data_ptr()
+
+
+def test_a_donated_jax_cache_cannot_be_handed_to_torch(jax_model):
+    result = jg.generate(jax_model, PROMPTS, 3, cache="sliding_window")
+    stale = result.cache
+    jg.continue_generation(jax_model, stale, last_tokens(result.token_ids), 2)  # consumes `stale`
+    with pytest.raises(StaleCacheError, match="donated"):
+        interop.cache_to_torch(stale, jax_model.config)
+
+
+def test_from_torch_weights_are_zero_copy_on_cpu(torch_model, jax_model):
+    jax_weights = {".".join(map(str, path)): v.get_value() for path, v in nnx.to_flat_state(nnx.state(jax_model))}
+    torch_weights = torch_model.state_dict()
+    assert set(jax_weights) == set(torch_weights)
+    shared = [name for name, tensor in torch_weights.items()
+              if jax_weights[name].unsafe_buffer_pointer() == tensor.data_ptr()]
+    assert "model.layers.0.self_attn.q_proj.weight" in shared
+    assert sorted(shared) == sorted(torch_weights), f"copied instead of shared: {set(torch_weights) - set(shared)}"
+    assert all(jax_weights[name].dtype == jnp.float32 for name in shared)
+
+
+def test_to_torch_round_trips_weights_exactly(checkpoints, torch_model, jax_model):
+    back = interop.to_torch(jax_model)
+    for name, tensor in torch_model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), f"{name} changed on the way torch -> JAX -> torch"
+    loaded = interop.to_torch(Mistral.from_pretrained(checkpoints["tied"]))
+    reference = TorchMistral.from_pretrained(checkpoints["tied"])
+    assert loaded.lm_head is None
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), f"tied: {name} differs from torch_cache's own load"
+
+
+def test_from_torch_model_equals_the_jax_loader(checkpoints, jax_model):
+    own = Mistral.from_pretrained(checkpoints["gqa"])
+    chex.assert_trees_all_equal(nnx.state(own), nnx.state(jax_model))
+    ours = jg.generate(own, PROMPTS, N1, cache="sliding_window")
+    assert ours.token_ids == jg.generate(jax_model, PROMPTS, N1, cache="sliding_window").token_ids

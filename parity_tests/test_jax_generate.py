@@ -1,0 +1,357 @@
+"""jax_cache.generate: traces and compiles, buffer donation, stale-cache errors, refused bad writes, fused vs step
+decoding, sampling, per-row EOS and prompt buckets. All on the tiny transformers-written checkpoints (window 8).
+
+Trace and compile counts start from `jax.clear_caches()`, so they are exact whatever ran before in the process, and
+a counting wrapper around `_forward_last` (what every jitted entry point traces) counts traces by sequence length.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import warnings
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_cache.generate as jg
+from jax_cache.cache import StaticCache, make_cache
+from jax_cache.model import Mistral
+from parity_tests.conftest import WINDOW
+from twincache.errors import CacheError, StaleCacheError
+from twincache.generation import SamplingParams
+
+VOCAB = 128
+NEW_TOKENS = 30  # from the prompts below, decoding writes ring slot 0 again at least 3 times
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+
+
+def make_prompt(length: int, seed: int = 2) -> list[int]:
+    return np.random.default_rng(1000 * seed + length).integers(1, VOCAB, length).tolist()
+
+
+PROMPTS = [make_prompt(13), make_prompt(3)]  # longer and shorter than the window, left-padded together
+
+
+def decode_wraps(prompt_len: int, new_tokens: int, window: int = WINDOW) -> int:
+    """Times decoding writes ring slot 0 again: decode steps write positions prompt_len .. prompt_len+new-2."""
+    return sum(1 for p in range(prompt_len, prompt_len + new_tokens - 1) if p % window == 0)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints: dict[str, Path]) -> Mistral:
+    return Mistral.from_pretrained(checkpoints["gqa"], jnp.float32)
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Clear every jit cache, then count traces of the model forward by sequence length (prefill bucket or 1)."""
+    jax.clear_caches()
+    counts: collections.Counter[int] = collections.Counter()
+    original = jg._forward_last
+
+    def counting(graphdef, state, cache, input_ids, positions, attention_mask):
+        counts[input_ids.shape[1]] += 1
+        return original(graphdef, state, cache, input_ids, positions, attention_mask)
+
+    monkeypatch.setattr(jg, "_forward_last", counting)
+    yield counts
+    chex.clear_trace_counter()
+
+
+def leaves(cache: StaticCache) -> list[jax.Array]:
+    return [*cache.keys, *cache.values, cache.slot_positions, cache.length]
+
+
+def pointers(cache: StaticCache) -> list[int]:
+    return [array.unsafe_buffer_pointer() for array in (*cache.keys, *cache.values, cache.slot_positions)]
+
+
+def prefilled(model: Mistral, kind: str, prompts: list[list[int]], max_cache_len: int) -> tuple[jax.Array, StaticCache]:
+    """A cache of `kind` after prefilling the left-padded prompts (no bucket). Returns (last logits, cache)."""
+    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    mask = np.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, ids.shape[1] - len(prompt):], mask[row, ids.shape[1] - len(prompt):] = prompt, 1
+    cache = make_cache(kind, model.config, len(prompts), max_cache_len)
+    return jg.prefill(model, jnp.asarray(ids), jnp.asarray(mask), cache)
+
+
+def compiled_counts() -> tuple[int, ...]:
+    return (jg._decode_step._cache_size(), jg._prefill._cache_size(), jg._sampled_step._cache_size(),
+            len(jg._fused_executables))
+
+
+def donation_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "donat" in str(w.message).lower()]
+
+
+# --- donation (these tests clear the jit caches, so each compile they check happens inside them) ----------------------
+
+@pytest.mark.parametrize(("kind", "max_cache_len"), [("static", 40), ("sliding_window", 64)])
+def test_decode_steps_update_the_cache_in_place_by_donation(model, traces, kind, max_cache_len):
+    """Every step of a loop that wraps the window 3 times returns the buffers it was given; no donation warning."""
+    _, cache = prefilled(model, kind, PROMPTS, max_cache_len)
+    step = jg.decode_step_fn(model)
+    tokens = jnp.asarray([[3], [4]], jnp.int32)
+    positions = cache.next_positions()[:, None]  # [B, 1]
+    first = pointers(cache)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3 * WINDOW + 1):
+            inputs = leaves(cache)
+            logits, cache = step(tokens, positions, cache)
+            assert pointers(cache) == first, f"a decode step moved the cache buffers: {first} -> {pointers(cache)}"
+            assert all(array.is_deleted() for array in inputs), "the input cache must be consumed by donation"
+            tokens, positions = jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], positions + 1
+    assert jg._decode_step._cache_size() == 1 and traces[1] == 1, "one compile of the step, inside the loop above"
+    assert donation_warnings(caught) == []
+    assert logits.shape == (2, VOCAB) and int(cache.length) == 13 + 3 * WINDOW + 1
+
+
+# --- traces and compiles ---------------------------------------------------------------------------------------------
+
+def test_prefill_compiles_at_most_log2_of_the_longest_prompt(model, traces):
+    lengths = [1, 2, 3, 5, 8, 11, 13, 16, 17, 20, 24, 31, 32, 33, 40]
+    for length in lengths:
+        result = jg.generate(model, [make_prompt(length)], 1, cache="static")
+        assert len(result.token_ids[0]) == 1
+    buckets = {jg.prompt_bucket(length, None) for length in lengths}
+    assert buckets == {16, 32, 64}
+    assert jg._prefill._cache_size() == len(buckets) <= math.ceil(math.log2(max(lengths)))
+    assert sum(traces.values()) == len(buckets)
+
+
+def test_decode_is_traced_once_per_mode_across_generations_that_wrap_three_times(model, traces, monkeypatch):
+    monkeypatch.setattr(jg, "_forward_last", chex.assert_max_traces(jg._forward_last, n=3))  # prefill, step, loop
+    assert min(decode_wraps(len(p), NEW_TOKENS) for p in PROMPTS) >= 3
+    fused_before = len(jg._fused_executables)
+    for mode in ("step", "fused"):
+        for prompts in (PROMPTS, [make_prompt(9), make_prompt(14)]):  # other lengths, the same bucket
+            result = jg.generate(model, prompts, NEW_TOKENS, cache="sliding_window", fused=mode == "fused")
+            assert result.decode_steps == NEW_TOKENS - 1 and [len(t) for t in result.token_ids] == [NEW_TOKENS] * 2
+    # (The budget stays: max_cache_len = bucket + max_new_tokens is static pytree metadata, so another budget compiles
+    # anew; so do other shapes, sampling settings and, in fused mode, the number of steps.)
+    assert dict(traces) == {16: 1, 1: 2}, f"expected 1 prefill trace (bucket 16), 1 step and 1 loop body: {traces}"
+    assert jg._prefill._cache_size() == 1
+    assert jg._sampled_step._cache_size() == 1
+    assert len(jg._fused_executables) == fused_before + 1
+    assert result.first_step_s == 0.0  # the second fused generation reused the memoised executable
+
+
+def test_prompt_bucket_is_a_power_of_two_at_least_16_capped_by_the_room():
+    assert [jg.prompt_bucket(n, None) for n in (1, 15, 16, 17, 33, 100)] == [16, 16, 16, 32, 64, 128]
+    assert jg.prompt_bucket(13, 13) == 13  # no room for padding: the exact length
+    assert jg.prompt_bucket(13, 14) == 14
+    assert jg.prompt_bucket(20, 100) == 32
+
+
+def test_bucket_padding_does_not_change_tokens(model):
+    prompt = make_prompt(13)
+    padded = jg.generate(model, [prompt], 10, cache="static")  # bucket 16: 3 padding columns
+    assert padded.max_cache_len == 16 + 10
+    exact = jg.generate(model, [prompt], 10, cache=StaticCache(model.config, 1, 13 + 10))  # no room for a bucket
+    assert exact.max_cache_len == 23
+    assert exact.token_ids == padded.token_ids
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_generation_keeps_the_cache_buffers_it_was_given(model, fused):
+    _, cache = prefilled(model, "sliding_window", PROMPTS, 64)
+    before, inputs = pointers(cache), leaves(cache)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = jg.continue_generation(model, cache, [3, 4], NEW_TOKENS, fused=fused)
+    assert donation_warnings(caught) == []
+    assert pointers(result.cache) == before
+    assert all(array.is_deleted() for array in inputs)
+    assert int(result.cache.length) == 13 + NEW_TOKENS
+
+
+# --- a donated cache used again --------------------------------------------------------------------------------------
+
+def _use_step(model, cache):
+    return jg.decode_step_fn(model)(jnp.asarray([[3], [4]], jnp.int32), jnp.asarray([[13], [13]], jnp.int32), cache)
+
+
+STALE_USES = {
+    "decode_step_fn": _use_step,
+    "model __call__": lambda model, cache: model(jnp.asarray([[3], [4]], jnp.int32),
+                                                 jnp.asarray([[13], [13]], jnp.int32), cache),
+    "continue_generation fused": lambda model, cache: jg.continue_generation(model, cache, [3, 4], 5),
+    "continue_generation step": lambda model, cache: jg.continue_generation(model, cache, [3, 4], 5, fused=False),
+    "generate(cache=...)": lambda model, cache: jg.generate(model, PROMPTS, 5, cache=cache),
+    "prefill": lambda model, cache: jg.prefill(model, jnp.ones((2, 4), jnp.int32), jnp.ones((2, 4), jnp.int32),
+                                               cache),
+    "next_positions via continue": lambda model, cache: jg.continue_generation(model, cache, [3, 4], 0),
+}
+
+
+@pytest.mark.parametrize("use", list(STALE_USES))
+def test_reusing_a_donated_cache_raises_our_stale_cache_error(model, use):
+    _, cache = prefilled(model, "sliding_window", PROMPTS, 64)
+    _, live = _use_step(model, cache)  # consumes `cache`
+    with pytest.raises(StaleCacheError) as caught:
+        STALE_USES[use](model, cache)
+    message = str(caught.value)
+    assert "donated" in message and "use the cache that call returned" in message.lower()
+    assert "has been deleted" not in message
+    assert not any(array.is_deleted() for array in leaves(live)), "the refused call must not consume the live cache"
+
+
+# --- silent JAX behaviour refused before dispatch --------------------------------------------------------------------
+
+def filled_static(model: Mistral, batch: int, capacity: int, length: int) -> StaticCache:
+    """A static cache holding `length` columns of random K/V (built on the host: nothing compiles)."""
+    rng = np.random.default_rng(length)
+    cache = StaticCache(model.config, batch, capacity)
+    shape = cache.keys[0].shape
+    positions = np.where(np.arange(capacity) < length, np.arange(capacity), -1)
+    return cache.replace(keys=[jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in cache.keys],
+                         values=[jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in cache.values],
+                         slot_positions=jnp.asarray(np.tile(positions, (batch, 1)), jnp.int32),
+                         length=jnp.int32(length))
+
+
+def _full_static(model):  # a static cache holding as many columns as it has: any write is out of range
+    return filled_static(model, 1, 4, 4)
+
+
+def _chunk_past_capacity(model):  # room for 1 more column, a 2-token write would be clamped by dynamic_update_slice
+    return filled_static(model, 1, 4, 3)
+
+
+def _negative_length(model):  # dynamic_update_slice would clamp -1 to 0 and overwrite the first column
+    return filled_static(model, 1, 16, 3).replace(length=jnp.int32(-1))
+
+
+def _batch_mismatch(model):  # a batch-2 cache fed one row: dynamic_update_slice would write row 0 only
+    return filled_static(model, 2, 16, 3)
+
+
+def _dtype_mismatch(model):  # a bf16 cache under an fp32 model
+    return StaticCache(model.config, 1, 16, jnp.bfloat16)
+
+
+BAD_CACHES = {"full static": (_full_static, 1), "chunk past capacity": (_chunk_past_capacity, 2),
+              "negative length": (_negative_length, 1), "batch mismatch": (_batch_mismatch, 1),
+              "dtype mismatch": (_dtype_mismatch, 1)}
+ENTRY_POINTS = ["decode_step_fn", "model __call__", "prefill", "continue_generation"]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("case", list(BAD_CACHES))
+def test_out_of_range_batch_and_dtype_writes_are_refused_and_change_nothing(model, case, entry):
+    make, num_new = BAD_CACHES[case]
+    cache = make(model)
+    ids = jnp.full((1, num_new), 5, jnp.int32)  # one row: the batch-mismatch cache has two
+    positions = jnp.arange(20, 20 + num_new, dtype=jnp.int32)[None]
+    snapshot = [np.asarray(array) for array in leaves(cache)]
+    compiled_before = compiled_counts()
+    with pytest.raises(CacheError) as caught:
+        if entry == "decode_step_fn":
+            jg.decode_step_fn(model)(ids, positions, cache)
+        elif entry == "model __call__":
+            model(ids, positions, cache)
+        elif entry == "prefill":
+            jg.prefill(model, ids, jnp.ones_like(ids), cache)
+        else:
+            jg.continue_generation(model, cache, [5], num_new)
+    assert not isinstance(caught.value, StaleCacheError)
+    message = str(caught.value)
+    assert {"full static": "capacity", "chunk past capacity": "capacity", "negative length": "capacity",
+            "batch mismatch": "batch", "dtype mismatch": "dtype"}[case] in message, message
+    assert not any(array.is_deleted() for array in leaves(cache)), "a refused call must not consume the cache"
+    for name, old, array in zip(["keys/values"] * (len(snapshot) - 2) + ["slot_positions", "length"], snapshot,
+                                leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(array), old, err_msg=f"{case} via {entry} changed the cache's {name}")
+    assert compiled_counts() == compiled_before, "the refused call reached compiled code"
+
+
+def test_generate_refuses_a_given_cache_too_small_without_touching_it(model):
+    cache = StaticCache(model.config, 2, 20)
+    snapshot = [np.asarray(array) for array in leaves(cache)]
+    with pytest.raises(CacheError, match="capacity"):
+        jg.generate(model, PROMPTS, 10, cache=cache)  # 13 + 10 > 20
+    assert not any(array.is_deleted() for array in leaves(cache))
+    chex.assert_trees_all_equal([np.asarray(a) for a in leaves(cache)], snapshot)
+
+
+# --- fused vs step, sampling -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_fused_and_step_modes_give_identical_tokens(model, sampling):
+    """Both fold the step index into one PRNG key, so even sampled tokens agree (logits: test_jax_parity)."""
+    fused = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=sampling)
+    streamed: list[list[int]] = []
+    step = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=sampling, fused=False,
+                       on_token=streamed.append)
+    assert fused.token_ids == step.token_ids
+    assert [list(row) for row in zip(*streamed)] == step.token_ids, "on_token must see every step's tokens"
+    assert fused.decode_steps == step.decode_steps == NEW_TOKENS - 1
+
+
+def test_sampling_is_seeded_and_differs_from_greedy(model):
+    greedy = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window")
+    first = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=SAMPLED)
+    again = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=SAMPLED)
+    other = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window",
+                        sampling=dataclasses.replace(SAMPLED, seed=8))
+    assert first.token_ids == again.token_ids, "one seed must give one sequence"
+    assert first.token_ids != other.token_ids, "another seed should give another sequence"
+    assert first.token_ids != greedy.token_ids, "temperature 0.8 sampling should not reproduce greedy decoding"
+
+
+def test_sample_respects_top_k_and_top_p():
+    rng = np.random.default_rng(0)
+    row = rng.standard_normal(VOCAB).astype(np.float32) * 3  # one distribution, drawn 512 times (one per row)
+    logits = jnp.asarray(np.tile(row, (512, 1)))
+    key = jax.random.key(3)
+    assert set(np.asarray(jg.sample(logits, SamplingParams(), key)).tolist()) == {int(row.argmax())}
+    top5 = set(np.argsort(-row)[:5].tolist())
+    drawn = set(np.asarray(jg.sample(logits, SamplingParams(temperature=1.0, top_k=5), key)).tolist())
+    assert drawn <= top5 and len(drawn) > 1, f"top_k=5 drew {drawn}, allowed {top5}"
+    probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+    order = np.argsort(-probs)
+    nucleus = set(order[(np.cumsum(probs[order]) - probs[order]) < 0.6].tolist())
+    drawn = set(np.asarray(jg.sample(logits, SamplingParams(temperature=1.0, top_p=0.6), key)).tolist())
+    assert drawn <= nucleus and len(drawn) > 1, f"top_p=0.6 drew {drawn}, nucleus {nucleus}"
+
+
+# --- per-row EOS -----------------------------------------------------------------------------------------------------
+
+def with_eos(model: Mistral, eos: int) -> Mistral:
+    variant = nnx.merge(*nnx.split(model))  # a new module object sharing the weights
+    variant.config = dataclasses.replace(model.config, eos_token_id=eos)
+    return variant
+
+
+def test_fused_mode_stops_each_row_at_its_own_eos(model):
+    free = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window")
+    first_row, second_row = free.token_ids
+    # An id that greedy decoding emits mid-way in row 0 (first time there) and never in row 1.
+    candidates = [(k, t) for k, t in enumerate(first_row) if 3 <= k < NEW_TOKENS - 5 and t not in first_row[:k]
+                  and t not in second_row]
+    assert candidates, "no usable EOS candidate: change the prompts' seed"
+    stop, eos = candidates[0]
+    variant = with_eos(model, eos)
+    for fused in (True, False):
+        result = jg.generate(variant, PROMPTS, NEW_TOKENS, cache="sliding_window", fused=fused)
+        assert result.token_ids[0] == first_row[: stop + 1], f"fused={fused}: row 0 must end at its EOS"
+        assert result.token_ids[1] == second_row, f"fused={fused}: row 1 must run on to max_new_tokens"
+        assert result.decode_steps == NEW_TOKENS - 1
+
+
+def test_fused_loop_ends_early_once_every_row_has_emitted_eos(model):
+    prompts = [PROMPTS[0], PROMPTS[0]]  # the shapes of PROMPTS, so the EOS variant's executables are reused
+    free = jg.generate(model, prompts, NEW_TOKENS, cache="sliding_window").token_ids[0]
+    stop = next(k for k, t in enumerate(free) if k >= 3 and t not in free[:k])
+    result = jg.generate(with_eos(model, free[stop]), prompts, NEW_TOKENS, cache="sliding_window")
+    assert result.token_ids == [free[: stop + 1]] * 2
+    assert result.decode_steps == stop, "the while_loop must stop at the step that emitted EOS"
