@@ -98,6 +98,8 @@ class StaticCache:
     def attended_positions(self, new_positions: jax.Array) -> jax.Array:
         """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
         num_new = new_positions.shape[1]
+        if not isinstance(new_positions, jax.core.Tracer):  # the first call of a forward: refuse before any write
+            self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if self._attends_in_place(num_new):
             return self._write(self.slot_positions, new_positions[:, num_new - kept:], slots, axis=1)  # [B, L]

@@ -32,7 +32,7 @@ from twincache.errors import CacheError
 # Add "jax" to enable JaxAdapter below. It passes everything once jax_cache's attended_positions refuses a write past
 # the capacity before dynamic_update_slice (as torch_cache's does); until then a prefill wider than a bounded cache
 # leaks a raw TypeError from attended_positions instead of CacheError.
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "jax"]
 EXAMPLES = {"torch": 60, "jax": 25}  # JAX runs these tiny ops eagerly, compiling each new shape: ~0.5 s an example
 
 HEAD_DIM = 2  # the smallest even head_dim the config accepts

@@ -23,7 +23,7 @@ import pytest
 
 from twincache.cli import main
 
-BACKENDS = ["torch"]  # add "jax" once jax_cache's generate is wired into the CLI
+BACKENDS = ["torch", "jax"]
 VOCAB = 128  # the tiny conftest checkpoints
 REPO = Path(__file__).resolve().parents[1]
 

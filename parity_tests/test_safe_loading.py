@@ -24,7 +24,7 @@ PRODUCT_DIRS = ["twincache", "torch_cache", "jax_cache", "bench"]
 CONVERT_HINT = "MistralForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
 
 
-BACKENDS = ["torch"]  # add "jax" (jax_cache.model.Mistral.from_pretrained) once jax_cache lands
+BACKENDS = ["torch", "jax"]
 
 
 def load_with_backends(model_dir: Path) -> None:

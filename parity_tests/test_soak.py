@@ -16,7 +16,7 @@ import torch
 from bench.soak import soak
 from twincache.cli import main
 
-BACKENDS = ["torch"]  # add "jax" once its soak figures are asserted too (the JaxDriver in bench/soak.py exists)
+BACKENDS = ["torch", "jax"]
 STEPS = 320  # the default window is 32: about ten wraps
 RSS_GROWTH_LIMIT_MB = 50.0
 

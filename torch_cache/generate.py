@@ -65,7 +65,13 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
         # decodes with is one entry; the default limit of 8 would make the 9th a hard error under fullgraph=True.
         # A generation itself still compiles exactly once (the tests assert it with fail_on_recompile).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
-        _compiled_steps[model] = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+
+        def inference_step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+            with torch.inference_mode():  # grad mode is guarded on: entering it here keeps it one graph for all callers
+                return compiled(input_ids, positions, cache)
+
+        _compiled_steps[model] = inference_step
     return _compiled_steps[model]
 
 
