@@ -120,8 +120,9 @@ def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Arra
     scores = jnp.einsum("bhrd,bhld->bhrl", q, keys, precision=precision,
                         preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(q.shape[-1]))  # [B, Hkv, R, L]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("bhrl,bhld->bhrd", weights, values, precision=precision)
+    weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, L] fp32
+    out = jnp.einsum("bhrl,bhld->bhrd", weights, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return out.astype(values.dtype)
 
 
 class MLP(nnx.Module):
@@ -131,7 +132,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
