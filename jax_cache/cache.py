@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from twincache import cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError, StaleCacheError
 
@@ -152,18 +153,7 @@ class StaticCache:
     def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: jnp.dtype) -> None:
         """Refuse a cache built for another model, batch or dtype, or one already donated."""
         self.check_live()
-        if (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) != (
-                self.num_layers, self.num_kv_heads, self.head_dim):
-            raise CacheError(
-                f"cache was built for {self.num_layers} layers x {self.num_kv_heads} kv heads x head_dim "
-                f"{self.head_dim}, but the model has {config.num_hidden_layers} x {config.num_key_value_heads} x "
-                f"{config.head_dim}; build the cache from this model's config")
-        if jnp.dtype(model_dtype) != self.dtype:
-            raise CacheError(f"cache dtype {self.dtype} differs from model dtype {jnp.dtype(model_dtype)}; "
-                             f"build the cache with dtype={jnp.dtype(model_dtype)}")
-        if batch_size != self.batch_size:
-            raise CacheError(f"batch {batch_size} was given, but the cache was built for batch {self.batch_size}; "
-                             "build a cache whose batch_size equals the number of rows")
+        cache_checks.check_compatible(self, config, batch_size, jnp.dtype(model_dtype))
 
     def check_forward(self, config: MistralConfig, input_ids: jax.Array, model_dtype: jnp.dtype) -> None:
         """Refuse a forward this cache was not built for, before anything is dispatched."""
@@ -177,23 +167,12 @@ class StaticCache:
         return self.slot_positions.max(axis=1) + 1
 
     def _check_write_range(self, num_new: int) -> None:
-        start = int(self.length)
-        if start < 0 or (self.capacity is not None and start + num_new > self.capacity):
-            raise CacheError(f"writing {num_new} tokens at columns {start}..{start + num_new - 1} is outside this "
-                             f"{type(self).__name__}'s capacity [0, {self.capacity}); reset() it or build a larger "
-                             "cache (max_cache_len)")
+        cache_checks.check_write_range(self, int(self.length), num_new)
 
     def _check_states(self, layer_idx: int, key_states: jax.Array, value_states: jax.Array) -> None:
         self.check_live()
-        if not 0 <= layer_idx < self.num_layers:
-            raise CacheError(f"layer_idx={layer_idx} is outside [0, {self.num_layers})")
         for name, states in (("key_states", key_states), ("value_states", value_states)):
-            batch, heads, _, head_dim = states.shape if states.ndim == 4 else (None,) * 4
-            if (batch, heads, head_dim) != (self.batch_size, self.num_kv_heads, self.head_dim):
-                raise CacheError(f"{name} has shape {list(states.shape)}; this cache needs [{self.batch_size}, "
-                                 f"{self.num_kv_heads}, seq_len, {self.head_dim}]")
-            if states.dtype != self.dtype:
-                raise CacheError(f"{name} dtype {states.dtype} differs from cache dtype {self.dtype}")
+            cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype)
         self._check_write_range(key_states.shape[2])
 
 
