@@ -21,15 +21,16 @@ from flax import nnx
 
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
-from twincache.errors import CacheError, InputError, NonFiniteLogitsError
+from twincache.errors import InputError, NonFiniteLogitsError
 from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
     append_tokens,
-    left_pad,
+    check_budget,
     pad_token_id,
     plan_cache,
+    prepare_batch,
     validate_prompts,
 )
 
@@ -184,17 +185,11 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """
     config = model.config
     sampling = sampling or SamplingParams()
-    prompt_ids = validate_prompts(prompts, config)
-    sampling.validate(config.vocab_size)
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    ids_np, mask_np = left_pad(prompt_ids, pad_token_id(config))  # [B, T]
+    prompt_ids, ids_np, mask_np = prepare_batch(prompts, config, sampling, max_new_tokens)  # ids, mask: [B, T]
     batch, prompt_len = ids_np.shape
     if isinstance(cache, StaticCache):
         cache.check_compatible(config, batch, model.dtype)  # before reset(): a refused call changes nothing
-        if cache.capacity is not None and prompt_len + max_new_tokens > cache.capacity:
-            raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the given "
-                             f"cache's capacity {cache.capacity}; build a larger cache")
+        check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache = cache.reset()
         bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens)
     else:

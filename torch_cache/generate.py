@@ -16,16 +16,16 @@ import torch
 
 from torch_cache.cache import StaticCache, make_cache
 from torch_cache.model import Mistral
-from twincache.errors import CacheError, InputError, NonFiniteLogitsError
+from twincache.errors import InputError, NonFiniteLogitsError
 from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
     append_tokens,
-    left_pad,
-    pad_token_id,
+    check_budget,
     plan_cache,
     positions_from_mask,
+    prepare_batch,
     validate_attention_mask,
     validate_prompts,
 )
@@ -97,18 +97,12 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """
     config = model.config
     sampling = sampling or SamplingParams()
-    prompt_ids = validate_prompts(prompts, config)
-    sampling.validate(config.vocab_size)
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    ids_np, mask_np = left_pad(prompt_ids, pad_token_id(config))  # [B, T]
+    prompt_ids, ids_np, mask_np = prepare_batch(prompts, config, sampling, max_new_tokens)  # ids, mask: [B, T]
     batch, prompt_len = ids_np.shape
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     if isinstance(cache, StaticCache):
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
-        if cache.capacity is not None and prompt_len + max_new_tokens > cache.capacity:
-            raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the given "
-                             f"cache's capacity {cache.capacity}; build a larger cache")
+        check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
     else:
         kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)

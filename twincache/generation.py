@@ -119,6 +119,24 @@ def validate_attention_mask(attention_mask: np.ndarray, input_shape: tuple[int, 
                              "(pads first, then tokens)")
 
 
+def prepare_batch(prompts: Sequence[Sequence[int]], config: MistralConfig, sampling: SamplingParams,
+                  max_new_tokens: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """Validate a generation's inputs; returns the prompts, left-padded input_ids [B, T] and attention_mask [B, T]."""
+    prompt_ids = validate_prompts(prompts, config)
+    sampling.validate(config.vocab_size)
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    return prompt_ids, *left_pad(prompt_ids, pad_token_id(config))
+
+
+def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse up front a generation that would overflow a given cache's capacity (None: an unbounded ring)."""
+    if capacity is not None and prompt_len + max_new_tokens > capacity:
+        raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                         f"{prompt_len + max_new_tokens} exceeds the given cache's capacity {capacity}; build a larger "
+                         "cache or generate fewer tokens")
+
+
 def positions_from_mask(attention_mask: np.ndarray) -> np.ndarray:
     """Position ids cumsum(mask) - 1 as in transformers; padding gets -1. [B, T] int32."""
     return (np.cumsum(attention_mask, axis=-1) - 1).astype(np.int32)
