@@ -1,0 +1,84 @@
+"""`twincache bench` and `python -m bench`: decode benchmarks of every implementation on the same weights."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.impls import IMPLS
+from bench.presets import PRESETS
+from twincache.errors import InputError
+from twincache.generation import CACHE_KINDS
+
+
+def _list(choices: Sequence[str]) -> object:
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        unknown = [item for item in items if item not in choices]
+        if unknown or not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)} (comma-separated)")
+        return items
+    return parse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="benchmark decode speed of every implementation against transformers and the bandwidth limit",
+        description="Runs every implementation x cache on the same random weights (interleaved repeats, warm-up "
+                    "excluded), a bandwidth probe, latency vs context and tok/s vs batch; writes DIR/results.json, "
+                    "DIR/results.md and PNG plots.")
+    configure(parser)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                        help="tiny: seconds, smoke test; small: ~57M params fp32 on CPU (minutes); 7b: Mistral-7B "
+                             "shape bf16, GPU only")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: bench_out/<preset>)")
+    parser.add_argument("--impls", type=_list(list(IMPLS)), default=None,
+                        help=f"comma-separated subset of {', '.join(IMPLS)} (default: the preset's)")
+    parser.add_argument("--caches", type=_list(CACHE_KINDS), default=list(CACHE_KINDS),
+                        help="comma-separated subset of static, sliding_window")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default: the preset's)")
+    parser.add_argument("--no-curves", action="store_true", help="skip latency vs context")
+    parser.add_argument("--no-batch", action="store_true", help="skip tok/s vs batch")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where random checkpoints are built once and reused (default: $TWINCACHE_HOME/bench)")
+    parser.add_argument("--warm-compile-cache", action="store_true",
+                        help="reuse inductor's on-disk compile cache (default: a fresh one, so compile_s is cold)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which remaining curve and batch points are skipped (recorded as such)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.runner import Options, run_bench
+
+    preset = PRESETS[args.preset]
+    if args.repeats is not None and args.repeats < 1:
+        raise InputError(f"--repeats={args.repeats} must be >= 1")
+    if preset.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"preset {preset.name} needs a CUDA GPU; none is visible (use --preset small on CPU)")
+    out = args.out if args.out is not None else Path("bench_out") / preset.name
+    opts = Options(preset=preset, out=out, impls=args.impls or list(preset.impls), caches=args.caches,
+                   repeats=args.repeats, curves=not args.no_curves, batch=not args.no_batch, cache_dir=args.cache_dir,
+                   fresh_compile_cache=not args.warm_compile_cache, deadline_s=args.deadline,
+                   progress=not args.no_progress)
+    records = run_bench(opts)
+    failed = [r for r in records if r["kind"] == "decode" and r["status"] not in ("ok", "unavailable")]
+    print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'} and plots"
+          + (f"; {len(failed)} cell(s) failed, see results.md" if failed else ""), file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench`: the same flags as `twincache bench`, through twincache's one-line error handling."""
+    from twincache.cli import main as twincache_main
+
+    return twincache_main(["bench", *(sys.argv[1:] if argv is None else argv)])

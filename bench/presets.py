@@ -1,0 +1,80 @@
+"""Benchmark presets: the model shape, the workload, and which implementations and curves each one runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from twincache.config import MistralConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    config: MistralConfig
+    dtype: str  # "float32" or "bfloat16", for every implementation
+    device: str  # "cpu" or "cuda"
+    prompt_len: int
+    new_tokens: int
+    repeats: int  # timed runs per cell, interleaved across cells; one more untimed warm-up run comes first
+    impls: tuple[str, ...]  # run by default (--impls overrides)
+    curve_impls: tuple[str, ...]  # latency vs context
+    curve_contexts: tuple[int, ...]  # context lengths at which per-token decode latency is sampled
+    curve_steps: int  # decode steps timed at each context
+    batch_impls: tuple[str, ...]  # tok/s vs batch
+    batch_sizes: tuple[int, ...]
+    batch_prompt_len: int
+    batch_new_tokens: int
+    probe_bytes: int  # bandwidth-probe array size; several times the last-level cache
+    weights_on_device: bool = False  # build weights in memory on the device instead of a checkpoint dir
+    seed: int = 0
+
+
+def _contexts(window: int, longest_multiple: int) -> tuple[int, ...]:
+    """Context lengths from ~0 to longest_multiple * W, denser around the window edge."""
+    fractions = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+    return tuple(sorted({max(1, int(f * window)) for f in fractions if f <= longest_multiple}))
+
+
+def _mistral(**fields: object) -> MistralConfig:
+    # eos_token_id=None: random weights would emit EOS at random and end runs early; every run decodes its full budget.
+    base = dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768, bos_token_id=1,
+                eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    return MistralConfig(**{**base, **fields})
+
+
+_TINY = _mistral(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=16)
+# ~57M parameters: Mistral's proportions (GQA 4:1, head_dim 64) at a size whose decode is bandwidth-bound on a CPU.
+_SMALL = _mistral(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, sliding_window=256)
+_MISTRAL_7B = _mistral(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=4096,
+                       rope_theta=10000.0)
+
+# tiny is the CI smoke test (< 40 s on a 2-core CPU): it leaves out the compiled torch implementations (a cold
+# torch.compile costs ~30 s there; ask with --impls) and keeps JAX out of the curves, where every new prompt bucket and
+# cache shape is another XLA compile. Every adapter still runs in its table.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny", config=_TINY, dtype="float32", device="cpu", prompt_len=24, new_tokens=24, repeats=2,
+        impls=("torch_eager", "transformers_eager", "jax_step", "jax_fused"),
+        curve_impls=("torch_eager", "transformers_eager"), curve_contexts=(1, 16, 32, 64), curve_steps=4,
+        batch_impls=("torch_eager", "transformers_eager"), batch_sizes=(1, 4), batch_prompt_len=8,
+        batch_new_tokens=8, probe_bytes=128 << 20),
+    "small": Preset(
+        name="small", config=_SMALL, dtype="float32", device="cpu", prompt_len=300, new_tokens=256, repeats=3,
+        impls=("torch_eager", "torch_compiled", "jax_step", "jax_fused", "transformers", "transformers_eager"),
+        curve_impls=("torch_eager", "torch_compiled", "jax_step", "transformers", "transformers_eager"),
+        curve_contexts=_contexts(256, 8), curve_steps=16,
+        batch_impls=("torch_eager", "torch_compiled", "jax_fused", "transformers_eager"),
+        batch_sizes=(1, 2, 4, 8, 16, 32), batch_prompt_len=64, batch_new_tokens=32, probe_bytes=1 << 30),
+    "7b": Preset(
+        name="7b", config=_MISTRAL_7B, dtype="bfloat16", device="cuda", prompt_len=502, new_tokens=128, repeats=3,
+        impls=("torch_eager", "torch_compiled", "jax_step", "jax_fused", "transformers", "transformers_eager"),
+        # Ordered so that, when gpu_7b.sh's deadline cuts the curves short, torch vs transformers is measured
+        # first; JAX compiles one prefill per prompt bucket, so its curve costs the most compile time.
+        curve_impls=("torch_compiled", "transformers", "jax_step"), curve_contexts=_contexts(4096, 4),
+        curve_steps=16, batch_impls=("torch_compiled", "transformers", "jax_fused"),
+        batch_sizes=(1, 2, 4, 8, 16, 32), batch_prompt_len=128, batch_new_tokens=32, probe_bytes=4 << 30,
+        weights_on_device=True),
+}

@@ -1,0 +1,239 @@
+"""results.md and the PNG plots, from the records in results.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
+
+PLOTS = {"latency": "latency_vs_context.png", "impls": "tok_s_by_impl.png", "batch": "tok_s_vs_batch.png"}
+_CACHE_STYLE = {"static": "-", "sliding_window": "--"}
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _ok(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["kind"] == kind and r["status"] == "ok"]
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    machine = records[0]["machine"] if records else {}
+    preset = records[0]["preset"] if records else "?"
+    limit = records[0].get("limit_gbps") if records else None
+    lines = [f"# twincache bench: preset `{preset}`", ""]
+    load = f"load average {machine.get('loadavg_start')} at start, {machine.get('loadavg_end')} at end"
+    lines += [f"Machine: {machine.get('cpu')}, {machine.get('cpu_cores')} cores ({machine.get('torch_threads')} torch "
+              f"threads), {machine.get('memory_gb')} GB, device `{machine.get('device')}`"
+              + (f" ({machine['gpu']})" if machine.get("gpu") else "")
+              + f"; torch {machine.get('torch')}, transformers {machine.get('transformers')}, "
+              f"jax {machine.get('jax')}; commit {machine.get('git_commit')}; {load}; "
+              f"{machine.get('elapsed_s')} s in all.", ""]
+    busy = max((machine.get("loadavg_start") or [0])[0], (machine.get("loadavg_end") or [0])[0])
+    if machine.get("device") == "cpu" and busy > (machine.get("cpu_cores") or 0):
+        lines += [f"**Shared machine:** load average up to {busy:.1f} on {machine.get('cpu_cores')} cores: other "
+                  "processes competed for the CPU, so timings are noisy. The CPU/wall column shows how much CPU each "
+                  "cell's process actually got (2.0 = both cores).", ""]
+
+    probes = _ok(records, "bandwidth_probe")
+    typical = max((p["median_gbps"] for p in probes if p.get("median_gbps")), default=None)
+    lines += ["## Bandwidth limit", "",
+              f"Limit = the best streaming read any probe achieved in this run: **{_fmt(limit)} GB/s**; roofline "
+              f"fractions are against it. The highest median of any probe was {_fmt(typical)} GB/s: a large gap "
+              "between the two means the probes were bimodal or disturbed.", "",
+              "| probe | when | best GB/s | median GB/s |", "|---|---|---:|---:|"]
+    lines += [f"| {p['impl']} | {p.get('when')} | {_fmt(p.get('best_gbps'))} | {_fmt(p.get('median_gbps'))} |"
+              for p in probes]
+    lines += [f"| {r['impl']} | {r.get('when')} | {r['status']} | |" for r in records
+              if r["kind"] == "bandwidth_probe" and r["status"] != "ok"]
+
+    decode = [r for r in records if r["kind"] == "decode"]
+    lines += ["", "## Decode, batch 1", ""]
+    ok = [r for r in decode if r["status"] == "ok"]
+    if ok:
+        r0 = ok[0]
+        lines += [f"Prompt {r0['prompt_len']} tokens, {r0['new_tokens']} new; tok/s = decode steps per second after "
+                  f"the first step (median over {r0.get('repeats')} interleaved runs, [min–max]), warm-up excluded. "
+                  "GB/s = (weights + K/V a step must read) x steps/s; roofline = GB/s / limit. compile s = compile "
+                  "time the framework reports during the warm-up (dynamo's timer; jax.monitoring). "
+                  "x tf = ratio to `transformers` (forward compiled, the seed's setup), x tf-eager = ratio to "
+                  "`transformers_eager`, same cache column.", ""]
+    lines += ["| impl | cache | tok/s [min–max] | ms/tok | x tf | x tf-eager | GB/s | roofline | prefill s | "
+              "compile s | compiles (warm-up / timed) | CPU/wall | peak MB |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    eager_ref = {r["cache"]: r["decode_tok_s"] for r in ok if r["impl"] == "transformers_eager"}
+    for r in decode:
+        if r["status"] != "ok":
+            lines.append(f"| {r['impl']} | {r['cache']} | {r['status']}: {r.get('note', '')} ||||||||||")
+            continue
+        ratio_eager = r["decode_tok_s"] / eager_ref[r["cache"]] if r["cache"] in eager_ref else None
+        ratio = r.get("ratio_to_transformers")
+        if r.get("reference_impl") != "transformers":
+            ratio = None
+        frac = f"{100 * r['roofline_frac']:.0f}%" if r.get("roofline_frac") is not None else "–"
+        lines.append(
+            f"| {r['impl']} | {r['cache']} | {_fmt(r['decode_tok_s'])} [{_fmt(r['decode_tok_s_min'])}–"
+            f"{_fmt(r['decode_tok_s_max'])}] | {_fmt(r.get('ms_per_token'), 2)} | {_fmt(ratio, 2)} | "
+            f"{_fmt(ratio_eager, 2)} | {_fmt(r.get('gbps'))} | {frac} | {_fmt(r.get('prefill_s'), 3)} | "
+            f"{_fmt(r.get('compile_s'))} | {_fmt(r.get('compiles'))} / {_fmt(r.get('recompiles'))} | "
+            f"{_fmt(r.get('cpu_per_wall'), 2)} | {_fmt(r.get('peak_mem_mb'), 0)} |")
+    if ok:
+        per_cache = {r["cache"]: r for r in ok}
+        lines += ["", "Bytes a decode step must read: " + "; ".join(
+            f"{cache} {r['bytes_per_step'] / 1e6:.1f} MB (roofline {_fmt(r.get('roofline_tok_s'))} tok/s)"
+            for cache, r in per_cache.items()) + "."]
+
+    lines += _curve_section(records) + _batch_section(records)
+    notes = {(r["impl"], r["cache"]): r.get("note") for r in ok}
+    if notes:
+        lines += ["", "## What each cell measures", ""]
+        lines += [f"- `{impl}` / `{cache}`: {note}" for (impl, cache), note in notes.items() if note]
+    lines += ["", "Figures: " + ", ".join(f"`{name}`" for name in PLOTS.values()), ""]
+    return "\n".join(lines)
+
+
+def _curve_section(records: list[dict[str, Any]]) -> list[str]:
+    points = _ok(records, "latency_vs_context")
+    if not points:
+        return []
+    window = records[0].get("sliding_window")
+    contexts = sorted({p["context"] for p in points})
+    series: dict[tuple[str, str], dict[int, float]] = {}
+    for p in points:
+        series.setdefault((p["impl"], p["cache"]), {})[p["context"]] = p["ms_per_token"]
+    lines = ["", "## Per-token decode latency (ms) vs context", "",
+             "Static cache sized for the longest context; sliding = a W-slot ring. Each point: prefill to the context, "
+             "then timed steps (median)." + (f" W = {window}." if window else ""), "",
+             "| impl | cache | " + " | ".join(str(c) for c in contexts) + " | last / first past W |",
+             "|---|---|" + "---:|" * (len(contexts) + 1)]
+    for (impl, cache), by_context in series.items():
+        past_window = [c for c in contexts if window and c >= window and c in by_context]
+        flat = by_context[past_window[-1]] / by_context[past_window[0]] if len(past_window) > 1 else None
+        lines.append(f"| {impl} | {cache} | " + " | ".join(_fmt(by_context.get(c), 2) for c in contexts)
+                     + f" | {_fmt(flat, 2)} |")
+    return lines
+
+
+def _batch_section(records: list[dict[str, Any]]) -> list[str]:
+    points = _ok(records, "batch")
+    if not points:
+        return []
+    sizes = sorted({p["batch"] for p in points})
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for p in points:
+        table.setdefault(p["impl"], {})[p["batch"]] = p
+    lines = ["", "## Total decode tok/s vs batch (static cache)", "",
+             f"Prompt {points[0]['prompt_len']}, {points[0]['new_tokens']} new tokens per row; one warm-up and one "
+             "timed run per size; roofline fraction in parentheses.", "",
+             "| impl | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for impl, by_batch in table.items():
+        cells = []
+        for b in sizes:
+            p = by_batch.get(b)
+            frac = f" ({100 * p['roofline_frac']:.0f}%)" if p and p.get("roofline_frac") is not None else ""
+            cells.append(_fmt(p["total_tok_s"]) + frac if p else "–")
+        lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_latency(records: list[dict[str, Any]], path: Path) -> None:
+    points = _ok(records, "latency_vs_context")
+    fig, ax = plt.subplots(figsize=(10, 5))
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for p in points:
+        series.setdefault((p["impl"], p["cache"]), []).append((p["context"], p["ms_per_token"]))
+    colors = _impl_colors({impl for impl, _ in series})
+    for (impl, cache), xy in sorted(series.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], _CACHE_STYLE.get(cache, "-"), marker="o", markersize=3,
+                color=colors[impl], label=f"{impl} / {cache}")
+    window = records[0].get("sliding_window") if records else None
+    if window:
+        ax.axvline(window, color="grey", linewidth=0.8, linestyle=":", label=f"W = {window}")
+    ax.set(xlabel="context length (tokens)", ylabel="ms per decode step (median)",
+           title="Per-token decode latency vs context (solid: static, dashed: sliding)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _save(fig, path)
+
+
+def plot_impls(records: list[dict[str, Any]], path: Path) -> None:
+    rows = _ok(records, "decode")
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    caches = list(dict.fromkeys(r["cache"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(impls) + 3), 5))
+    width = 0.8 / max(1, len(caches))
+    for j, cache in enumerate(caches):
+        for i, impl in enumerate(impls):
+            r = next((r for r in rows if r["impl"] == impl and r["cache"] == cache), None)
+            if r is None:
+                continue
+            x = i + (j - (len(caches) - 1) / 2) * width
+            err = [[r["decode_tok_s"] - r["decode_tok_s_min"]], [r["decode_tok_s_max"] - r["decode_tok_s"]]]
+            ax.bar(x, r["decode_tok_s"], width, yerr=err, capsize=3, color=f"C{j}",
+                   label=cache if i == 0 else None)
+            if r.get("roofline_tok_s"):
+                ax.hlines(r["roofline_tok_s"], x - width / 2, x + width / 2, colors="black", linewidth=1.5)
+    ax.set_xticks(range(len(impls)), impls, rotation=20, ha="right")
+    ax.set(ylabel="decode tok/s, batch 1 (median, min–max)",
+           title="Decode tok/s by implementation (black bar: bandwidth roofline)")
+    ax.grid(axis="y", alpha=0.3)
+    if rows:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+    _save(fig, path)
+
+
+def plot_batch(records: list[dict[str, Any]], path: Path) -> None:
+    points = _ok(records, "batch")
+    fig, ax = plt.subplots(figsize=(7, 5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for p in points:
+        series.setdefault(p["impl"], []).append((p["batch"], p["total_tok_s"]))
+    colors = _impl_colors(set(series))
+    for impl, xy in sorted(series.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", color=colors[impl], label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch size", ylabel="total decode tok/s", title="Decode throughput vs batch (static cache)")
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))
+    _save(fig, path)
+
+
+def _impl_colors(impls: set[str]) -> dict[str, str]:
+    order = ["torch_eager", "torch_compiled", "jax_step", "jax_fused", "transformers", "transformers_eager"]
+    ranked = sorted(impls, key=lambda name: order.index(name) if name in order else len(order))
+    return {name: f"C{i}" for i, name in enumerate(ranked)}
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(records: list[dict[str, Any]], out: Path) -> None:
+    """results.md and the three PNGs next to results.json."""
+    out = Path(out)
+    (out / "results.md").write_text(markdown(records))
+    plot_latency(records, out / PLOTS["latency"])
+    plot_impls(records, out / PLOTS["impls"])
+    plot_batch(records, out / PLOTS["batch"])
+
+
+def main_report(out: Path) -> None:
+    """Rebuild results.md and the plots from an existing results.json."""
+    write_report(json.loads((Path(out) / "results.json").read_text()), Path(out))

@@ -1,0 +1,386 @@
+"""The benchmark run: probes, the impl x cache table (interleaved repeats), latency vs context, tok/s vs batch.
+
+Every phase appends records and rewrites DIR/results.json, so a run cut short (a deadline, a crash, Ctrl-C) still
+leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import metrics, probes, report
+from bench.impls import IMPLS, REFERENCE_IMPLS, Impl, Run
+from bench.presets import Preset
+from bench.workload import Workload
+from twincache.generation import CACHE_KINDS
+
+
+@dataclasses.dataclass
+class Options:
+    preset: Preset
+    out: Path
+    impls: Sequence[str]
+    caches: Sequence[str] = CACHE_KINDS
+    repeats: int | None = None  # None: the preset's
+    curves: bool = True
+    batch: bool = True
+    cache_dir: Path | None = None  # where checkpoint dirs are built (default $TWINCACHE_HOME/bench)
+    fresh_compile_cache: bool = True  # compile_s then means a cold compile, as a first run sees it
+    deadline_s: float | None = None  # skip remaining curve/batch points past this many seconds
+    progress: bool = True
+
+
+def _configure_frameworks(opts: Options) -> str | None:
+    """Process-wide settings, before any compile; returns a temporary compile-cache dir to remove at the end."""
+    # JAX must not grab 75% of the GPU: torch and transformers share it in this process.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if opts.preset.device == "cpu":
+        # Inductor's compile-worker pool keeps both cores busy for seconds after a compile, which would leak into
+        # the timed runs that follow on a small CPU; compile in-process instead.
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    import torch._dynamo
+
+    # Default 8: past it dynamo silently falls back to eager. Count every recompile instead of hiding it.
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    else:  # torch < 2.6 named it cache_size_limit
+        torch._dynamo.config.cache_size_limit = 64
+    if not opts.fresh_compile_cache:
+        return None
+    compile_dir = tempfile.mkdtemp(prefix="twincache-bench-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_dir  # read by inductor at each compile
+    return compile_dir
+
+
+class _Results:
+    def __init__(self, out: Path, machine: dict[str, Any], preset: Preset) -> None:
+        self.out, self.machine, self.preset = out, machine, preset
+        self.records: list[dict[str, Any]] = []
+        self.probes: list[dict[str, Any]] = []
+
+    def add(self, kind: str, **fields: Any) -> dict[str, Any]:
+        config = self.preset.config
+        record = {"kind": kind, "preset": self.preset.name, "dtype": self.preset.dtype,
+                  "sliding_window": config.sliding_window, "params": metrics.param_count(config), "impl": None,
+                  "cache": None, "prompt_len": None, "new_tokens": None, "batch": None, "prefill_s": None,
+                  "decode_tok_s": None, "gbps": None, "roofline_frac": None, "compile_s": None,
+                  "peak_mem_mb": None, "status": "ok", **fields}
+        self.records.append(record)
+        return record
+
+    def limit_gbps(self) -> float | None:
+        measured = [p for p in self.probes if "best_gbps" in p]
+        return probes.bandwidth_limit(measured) if measured else None
+
+    def finalize(self) -> None:
+        """Fill the bandwidth-derived fields from the best probe so far; attach the machine to every record."""
+        limit = self.limit_gbps()
+        for record in self.records:
+            record["machine"] = self.machine
+            record["limit_gbps"] = limit
+            if record.get("bytes_per_step") and record.get("decode_tok_s"):
+                record["gbps"] = record["bytes_per_step"] * record["decode_tok_s"] / 1e9
+                record["roofline_frac"] = record["gbps"] / limit if limit else None
+                record["roofline_tok_s"] = limit * 1e9 / record["bytes_per_step"] if limit else None
+
+    def save(self) -> None:
+        """results.json, results.md and the plots, from everything measured so far."""
+        self.finalize()
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.records, indent=1, default=float) + "\n")
+        tmp.replace(self.out / "results.json")
+        report.write_report(self.records, self.out)
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+
+
+def _debug() -> bool:
+    return bool(os.environ.get("TWINCACHE_DEBUG"))
+
+
+class Bench:
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.preset = opts.preset
+        self.device = self.preset.device
+        self.repeats = opts.repeats if opts.repeats is not None else self.preset.repeats
+        self.start = time.monotonic()
+        self.compile_dir = _configure_frameworks(opts)
+        self.results = _Results(opts.out, metrics.machine_description(self.device), self.preset)
+        self.workload = Workload(self.preset, self.device, opts.cache_dir)
+        self.impls: dict[str, Impl] = {}
+        self.bar: tqdm | None = None
+
+    # --- helpers ----------------------------------------------------------------------------------------------------
+
+    def _past_deadline(self) -> bool:
+        return self.opts.deadline_s is not None and time.monotonic() - self.start > self.opts.deadline_s
+
+    def _tick(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update()
+
+    def _bytes(self, cache: str, batch: int, max_cache_len: int) -> int:
+        return metrics.bytes_per_step(self.preset.config, self.workload.dtype_bytes, batch, cache, max_cache_len)
+
+    def _measure(self, impl: Impl, prompts: list[list[int]], new_tokens: int, cache: str, max_cache_len: int,
+                 track_rss: bool) -> tuple[Run, dict[str, Any]]:
+        """One generate call, with the compiles it caused and the memory it peaked at."""
+        before, compile_s_before = impl.compile_count(), impl.compile_seconds()
+        metrics.reset_device_peak(self.device)
+        rss = metrics.PeakRSS()
+        cpu_before = rss.cpu_seconds()
+        if track_rss:
+            with rss:
+                run = impl.generate(prompts, new_tokens, cache, max_cache_len)
+        else:
+            run = impl.generate(prompts, new_tokens, cache, max_cache_len)
+            rss.sample()
+        after = impl.compile_count()
+        device_mb = metrics.device_peak_mb(self.device, impl.framework)
+        return run, {"compiles": None if before is None or after is None else after - before,
+                     "compile_s": impl.compile_seconds() - compile_s_before,
+                     # CPU seconds per wall second: near the thread count when the process had the cores to itself
+                     "cpu_per_wall": (rss.cpu_seconds() - cpu_before) / run.wall_s if run.wall_s else None,
+                     "peak_mem_mb": device_mb if device_mb is not None else rss.peak_mb}
+
+    def _guarded(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
+        """fn(*args, **kwargs), or (None, a one-line error) when it raises."""
+        try:
+            return fn(*args, **kwargs), None
+        except KeyboardInterrupt:
+            raise
+        except Exception as err:  # noqa: BLE001 - one failing cell must not end the benchmark; it is recorded
+            if _debug():
+                traceback.print_exc()
+            tqdm.write(f"bench: {what} failed: {_one_line(err)}")
+            return None, _one_line(err)
+
+    # --- phases -----------------------------------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, Any]]:
+        try:
+            self._probe("start")
+            self.results.machine["phase_s"] = {"setup_and_probe": round(time.monotonic() - self.start, 1)}
+            self._load_impls()
+            self.results.save()
+            cells = [(name, cache) for name in self.impls for cache in self.opts.caches]
+            curve = [(n, c) for n in self.preset.curve_impls if n in self.impls and self.impls[n].per_step_timing
+                     for c in self.opts.caches] if self.opts.curves else []
+            batch = [n for n in self.preset.batch_impls if n in self.impls] if self.opts.batch else []
+            total = (len(cells) * (1 + self.repeats) + len(curve) * (1 + len(self.preset.curve_contexts))
+                     + len(batch) * len(self.preset.batch_sizes) * 2)
+            with tqdm(total=total, desc=f"bench {self.preset.name}", unit="run", disable=not self.opts.progress,
+                      dynamic_ncols=True) as self.bar:
+                for phase, fn, arg in (("decode_table", self._decode_table, cells),
+                                       ("latency_vs_context", self._latency_curves, curve),
+                                       ("batch", self._batch_curve, batch)):
+                    phase_start = time.monotonic()
+                    fn(arg)
+                    self.results.machine.setdefault("phase_s", {})[phase] = round(time.monotonic() - phase_start, 1)
+                    self.results.save()
+            self._probe("end")
+            self.results.machine["loadavg_end"] = list(os.getloadavg())
+            self.results.machine["elapsed_s"] = round(time.monotonic() - self.start, 1)
+            self.results.save()
+            return self.results.records
+        except KeyboardInterrupt:  # a timeout's SIGINT: keep what was measured, marked as cut short
+            self.results.machine["interrupted_after_s"] = round(time.monotonic() - self.start, 1)
+            self.results.save()
+            raise
+        finally:
+            if self.compile_dir:
+                shutil.rmtree(self.compile_dir, ignore_errors=True)
+                if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == self.compile_dir:
+                    del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+    def _probe(self, when: str) -> None:
+        found = probes.run_probes(self.preset.probe_bytes, self.device, with_jax=True)
+        for p in found:
+            p["when"] = when
+        self.results.probes += found
+        for p in found:
+            self.results.add("bandwidth_probe", impl=p["probe"], status="ok" if "error" not in p else p["error"],
+                             **{k: v for k, v in p.items() if k not in ("probe", "error")})
+
+    def _load_impls(self) -> None:
+        for name in self.opts.impls:
+            cls = IMPLS[name]
+            reason = cls.unavailable()
+            if reason is None:
+                self.impls[name] = cls(self.workload)
+                continue
+            tqdm.write(f"bench: {name}: {reason}")
+            for cache in self.opts.caches:
+                self.results.add("decode", impl=name, cache=cache, status="unavailable", note=reason)
+
+    def _decode_table(self, cells: list[tuple[str, str]]) -> None:
+        """Warm up every cell once, then run `repeats` rounds; each round visits every cell, in a rotated order."""
+        p = self.preset
+        prompts = self.workload.prompts(1, p.prompt_len)
+        max_cache_len = p.prompt_len + p.new_tokens
+        warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]] = {}
+        for cell in cells:
+            name, cache = cell
+            self._tick(f"{name}/{cache} warm-up")
+            measured, error = self._guarded(f"{name} {cache} warm-up", self._measure, self.impls[name], prompts,
+                                            p.new_tokens, cache, max_cache_len, track_rss=True)
+            if error:
+                self.results.add("decode", impl=name, cache=cache, status="error", note=error)
+            else:
+                warm[cell] = measured
+        live = [cell for cell in cells if cell in warm]
+        timed: dict[tuple[str, str], list[tuple[Run, dict[str, Any]]]] = {cell: [] for cell in live}
+        failed: dict[tuple[str, str], str] = {}
+        for round_idx in range(self.repeats):
+            shift = round_idx % max(1, len(live))
+            for cell in live[shift:] + live[:shift]:  # rotate so no cell always runs right after a compile
+                self._tick(f"{cell[0]}/{cell[1]} #{round_idx + 1}")
+                if cell in failed:
+                    continue
+                measured, error = self._guarded(f"{cell[0]} {cell[1]}", self._measure, self.impls[cell[0]], prompts,
+                                                p.new_tokens, cell[1], max_cache_len, track_rss=False)
+                if error:
+                    failed[cell] = error
+                else:
+                    timed[cell].append(measured)
+        for cell in live:
+            self._table_record(cell, warm[cell], timed[cell], failed.get(cell), max_cache_len)
+        self._ratios()
+        for impl in self.impls.values():
+            impl.release()
+
+    def _table_record(self, cell: tuple[str, str], warm: tuple[Run, dict[str, Any]],
+                      timed: list[tuple[Run, dict[str, Any]]], error: str | None, max_cache_len: int) -> None:
+        name, cache = cell
+        impl, p = self.impls[name], self.preset
+        common = dict(impl=name, cache=cache, prompt_len=p.prompt_len, new_tokens=p.new_tokens, batch=1,
+                      max_cache_len=max_cache_len, note=impl.note(cache),
+                      bytes_per_step=self._bytes(cache, 1, max_cache_len))
+        if error or not timed:
+            self.results.add("decode", status="error", **common, note=error or "no timed run")
+            return
+        runs = [run for run, _ in timed]
+        tok_s = [run.decode_tok_s for run in runs]
+        median_tok_s = statistics.median(tok_s)
+        walls = statistics.median(run.wall_s for run in runs)
+        warm_run, warm_info = warm
+        recompiles = [info["compiles"] for _, info in timed if info["compiles"] is not None]
+        self.results.add(
+            "decode", **common,
+            prefill_s=statistics.median(run.prefill_s for run in runs),
+            decode_tok_s=median_tok_s, decode_tok_s_min=min(tok_s), decode_tok_s_max=max(tok_s),
+            ms_per_token=1000.0 / median_tok_s if median_tok_s else None,
+            decode_steps=runs[0].decode_steps, repeats=len(runs), tok_s_runs=tok_s,
+            # Compile time as the framework accounts it (dynamo's timer; jax.monitoring) during the warm-up, then
+            # the warm-up's wall-clock excess over a steady run and its first decode step, as cross-checks.
+            compile_s=warm_info["compile_s"], recompile_s=sum(info["compile_s"] for _, info in timed),
+            warmup_excess_s=max(0.0, warm_run.wall_s - walls), warmup_first_step_s=warm_run.first_step_s,
+            compiles=warm_info["compiles"], recompiles=sum(recompiles) if recompiles else None,
+            cpu_per_wall=statistics.median(info["cpu_per_wall"] or 0.0 for _, info in timed),
+            peak_mem_mb=max([warm_info["peak_mem_mb"]] + [info["peak_mem_mb"] for _, info in timed]),
+        )
+
+    def _ratios(self) -> None:
+        """ratio_to_transformers per cache column: against `transformers` (the seed's setup) when it ran."""
+        rows = [r for r in self.results.records if r["kind"] == "decode" and r["status"] == "ok"]
+        for cache in self.opts.caches:
+            column = {r["impl"]: r for r in rows if r["cache"] == cache}
+            reference = next((column[n] for n in REFERENCE_IMPLS if n in column), None)
+            for record in column.values():
+                record["reference_impl"] = reference["impl"] if reference else None
+                record["ratio_to_transformers"] = (record["decode_tok_s"] / reference["decode_tok_s"]
+                                                   if reference else None)
+
+    def _latency_curves(self, cells: list[tuple[str, str]]) -> None:
+        """Per-token decode latency at contexts from ~0 to the preset's longest, with one cache sized for the
+        longest context (static) or a W-slot ring (sliding). Each point is a prefill to that context, then
+        `curve_steps` timed decode steps."""
+        p = self.preset
+        steps = p.curve_steps
+        max_cache_len = max(p.curve_contexts) + steps + 2
+        for name, cache in cells:
+            impl = self.impls[name]
+            self._tick(f"curve {name}/{cache} warm-up")
+            warm_prompt = self.workload.prompts(1, p.curve_contexts[0], salt=1)
+            _, error = self._guarded(f"curve {name} {cache} warm-up", self._measure, impl, warm_prompt, steps + 2,
+                                     cache, max_cache_len, track_rss=False)
+            for context in p.curve_contexts:
+                self._tick(f"curve {name}/{cache} @{context}")
+                common = dict(impl=name, cache=cache, prompt_len=context, new_tokens=steps + 2, batch=1,
+                              max_cache_len=max_cache_len, bytes_per_step=self._bytes(cache, 1, max_cache_len))
+                if error or self._past_deadline():
+                    self.results.add("latency_vs_context", status="skipped", note=error or "deadline", **common)
+                    continue
+                prompt = self.workload.prompts(1, context, salt=1)
+                measured, error_here = self._guarded(f"curve {name} {cache} @{context}", self._measure, impl, prompt,
+                                                     steps + 2, cache, max_cache_len, track_rss=False)
+                if error_here:
+                    self.results.add("latency_vs_context", status="error", note=error_here, **common)
+                    continue
+                run, info = measured
+                latencies = run.step_latencies()
+                median_s = statistics.median(latencies)
+                self.results.add("latency_vs_context", **common, context=context + steps // 2,
+                                 prefill_s=run.prefill_s, ms_per_token=1000 * median_s, decode_tok_s=1 / median_s,
+                                 step_ms=[1000 * s for s in latencies], compiles=info["compiles"],
+                                 compile_s=info["compile_s"], cpu_per_wall=info["cpu_per_wall"],
+                                 peak_mem_mb=info["peak_mem_mb"])
+            impl.release()
+
+    def _batch_curve(self, names: list[str]) -> None:
+        """Aggregate decode tok/s against batch size, static cache: one warm-up and one timed run per size."""
+        p = self.preset
+        max_cache_len = p.batch_prompt_len + p.batch_new_tokens
+        for name in names:
+            impl = self.impls[name]
+            for batch in p.batch_sizes:
+                common = dict(impl=name, cache="static", prompt_len=p.batch_prompt_len, new_tokens=p.batch_new_tokens,
+                              batch=batch, max_cache_len=max_cache_len,
+                              bytes_per_step=self._bytes("static", batch, max_cache_len))
+                if self._past_deadline():
+                    self._tick(f"batch {name} x{batch} skipped")
+                    self._tick(f"batch {name} x{batch} skipped")
+                    self.results.add("batch", status="skipped", note="deadline", **common)
+                    continue
+                prompts = self.workload.prompts(batch, p.batch_prompt_len, salt=2)
+                runs = []
+                for attempt in ("warm-up", "timed"):
+                    self._tick(f"batch {name} x{batch} {attempt}")
+                    measured, error = self._guarded(f"batch {name} x{batch}", self._measure, impl, prompts,
+                                                    p.batch_new_tokens, "static", max_cache_len, track_rss=False)
+                    if error:
+                        break
+                    runs.append(measured)
+                if len(runs) < 2:
+                    self.results.add("batch", status="error", note=error, **common)
+                    continue
+                (_, warm_info), (run, info) = runs
+                self.results.add("batch", **common, prefill_s=run.prefill_s, decode_tok_s=run.decode_tok_s,
+                                 total_tok_s=batch * run.decode_tok_s, ms_per_token=1000 / run.decode_tok_s,
+                                 compile_s=warm_info["compile_s"], compiles=warm_info["compiles"],
+                                 recompiles=info["compiles"], cpu_per_wall=info["cpu_per_wall"],
+                                 peak_mem_mb=max(warm_info["peak_mem_mb"], info["peak_mem_mb"]))
+            impl.release()
+
+
+def run_bench(opts: Options) -> list[dict[str, Any]]:
+    """Run the benchmark and write DIR/results.json, DIR/results.md and the plots; returns the records."""
+    return Bench(opts).run()

@@ -1,0 +1,153 @@
+"""The one set of weights every implementation runs, and the models built from it.
+
+CPU presets write a seeded random checkpoint directory once (cached under $TWINCACHE_HOME/bench) that torch_cache,
+transformers and jax_cache each load with their own loader. The 7b preset builds its bf16 weights on the GPU from a
+seeded torch generator and hands the same tensors to transformers (shared storage) and to JAX (DLPack), so 14 GB
+never touch the disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.presets import Preset
+from twincache.checkpoint import expected_tensor_shapes
+from twincache.config import MistralConfig
+from twincache.default_model import cache_root, default_weights, write_checkpoint
+
+_BUILD_VERSION = 1
+_COMPLETE = ".bench-complete"
+
+
+def checkpoint_dir(config: MistralConfig, seed: int, root: Path | None = None) -> Path:
+    """A checkpoint dir of `default_weights(config, seed)`, built once per (config, seed) and reused."""
+    key = json.dumps({"config": dataclasses.asdict(config), "seed": seed, "v": _BUILD_VERSION}, sort_keys=True)
+    root = Path(root) if root is not None else cache_root() / "bench"
+    final = root / f"mistral-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (final / _COMPLETE).is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:  # build aside, then rename: a directory under the final name is always complete
+        write_checkpoint(staging, config, default_weights(config, seed))
+        (staging / _COMPLETE).write_text(key + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.rename(staging, final)
+        except OSError:  # a concurrent build won; it is identical
+            if not (final / _COMPLETE).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def device_weights(config: MistralConfig, seed: int, dtype: Any, device: str) -> dict[str, Any]:
+    """Seeded random weights generated directly on `device` (no host copy), scaled like `default_weights`."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, shape in expected_tensor_shapes(config).items():
+        w = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * w
+        elif name != "model.embed_tokens.weight":
+            w = w / shape[1] ** 0.5  # fan-in scaling keeps activations O(1)
+        weights[name] = w.to(dtype)
+    return weights
+
+
+def hf_config(config: MistralConfig, sliding: bool) -> Any:
+    """transformers' MistralConfig for this model, with the sliding window on (its sliding layers) or off."""
+    from transformers import MistralConfig as HFMistralConfig
+
+    fields = config.to_hf_dict()
+    fields["sliding_window"] = config.sliding_window if sliding else None
+    return HFMistralConfig(**fields)
+
+
+class Workload:
+    """Lazily built models over one set of weights, plus the prompts; shared by every implementation adapter."""
+
+    def __init__(self, preset: Preset, device: str, cache_dir: Path | None = None) -> None:
+        self.preset = preset
+        self.config = preset.config
+        self.dtype_name = preset.dtype
+        self.device = device
+        self.model_dir = None if preset.weights_on_device else checkpoint_dir(preset.config, preset.seed, cache_dir)
+        self._torch_model: Any = None
+        self._hf_models: dict[bool, Any] = {}
+        self._jax_model: Any = None
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype_name]
+
+    def prompts(self, batch: int, length: int, salt: int = 0) -> list[list[int]]:
+        """Seeded random prompts, the same for every implementation; ids avoid the special tokens 0-2."""
+        rng = np.random.default_rng([self.preset.seed, salt, batch, length])
+        return rng.integers(3, self.config.vocab_size, size=(batch, length)).tolist()
+
+    def torch_model(self) -> Any:
+        if self._torch_model is None:
+            import torch
+
+            from torch_cache.model import Mistral
+
+            if self.model_dir is not None:
+                self._torch_model = Mistral.from_pretrained(self.model_dir, self.torch_dtype, self.device)
+            else:
+                with torch.device("meta"):
+                    model = Mistral(self.config)
+                state = device_weights(self.config, self.preset.seed, self.torch_dtype, self.device)
+                model.load_state_dict(state, strict=True, assign=True)
+                self._torch_model = model.eval().requires_grad_(False)
+        return self._torch_model
+
+    def hf_model(self, sliding: bool) -> Any:
+        """MistralForCausalLM with config.sliding_window = W (sliding) or None. Both share one set of weight tensors."""
+        if sliding not in self._hf_models:
+            import torch
+            from transformers import MistralForCausalLM
+
+            config = hf_config(self.config, sliding)
+            if self.model_dir is not None and not self._hf_models:
+                model = MistralForCausalLM.from_pretrained(self.model_dir, config=config, dtype=self.torch_dtype)
+                model = model.to(self.device)
+            else:  # share the tensors already loaded (transformers' or, for 7b, torch_cache's own)
+                source = next(iter(self._hf_models.values())) if self._hf_models else self.torch_model()
+                with torch.device(self.device):  # its random init is replaced (and freed) by the assign below
+                    model = MistralForCausalLM._from_config(config, dtype=self.torch_dtype)
+                model.load_state_dict(source.state_dict(), strict=True, assign=True)
+            self._hf_models[sliding] = model.eval().requires_grad_(False)
+        return self._hf_models[sliding]
+
+    def jax_model(self) -> Any:
+        if self._jax_model is None:
+            import jax.numpy as jnp
+
+            from jax_cache.model import Mistral
+
+            if self.model_dir is not None:
+                self._jax_model = Mistral.from_pretrained(self.model_dir, jnp.dtype(self.dtype_name))
+            else:  # torch -> JAX handoff: zero-copy through DLPack on the same device
+                from jax_cache.interop import from_torch
+
+                self._jax_model = from_torch(self.torch_model())
+        return self._jax_model

@@ -1,0 +1,120 @@
+"""Smoke test of `python -m bench --preset tiny`: the records and files exist and have their fields. Speeds are
+never asserted (this machine is shared and noisy). The bench runs in a subprocess because it sets process-wide
+torch.compile options (recompile limit, compile-cache dir) that must not leak into the other tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.presets import PRESETS
+from twincache.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+REQUIRED = ("kind", "impl", "cache", "prompt_len", "new_tokens", "batch", "prefill_s", "decode_tok_s", "gbps",
+            "roofline_frac", "compile_s", "peak_mem_mb", "machine", "status")
+MEASURED = ("prefill_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "ms_per_token", "gbps",
+            "roofline_frac", "compile_s", "peak_mem_mb", "bytes_per_step", "limit_gbps")
+CACHES = {"static", "sliding_window"}
+
+
+def _jax_cache_importable() -> bool:
+    try:
+        import jax_cache.generate  # noqa: F401
+        import jax_cache.model  # noqa: F401
+    except Exception:  # noqa: BLE001 - the bench reports it as unavailable; so does this test
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "out"
+    env = {**os.environ, "TWINCACHE_HOME": str(root / "home"), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "bench", "--preset", "tiny", "--out", str(out), "--no-progress"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "failed:" not in proc.stderr, proc.stderr[-3000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_decode_records_cover_every_impl_and_cache(tiny_run):
+    _, records = tiny_run
+    for record in records:
+        missing = [key for key in REQUIRED if key not in record]
+        assert not missing, (record["kind"], record.get("impl"), missing)
+    decode = [r for r in records if r["kind"] == "decode"]
+    tiny = PRESETS["tiny"]
+    assert {(r["impl"], r["cache"]) for r in decode} == {(i, c) for i in tiny.impls for c in CACHES}
+    jax_ok = _jax_cache_importable()
+    for r in decode:
+        expected = "ok" if jax_ok or not r["impl"].startswith("jax") else "unavailable"
+        assert r["status"] == expected, (r["impl"], r["cache"], r["status"], r.get("note"))
+        if r["status"] != "ok":
+            assert "jax_cache not available" in r["note"]
+            continue
+        for key in MEASURED:
+            assert isinstance(r[key], (int, float)) and r[key] >= 0, (r["impl"], r["cache"], key, r[key])
+        assert r["decode_tok_s_min"] <= r["decode_tok_s"] <= r["decode_tok_s_max"]
+        assert r["prompt_len"] == tiny.prompt_len and r["new_tokens"] == tiny.new_tokens and r["batch"] == 1
+        assert r["machine"]["cpu_cores"] and r["machine"]["torch"]
+        assert r["note"]
+    reference = {r["cache"]: r for r in decode if r["impl"] == "transformers_eager"}
+    assert all(r.get("ratio_to_transformers") is not None for r in decode if r["status"] == "ok")
+    assert all(r["reference_impl"] == "transformers_eager" for c in CACHES for r in [reference[c]])
+
+
+def test_probe_curve_and_batch_records(tiny_run):
+    _, records = tiny_run
+    probes = {r["impl"] for r in records if r["kind"] == "bandwidth_probe" and r["status"] == "ok"}
+    assert {"torch_sum", "torch_gemv", "jax_sum", "jax_gemv"} <= probes
+    assert all(r["limit_gbps"] > 0 for r in records)
+    tiny = PRESETS["tiny"]
+    available = {r["impl"] for r in records if r["kind"] == "decode" and r["status"] == "ok"}
+    curve = [r for r in records if r["kind"] == "latency_vs_context"]
+    curve_cells = {(i, c) for i in tiny.curve_impls if i in available for c in CACHES}
+    assert {(r["impl"], r["cache"]) for r in curve} == curve_cells
+    assert all(r["status"] == "ok" and r["ms_per_token"] > 0 and r["step_ms"] for r in curve)
+    assert {r["prompt_len"] for r in curve} == set(tiny.curve_contexts)
+    assert len({r["max_cache_len"] for r in curve}) == 1  # one cache size for every context
+    batch = [r for r in records if r["kind"] == "batch"]
+    assert {(r["impl"], r["batch"]) for r in batch} == {(i, b) for i in tiny.batch_impls if i in available
+                                                         for b in tiny.batch_sizes}
+    assert all(r["status"] == "ok" and r["total_tok_s"] > 0 for r in batch)
+
+
+def test_markdown_and_plots(tiny_run):
+    out, records = tiny_run
+    markdown = (out / "results.md").read_text()
+    for heading in ("## Bandwidth limit", "## Decode, batch 1", "## Per-token decode latency", "## Total decode tok/s"):
+        assert heading in markdown
+    for r in records:
+        if r["kind"] == "decode":
+            assert f"| {r['impl']} | {r['cache']} |" in markdown
+    for name in ("latency_vs_context.png", "tok_s_by_impl.png", "tok_s_vs_batch.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_cli_refuses_bad_arguments_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--impls", "torch_eager,nope"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert main(["bench", "--repeats", "0"]) == 2
+    assert "--repeats=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_7b_preset_needs_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the 7b preset would run")
+    assert main(["bench", "--preset", "7b"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and err.count("\n") == 1
