@@ -272,3 +272,45 @@ def test_non_finite_logits_mid_generation_stop_without_garbage_tokens(checkpoint
     with pytest.raises(NonFiniteLogitsError, match=f"NaN or Inf logits at generated token {k + 1};"):
         generate(Mistral.from_pretrained(model_dir), prompt, 16, compile=False, on_token=seen.append)
     assert [row[0] for row in seen] == clean[:k + 1]
+
+
+def test_concurrent_first_runs_share_one_complete_default_model(tmp_path, monkeypatch):
+    """Racing first runs all get one complete directory: none deletes another's finished build while it is read.
+
+    Six threads start 0.1 s apart and each build step is slowed down (standing for a loaded machine), so later runs
+    look for the model while an earlier one is still building it and again after it has finished."""
+    import threading
+
+    from twincache import default_model
+    from twincache.tokenizer import Tokenizer
+
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    real_cleanup = default_model._remove_stale_builds
+
+    def slow_cleanup(*args: object, **kwargs: object) -> None:
+        time.sleep(0.3)
+        real_cleanup(*args, **kwargs)
+
+    monkeypatch.setattr(default_model, "_remove_stale_builds", slow_cleanup)
+    errors, dirs = [], set()
+
+    def first_run(delay: float) -> None:
+        time.sleep(delay)
+        try:
+            built = default_model.default_model_dir()
+            for _ in range(20):  # keep reading while slower threads finish: a deleted build would fail here
+                Tokenizer.from_model_dir(built)
+                time.sleep(0.02)
+            dirs.add(built)
+        except Exception as err:  # noqa: BLE001 - collected and asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=first_run, args=(0.1 * i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(dirs) == 1
+    assert {p.name for p in dirs.pop().iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert not list(tmp_path.glob(".building-*")), "a staging directory was left behind"

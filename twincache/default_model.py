@@ -6,6 +6,7 @@ so a directory under the final name is always complete. transformers' `MistralFo
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -54,7 +55,14 @@ def default_model_dir(seed: int = DEFAULT_SEED) -> Path:
     final = cache_root() / f"default-mistral-v{BUILD_VERSION}-seed{seed}"
     if (final / _COMPLETE_STAMP).is_file():
         return final
-    return build_default_model(final, seed)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Concurrent first runs take turns: the one that waited finds the other's complete build and uses it, instead of
+    # treating it as incomplete and deleting it while its builder reads from it.
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / _COMPLETE_STAMP).is_file():
+            return final
+        return build_default_model(final, seed)
 
 
 def default_weights(config: MistralConfig, seed: int, quiet_token_ids: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
