@@ -1,8 +1,9 @@
 """Generation with torch_cache: eager prefill, then a decode step under
 `torch.compile(mode="reduce-overhead", fullgraph=True)` (CUDA graphs on GPU), with `compile=False` as the opt-out.
 
-Prefill runs eagerly: it happens once per generation, and compiling it would add one dynamic-shape compile per
-process for no decode-time gain (measured in bench/).
+Prefill runs eagerly, by measurement: on the `small` bench model (57M params, fp32, 2 CPU cores) a 300-token prefill
+took 164-180 ms eager and 168 ms compiled with dynamic shapes, after a 23.6 s compile. It runs once per generation,
+so compiling it would only add that compile.
 """
 
 from __future__ import annotations
