@@ -67,3 +67,15 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("twincache_home")
     os.environ["TWINCACHE_HOME"] = str(home)
     return default_model.default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models decode fastest on one thread; on a shared 2-core machine two OpenMP threads can spin-wait each
+    other down to a few dozen tokens/s. Restored afterwards. Modules opt in with pytest.mark.usefixtures."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,7 +11,6 @@ import json
 import sys
 
 import pytest
-import torch
 
 from bench.soak import soak
 from twincache.cli import main
@@ -21,14 +20,7 @@ STEPS = 320  # the default window is 32: about ten wraps
 RSS_GROWTH_LIMIT_MB = 50.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models decode fastest on one thread; on a shared 2-core machine two OpenMP threads can spin-wait each
-    other down to a few dozen tokens/s. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
