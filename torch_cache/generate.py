@@ -175,8 +175,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             on_token(row_ids)
     if decode_steps > 1:
         decode_s = time.perf_counter() - decode_start
-    logits_out = torch.stack(step_logits, dim=1) if return_logits and step_logits else (
-        torch.zeros(len(tokens), 0, config.vocab_size, device=device) if return_logits else None)  # [B, steps, V]
+    logits_out = None
+    if return_logits:  # [B, steps, V]; steps is 0 when every row had already ended
+        empty = torch.zeros(len(tokens), 0, config.vocab_size, device=device)
+        logits_out = torch.stack(step_logits, dim=1) if step_logits else empty
     return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
                             decode_s, decode_steps, max(decode_steps - 1, 0), logits_out, cache)
 

@@ -93,11 +93,10 @@ def run_backend(backend: str, model_dir: Path, dtype: str, prompt_ids: list[int]
 
 def run(args: argparse.Namespace) -> int:
     model_dir = args.model if args.model is not None else default_model_dir()
-    load_config(model_dir)  # fail on a bad directory or config before importing a framework
+    eos = load_config(model_dir).eos_token_id  # also fails on a bad directory or config before a framework loads
     prompt_ids, tokenizer = resolve_prompt(args, model_dir)
     streaming = not args.json and (args.backend == "torch" or args.stream)
     decoder = StreamDecoder(tokenizer) if tokenizer is not None and streaming else None
-    eos = load_config(model_dir).eos_token_id
 
     def print_delta(row_tokens: list[int]) -> None:
         if decoder is not None and row_tokens[0] != eos:
