@@ -28,13 +28,17 @@ def _precision(dtype: jnp.dtype) -> lax.Precision:
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+def project(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x @ weight.T for weight [out, in] (HF layout), contracted over the last axis of both."""
+    return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=_precision(weight.dtype))
+
+
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, dtype: jnp.dtype) -> None:
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))  # [out, in], as in HF and torch
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.weight[...]
-        return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=_precision(weight.dtype))
+        return project(x, self.weight[...])
 
 
 class Embedding(nnx.Module):
@@ -183,8 +187,7 @@ class Mistral(nnx.Module):
         cache = cache.advance(new_positions)
         x = self.model.norm(x)
         head = embed if self.lm_head is None else self.lm_head.weight[...]
-        logits = lax.dot_general(x, head, (((2,), (1,)), ((), ())), precision=_precision(head.dtype))  # [B, S, V]
-        return logits, cache
+        return project(x, head), cache  # [B, S, V]
 
     def check_inputs(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array | None) -> None:
         """Checks of ids, positions and mask before dispatch (they read values, so they wait for the device)."""

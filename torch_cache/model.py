@@ -18,6 +18,30 @@ from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import InputError
 
+# Most rows a compiled CPU projection writes as multiply-and-sum, by dtype (else 1). Measured on a 2-core EPYC, torch
+# 2.13, [1536, 512] weights: fp32 1 row 40 GB/s vs 15 with F.linear, 4 rows 17 vs 9.5, 8 rows slower; bf16 wins at 1.
+_MULTIPLY_SUM_MAX_ROWS = {torch.float32: 4}
+
+
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for weight [out, in] (HF layout).
+
+    Compiled for CPU with few rows (decode), it is written as multiply-and-sum: inductor fuses that into one
+    vectorised, threaded reduction that streams the weight ~2.7x faster than the oneMKL gemv behind F.linear.
+    """
+    rows = x.shape[:-1].numel()
+    if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= _MULTIPLY_SUM_MAX_ROWS.get(x.dtype, 1):
+        return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
+    return F.linear(x, weight)  # [..., out]
+
+
+class Linear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)  # weight [out, in], as in HF
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -67,10 +91,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
                 cache: StaticCache, layer_idx: int) -> torch.Tensor:
@@ -92,9 +116,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: MistralConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -129,8 +153,7 @@ class Mistral(nn.Module):
         super().__init__()
         self.config = config
         self.model = MistralModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,7 +172,8 @@ class Mistral(nn.Module):
             x = layer(x, cos, sin, visible, cache, layer_idx)
         cache.advance(new_positions)
         x = self.model.norm(x)
-        return F.linear(x, embed if self.lm_head is None else self.lm_head.weight)  # [B, S, V]
+        head = embed if self.lm_head is None else self.lm_head.weight
+        return project(x, head)  # [B, S, V]
 
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attention_mask: torch.Tensor | None) -> None:
