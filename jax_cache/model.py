@@ -113,19 +113,31 @@ class Attention(nnx.Module):
         q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
         mask = jnp.broadcast_to(visible[:, :, None], (batch, 1, groups, seq_len, visible.shape[-1]))
         mask = mask.reshape(batch, 1, groups * seq_len, -1)  # [B, 1, G*S, Lkv]
-        out = scaled_dot_product_attention(q, keys, values, mask)  # [B, Hkv, G*S, D]
+        out = scaled_dot_product_attention(q, keys, values, mask, decode=seq_len == 1)  # [B, Hkv, G*S, D]
         out = out.reshape(batch, self.num_heads, seq_len, self.head_dim).transpose(0, 2, 1, 3)  # [B, S, H, D]
         return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim)), cache
 
 
-def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D)) v with softmax in fp32. q [B, Hkv, R, D], keys/values [B, Hkv, L, D]. [B, Hkv, R, D]"""
-    precision = _precision(q.dtype)
-    scores = jnp.einsum("bhrd,bhld->bhrl", q, keys, precision=precision,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(q.shape[-1]))  # [B, Hkv, R, L]
+def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
+                                 decode: bool) -> jax.Array:
+    """softmax(q k^T / sqrt(D)) v with softmax in fp32. q [B, Hkv, R, D], keys/values [B, Hkv, L, D]. [B, Hkv, R, D]
+
+    `decode` (one new token) contracts by multiply-and-sum in fp32: XLA-CPU then reads the cache buffers the step
+    has just updated in place, where a dot on them makes it copy every K/V buffer four times per step.
+    """
+    scale = jnp.sqrt(jnp.float32(q.shape[-1]))
+    if decode:
+        q32, keys32, values32 = q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32)
+        scores = jnp.sum(q32[:, :, :, None, :] * keys32[:, :, None], axis=-1) / scale  # [B, Hkv, R, L]
+    else:
+        scores = jnp.einsum("bhrd,bhld->bhrl", q, keys, precision=_precision(q.dtype),
+                            preferred_element_type=jnp.float32) / scale  # [B, Hkv, R, L]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, L] fp32
-    out = jnp.einsum("bhrl,bhld->bhrd", weights, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    if decode:
+        out = jnp.sum(weights[..., None] * values32[:, :, None], axis=-2)  # [B, Hkv, R, D]
+    else:
+        out = jnp.einsum("bhrl,bhld->bhrd", weights, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return out.astype(values.dtype)
 
 
