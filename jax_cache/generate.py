@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
@@ -56,23 +57,44 @@ def sample(logits: jax.Array, sampling: SamplingParams, key: jax.Array) -> jax.A
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _forward_last(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+class ModelGraph:
+    """A model's nnx GraphDef as a jit static argument, hashed once. jit hashes its static arguments on every call,
+    and hashing a GraphDef costs ~70 us: a third of a default-model decode step."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef: nnx.GraphDef) -> None:
+        self.graphdef, self._hash = graphdef, hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ModelGraph) and self.graphdef == other.graphdef
+
+
+def split_model(model: Mistral) -> tuple[ModelGraph, nnx.State]:
+    graphdef, state = nnx.split(model)
+    return ModelGraph(graphdef), state
+
+
+def _forward_last(graph: ModelGraph, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
                   positions: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, StaticCache]:
-    logits, cache = nnx.merge(graphdef, state)(input_ids, positions, cache, attention_mask)
+    logits, cache = nnx.merge(graph.graphdef, state)(input_ids, positions, cache, attention_mask)
     return logits[:, -1].astype(jnp.float32), cache  # [B, V]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
+def _prefill(graph: ModelGraph, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
              attention_mask: jax.Array) -> tuple[jax.Array, StaticCache]:
     positions = jnp.cumsum(attention_mask, axis=-1) - 1  # [B, T], padding at -1
-    return _forward_last(graphdef, state, cache, input_ids, positions, attention_mask)
+    return _forward_last(graph, state, cache, input_ids, positions, attention_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
+def _decode_step(graph: ModelGraph, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
                  positions: jax.Array) -> tuple[jax.Array, StaticCache]:
-    return _forward_last(graphdef, state, cache, input_ids, positions, None)
+    return _forward_last(graph, state, cache, input_ids, positions, None)
 
 
 def _pick(logits: jax.Array, finished: jax.Array, step: jax.Array, key: jax.Array, sampling: SamplingParams,
@@ -85,21 +107,39 @@ def _pick(logits: jax.Array, finished: jax.Array, step: jax.Array, key: jax.Arra
     return tokens, finished | (tokens == eos)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "eos"), donate_argnames=("cache",))
-def _sampled_step(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, tokens: jax.Array,
-                  positions: jax.Array, finished: jax.Array, step: jax.Array, key: jax.Array,
-                  sampling: SamplingParams, eos: int | None) -> tuple:
-    """Feed tokens [B] at positions [B], sample the next ones. Streaming mode calls this once per token."""
-    logits, cache = _forward_last(graphdef, state, cache, tokens[:, None], positions[:, None], None)
-    next_tokens, finished = _pick(logits, finished, step, key, sampling, eos)
-    return next_tokens, finished, logits, ~jnp.isfinite(logits).all(), cache
+@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size"), donate_argnames=("cache",))
+def _sampled_step(graph: ModelGraph, state: nnx.State, cache: StaticCache, loop: tuple, key: jax.Array,
+                  sampling: SamplingParams, eos: int | None, vocab_size: int) -> tuple:
+    """One streaming step: feed the loop's tokens at its positions and sample the next ones.
+
+    loop = (tokens [B], positions [B], finished [B], step [], halted []) stays on the device. The streaming loop
+    dispatches step k + 1 before it reads step k's tokens, so a halted step (every row has emitted EOS, or an earlier
+    step's logits were not finite) changes nothing. Returns (for_host [B + 1]: the tokens, then a non-finite flag,
+    the step's one device-to-host copy; logits [B, V]; the next loop; the cache).
+    """
+    tokens, positions, finished, step, halted = loop
+
+    def advance(carry: tuple) -> tuple:
+        _, _, _, cache, trips = carry
+        logits, cache = _forward_last(graph, state, cache, tokens[:, None], positions[:, None], None)
+        return (logits, *_pick(logits, finished, step, key, sampling, eos), cache, trips - 1)
+
+    # A loop of zero or one trip rather than lax.cond: XLA-CPU updates the cache in place through a while loop, but
+    # copies every K/V buffer through a conditional.
+    no_logits = jnp.zeros((tokens.shape[0], vocab_size), jnp.float32)  # [B, V], what a halted step returns
+    carry = (no_logits, tokens, finished, cache, (~halted).astype(jnp.int32))
+    logits, next_tokens, finished, cache, _ = lax.while_loop(lambda carry: carry[-1] > 0, advance, carry)
+    non_finite = ~jnp.isfinite(logits).all()
+    for_host = jnp.concatenate([next_tokens, non_finite.astype(jnp.int32)[None]])  # [B + 1]
+    loop = (next_tokens, positions + 1, finished, step + 1, halted | non_finite | finished.all())
+    return for_host, logits, loop, cache
 
 
-_FUSED_STATIC = ("graphdef", "sampling", "eos", "num_steps", "vocab_size", "return_logits")
+_FUSED_STATIC = ("graph", "sampling", "eos", "num_steps", "vocab_size", "return_logits")
 
 
 @functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("cache",))
-def _fused_decode(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, tokens: jax.Array,
+def _fused_decode(graph: ModelGraph, state: nnx.State, cache: StaticCache, tokens: jax.Array,
                   positions: jax.Array, finished: jax.Array, key: jax.Array, first_step: jax.Array,
                   sampling: SamplingParams,
                   eos: int | None, num_steps: int, vocab_size: int, return_logits: bool) -> tuple:
@@ -114,7 +154,7 @@ def _fused_decode(graphdef: nnx.GraphDef, state: nnx.State, cache: StaticCache, 
 
     def body(carry: tuple) -> tuple:
         step, tokens, positions, finished, cache, out_tokens, out_logits, bad_step = carry
-        logits, cache = _forward_last(graphdef, state, cache, tokens[:, None], positions[:, None], None)
+        logits, cache = _forward_last(graph, state, cache, tokens[:, None], positions[:, None], None)
         next_tokens, finished = _pick(logits, finished, first_step + step, key, sampling, eos)
         out_tokens = out_tokens.at[:, step].set(next_tokens)
         if return_logits:
@@ -145,14 +185,14 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
 def decode_step_fn(model: Mistral) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache) -> (logits [B, V], cache)`, jitted once, with
     the cache donated: the input cache is consumed and the returned one reuses its buffers."""
-    graphdef, state = nnx.split(model)
+    graph, state = split_model(model)
 
     def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache) -> tuple[jax.Array, StaticCache]:
         # The model's own checks are skipped under tracing, and inside the jitted step an out-of-range write position
         # would be clamped silently by dynamic_update_slice: refuse it (and bad ids, batch, dtype) before dispatch.
         model.check_inputs(input_ids, positions, None)
         cache.check_forward(model.config, input_ids, model.dtype)
-        return _decode_step(graphdef, state, cache, input_ids, positions)
+        return _decode_step(graph, state, cache, input_ids, positions)
 
     return step
 
@@ -169,8 +209,8 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
     Returns last-token logits [B, V] fp32 and the new cache."""
     model.check_inputs(input_ids, jnp.cumsum(attention_mask, axis=-1) - 1, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype)
-    graphdef, state = nnx.split(model)
-    return _prefill(graphdef, state, cache, input_ids, attention_mask)
+    graph, state = split_model(model)
+    return _prefill(graph, state, cache, input_ids, attention_mask)
 
 
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -242,7 +282,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
     eos, batch = config.eos_token_id, len(last_tokens)
-    graphdef, state = nnx.split(model)
+    graph, state = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
     tokens_now = jnp.asarray(last_tokens, jnp.int32)  # [B]
     finished = tokens_now == eos if eos is not None else jnp.zeros(batch, bool)  # [B]
@@ -254,7 +294,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     all_done = eos is not None and all(t == eos for t in last_tokens)
     if fused and on_token is None and max_new_tokens and not all_done:
         executable, first_step_s = fused_executable(
-            graphdef, state, cache, tokens_now, positions, finished, key, jnp.int32(_first_step),
+            graph, state, cache, tokens_now, positions, finished, key, jnp.int32(_first_step),
             sampling=static_sampling, eos=eos, num_steps=max_new_tokens, vocab_size=config.vocab_size,
             return_logits=return_logits)
         decode_start = time.perf_counter()
@@ -269,15 +309,17 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         if return_logits:
             logits_per_step = [out_logits[:, :decode_steps]]
     elif max_new_tokens and not all_done:
+        loop = (tokens_now, positions, finished, jnp.int32(_first_step), jnp.bool_(False))
         decode_start = time.perf_counter()
-        while decode_steps < max_new_tokens and not all_done:
-            cache.check_live()
-            tokens_now, finished, logits, non_finite, cache = _sampled_step(
-                graphdef, state, cache, tokens_now, positions, finished, jnp.int32(_first_step + decode_steps), key,
-                static_sampling, eos)
-            positions = positions + 1
+        cache.check_live()
+        pending = _sampled_step(graph, state, cache, loop, key, static_sampling, eos, config.vocab_size)
+        while True:
+            for_host, logits, loop, cache = pending
             decode_steps += 1
-            row_ids = np.asarray(tokens_now).tolist()  # the step's one host sync
+            if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
+                pending = _sampled_step(graph, state, cache, loop, key, static_sampling, eos, config.vocab_size)
+                cache = pending[3]  # the live cache; a step queued after the last token holds it unchanged
+            *row_ids, non_finite = np.asarray(for_host).tolist()  # the step's one host sync
             _raise_if_non_finite(bool(non_finite), _first_step + decode_steps - 1, model.dtype)
             all_done = eos is not None and all(token == eos for token in row_ids)
             if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
@@ -287,6 +329,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             append_tokens(tokens, row_ids, eos)
             if on_token is not None:
                 on_token(row_ids)
+            if all_done or decode_steps == max_new_tokens:
+                break
         if decode_steps > 1:
             decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps - 1
     step_logits = None

@@ -126,12 +126,12 @@ def test_compiled_decode_copies_no_kv_buffer(model, kind):
     """In place means no hidden copies either: XLA-CPU copied each K/V buffer 4 times per step when attention read
     the freshly updated buffer through a dot, at batch 1 (64 MB per step on the small bench's 2066-slot cache)."""
     _, cache = prefilled(model, kind, PROMPTS[:1], 48)
-    graphdef, state = nnx.split(model)
+    graph, state = jg.split_model(model)
     tokens, positions = jnp.asarray([3], jnp.int32), cache.next_positions()
     finished, key, sampling = jnp.zeros(1, bool), jax.random.key(0), jg._without_seed(SamplingParams())
-    step_hlo = jg._sampled_step.lower(graphdef, state, cache, tokens, positions, finished, jnp.int32(0), key,
-                                      sampling, None).compile().as_text()
-    fused_hlo = jg._fused_decode.lower(graphdef, state, cache, tokens, positions, finished, key, jnp.int32(0),
+    loop = (tokens, positions, finished, jnp.int32(0), jnp.bool_(False))
+    step_hlo = jg._sampled_step.lower(graph, state, cache, loop, key, sampling, None, VOCAB).compile().as_text()
+    fused_hlo = jg._fused_decode.lower(graph, state, cache, tokens, positions, finished, key, jnp.int32(0),
                                        sampling=sampling, eos=None, num_steps=8, vocab_size=VOCAB,
                                        return_logits=False).compile().as_text()
     buffer_shape = cache.keys[0].shape
@@ -373,10 +373,20 @@ def test_fused_mode_stops_each_row_at_its_own_eos(model):
         assert result.decode_steps == NEW_TOKENS - 1
 
 
-def test_fused_loop_ends_early_once_every_row_has_emitted_eos(model):
+def test_both_modes_end_early_once_every_row_has_emitted_eos_and_leave_the_same_cache(model):
+    """The fused while_loop stops at the EOS step; the streaming loop has already queued one more step by then (it
+    dispatches step k + 1 before reading step k's tokens), which must leave the cache exactly as it was."""
     prompts = [PROMPTS[0], PROMPTS[0]]  # the shapes of PROMPTS, so the EOS variant's executables are reused
     free = jg.generate(model, prompts, NEW_TOKENS, cache="sliding_window").token_ids[0]
     stop = next(k for k, t in enumerate(free) if k >= 3 and t not in free[:k])
-    result = jg.generate(with_eos(model, free[stop]), prompts, NEW_TOKENS, cache="sliding_window")
-    assert result.token_ids == [free[: stop + 1]] * 2
-    assert result.decode_steps == stop, "the while_loop must stop at the step that emitted EOS"
+    variant = with_eos(model, free[stop])
+    fused, streamed = (jg.generate(variant, prompts, NEW_TOKENS, cache="sliding_window", fused=mode)
+                       for mode in (True, False))
+    for result in (fused, streamed):
+        assert result.token_ids == [free[: stop + 1]] * 2
+        assert result.decode_steps == stop, "decoding must stop at the step that emitted EOS"
+    assert int(streamed.cache.length) == int(fused.cache.length)
+    chex.assert_trees_all_equal(streamed.cache.slot_positions, fused.cache.slot_positions)
+    # K/V agree to fp32 rounding: the step and the loop are separate XLA compilations.
+    chex.assert_trees_all_close(streamed.cache.keys + streamed.cache.values, fused.cache.keys + fused.cache.values,
+                                rtol=0, atol=1e-5)
