@@ -63,16 +63,16 @@ def jax_probes(nbytes: int, device: str, repeats: int = 10) -> list[dict[str, An
     return out
 
 
-def run_probes(nbytes: int, device: str, with_jax: bool) -> list[dict[str, Any]]:
+def run_probes(nbytes: int, device: str, with_jax: bool, repeats: int = 10) -> list[dict[str, Any]]:
     """Every available probe; a framework that fails to probe is reported with its error instead."""
-    probes = torch_probes(nbytes, device)
+    probes = torch_probes(nbytes, device, repeats)
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.empty_cache()  # hand the probe's gigabytes back before the models load
     if with_jax:
         try:
-            probes += jax_probes(nbytes, device)
+            probes += jax_probes(nbytes, device, repeats)
         except Exception as err:  # noqa: BLE001 - jax missing or without this device: report, keep benchmarking
             probes.append({"probe": "jax", "error": f"{type(err).__name__}: {err}"})
     return probes

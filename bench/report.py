@@ -64,27 +64,30 @@ def markdown(records: list[dict[str, Any]]) -> str:
         r0 = ok[0]
         lines += [f"Prompt {r0['prompt_len']} tokens, {r0['new_tokens']} new; tok/s = decode steps per second after "
                   f"the first step (median over {r0.get('repeats')} interleaved runs, [min–max]), warm-up excluded. "
-                  "GB/s = (weights + K/V a step must read) x steps/s; roofline = GB/s / limit. compile s = compile "
+                  "GB/s = (weights + K/V a step must read) x steps/s; roofline = GB/s / limit; roofline (round) = "
+                  "median over the runs of each run's GB/s / the best probe of its own round, the fraction of the "
+                  "bandwidth available at the time (a shared machine's drifts). compile s = compile "
                   "time the framework reports during the warm-up (dynamo's timer; jax.monitoring). "
                   "x tf = ratio to `transformers` (forward compiled, the seed's setup), x tf-eager = ratio to "
                   "`transformers_eager`, same cache column.", ""]
-    lines += ["| impl | cache | tok/s [min–max] | ms/tok | x tf | x tf-eager | GB/s | roofline | prefill s | "
-              "compile s | compiles (warm-up / timed) | CPU/wall | peak MB |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| impl | cache | tok/s [min–max] | ms/tok | x tf | x tf-eager | GB/s | roofline | roofline (round) | "
+              "prefill s | compile s | compiles (warm-up / timed) | CPU/wall | peak MB |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     eager_ref = {r["cache"]: r["decode_tok_s"] for r in ok if r["impl"] == "transformers_eager"}
     for r in decode:
         if r["status"] != "ok":
-            lines.append(f"| {r['impl']} | {r['cache']} | {r['status']}: {r.get('note', '')} ||||||||||")
+            lines.append(f"| {r['impl']} | {r['cache']} | {r['status']}: {r.get('note', '')} |||||||||||")
             continue
         ratio_eager = r["decode_tok_s"] / eager_ref[r["cache"]] if r["cache"] in eager_ref else None
         ratio = r.get("ratio_to_transformers")
         if r.get("reference_impl") != "transformers":
             ratio = None
         frac = f"{100 * r['roofline_frac']:.0f}%" if r.get("roofline_frac") is not None else "–"
+        frac_round = f"{100 * r['roofline_frac_round']:.0f}%" if r.get("roofline_frac_round") is not None else "–"
         lines.append(
             f"| {r['impl']} | {r['cache']} | {_fmt(r['decode_tok_s'])} [{_fmt(r['decode_tok_s_min'])}–"
             f"{_fmt(r['decode_tok_s_max'])}] | {_fmt(r.get('ms_per_token'), 2)} | {_fmt(ratio, 2)} | "
-            f"{_fmt(ratio_eager, 2)} | {_fmt(r.get('gbps'))} | {frac} | {_fmt(r.get('prefill_s'), 3)} | "
+            f"{_fmt(ratio_eager, 2)} | {_fmt(r.get('gbps'))} | {frac} | {frac_round} | {_fmt(r.get('prefill_s'), 3)} | "
             f"{_fmt(r.get('compile_s'))} | {_fmt(r.get('compiles'))} / {_fmt(r.get('recompiles'))} | "
             f"{_fmt(r.get('cpu_per_wall'), 2)} | {_fmt(r.get('peak_mem_mb'), 0)} |")
     if ok:

@@ -211,8 +211,8 @@ class Bench:
                 if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == self.compile_dir:
                     del os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
-    def _probe(self, when: str) -> None:
-        found = probes.run_probes(self.preset.probe_bytes, self.device, with_jax=True)
+    def _probe(self, when: str, repeats: int = 10) -> None:
+        found = probes.run_probes(self.preset.probe_bytes, self.device, with_jax=True, repeats=repeats)
         for p in found:
             p["when"] = when
         self.results.probes += found
@@ -250,6 +250,9 @@ class Bench:
         timed: dict[tuple[str, str], list[tuple[Run, dict[str, Any]]]] = {cell: [] for cell in live}
         failed: dict[tuple[str, str], str] = {}
         for round_idx in range(self.repeats):
+            # The bandwidth a shared machine offers drifts (this 2-core VM: 46 GB/s for minutes, then 76): a probe
+            # per round gives each timed run the limit measured next to it, beside the run-wide best.
+            self._probe(f"round {round_idx + 1}", repeats=5)
             shift = round_idx % max(1, len(live))
             for cell in live[shift:] + live[:shift]:  # rotate so no cell always runs right after a compile
                 self._tick(f"{cell[0]}/{cell[1]} #{round_idx + 1}")
@@ -260,6 +263,7 @@ class Bench:
                 if error:
                     failed[cell] = error
                 else:
+                    measured[1]["round"] = round_idx + 1
                     timed[cell].append(measured)
         for cell in live:
             self._table_record(cell, warm[cell], timed[cell], failed.get(cell), max_cache_len)
@@ -278,6 +282,9 @@ class Bench:
             self.results.add("decode", status="error", **common, note=error or "no timed run")
             return
         runs = [run for run, _ in timed]
+        # Each run against the best probe of its own round: the fraction of the bandwidth available at the time.
+        local_fracs = [common["bytes_per_step"] * run.decode_tok_s / 1e9 / limit for run, info in timed
+                       if (limit := self._round_limit(info["round"]))]
         tok_s = [run.decode_tok_s for run in runs]
         median_tok_s = statistics.median(tok_s)
         walls = statistics.median(run.wall_s for run in runs)
@@ -289,6 +296,7 @@ class Bench:
             decode_tok_s=median_tok_s, decode_tok_s_min=min(tok_s), decode_tok_s_max=max(tok_s),
             ms_per_token=1000.0 / median_tok_s if median_tok_s else None,
             decode_steps=runs[0].decode_steps, repeats=len(runs), tok_s_runs=tok_s,
+            roofline_frac_round=statistics.median(local_fracs) if local_fracs else None,
             # Compile time as the framework accounts it (dynamo's timer; jax.monitoring) during the warm-up, then
             # the warm-up's wall-clock excess over a steady run and its first decode step, as cross-checks.
             compile_s=warm_info["compile_s"], recompile_s=sum(info["compile_s"] for _, info in timed),
@@ -297,6 +305,11 @@ class Bench:
             cpu_per_wall=statistics.median(info["cpu_per_wall"] or 0.0 for _, info in timed),
             peak_mem_mb=max([warm_info["peak_mem_mb"]] + [info["peak_mem_mb"] for _, info in timed]),
         )
+
+    def _round_limit(self, round_number: int) -> float | None:
+        """The best any probe streamed in this round of the decode table."""
+        found = [p for p in self.results.probes if p.get("when") == f"round {round_number}" and "best_gbps" in p]
+        return probes.bandwidth_limit(found) if found else None
 
     def _ratios(self) -> None:
         """ratio_to_transformers per cache column: against `transformers` (the seed's setup) when it ran."""

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIRED = ("kind", "impl", "cache", "prompt_len", "new_tokens", "batch", "prefill_s", "decode_tok_s", "gbps",
             "roofline_frac", "compile_s", "peak_mem_mb", "machine", "status")
 MEASURED = ("prefill_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "ms_per_token", "gbps",
-            "roofline_frac", "compile_s", "peak_mem_mb", "bytes_per_step", "limit_gbps")
+            "roofline_frac", "roofline_frac_round", "compile_s", "peak_mem_mb", "bytes_per_step", "limit_gbps")
 CACHES = {"static", "sliding_window"}
 
 
@@ -74,6 +74,8 @@ def test_probe_curve_and_batch_records(tiny_run):
     _, records = tiny_run
     probes = {r["impl"] for r in records if r["kind"] == "bandwidth_probe" and r["status"] == "ok"}
     assert {"torch_sum", "torch_gemv", "jax_sum", "jax_gemv"} <= probes
+    rounds = {r["when"] for r in records if r["kind"] == "bandwidth_probe" and r["status"] == "ok"}
+    assert rounds == {"start", "end"} | {f"round {n}" for n in range(1, PRESETS["tiny"].repeats + 1)}
     assert all(r["limit_gbps"] > 0 for r in records)
     tiny = PRESETS["tiny"]
     available = {r["impl"] for r in records if r["kind"] == "decode" and r["status"] == "ok"}
