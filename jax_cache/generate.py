@@ -3,7 +3,7 @@ to every jitted call, so XLA updates its buffers in place.
 
 Two decode modes:
   fused (default when nothing streams): the whole decode loop is one jitted `lax.while_loop`, stopping each row at EOS.
-  step (streaming): one jitted step per token; the tokens come back to the host after each step.
+  step (streaming): one jitted step per token, queued one step ahead; each step's tokens come back to the host.
 Both fold the step index into one PRNG key, so they sample the same tokens for the same seed.
 """
 
@@ -74,6 +74,7 @@ class ModelGraph:
 
 
 def split_model(model: Mistral) -> tuple[ModelGraph, nnx.State]:
+    """nnx.split, with the GraphDef wrapped for jit."""
     graphdef, state = nnx.split(model)
     return ModelGraph(graphdef), state
 
