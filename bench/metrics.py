@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import threading
@@ -170,5 +171,6 @@ def machine_description(device: str) -> dict[str, Any]:
         "jax": _version("jax"),
         "loadavg_start": list(os.getloadavg()),
         "git_commit": _git_commit(),
+        "started_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
     }
     return desc

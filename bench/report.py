@@ -37,8 +37,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
               f"threads), {machine.get('memory_gb')} GB, device `{machine.get('device')}`"
               + (f" ({machine['gpu']})" if machine.get("gpu") else "")
               + f"; torch {machine.get('torch')}, transformers {machine.get('transformers')}, "
-              f"jax {machine.get('jax')}; commit {machine.get('git_commit')}; {load}; "
-              f"{machine.get('elapsed_s')} s in all.", ""]
+              f"jax {machine.get('jax')}; commit {machine.get('git_commit')}; "
+              f"started {machine.get('started_utc')} UTC; {load}; {machine.get('elapsed_s')} s in all.", ""]
     busy = max((machine.get("loadavg_start") or [0])[0], (machine.get("loadavg_end") or [0])[0])
     if machine.get("device") == "cpu" and busy > (machine.get("cpu_cores") or 0):
         lines += [f"**Shared machine:** load average up to {busy:.1f} on {machine.get('cpu_cores')} cores: other "
