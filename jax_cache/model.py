@@ -122,10 +122,12 @@ def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Arra
                                  decode: bool) -> jax.Array:
     """softmax(q k^T / sqrt(D)) v with softmax in fp32. q [B, Hkv, R, D], keys/values [B, Hkv, L, D]. [B, Hkv, R, D]
 
-    `decode` (one new token) contracts by multiply-and-sum in fp32: XLA-CPU then reads the cache buffers the step
-    has just updated in place, where a dot on them makes it copy every K/V buffer four times per step.
+    On XLA-CPU, `decode` (one new token) contracts by multiply-and-sum in fp32: it then reads the cache buffers the
+    step has just updated in place, where a dot on them makes it copy every K/V buffer four times per step at batch 1.
+    Other backends keep the dots (einsum on the updated cache is the usual, in-place pattern there).
     """
     scale = jnp.sqrt(jnp.float32(q.shape[-1]))
+    decode = decode and jax.default_backend() == "cpu"
     if decode:
         q32, keys32, values32 = q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32)
         scores = jnp.sum(q32[:, :, :, None, :] * keys32[:, :, None], axis=-1) / scale  # [B, Hkv, R, L]
