@@ -127,8 +127,8 @@ def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Arra
     Other backends keep the dots (einsum on the updated cache is the usual, in-place pattern there).
     """
     scale = jnp.sqrt(jnp.float32(q.shape[-1]))
-    decode = decode and jax.default_backend() == "cpu"
-    if decode:
+    multiply_and_sum = decode and jax.default_backend() == "cpu"
+    if multiply_and_sum:
         q32, keys32, values32 = q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32)
         scores = jnp.sum(q32[:, :, :, None, :] * keys32[:, :, None], axis=-1) / scale  # [B, Hkv, R, L]
     else:
@@ -136,7 +136,7 @@ def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Arra
                             preferred_element_type=jnp.float32) / scale  # [B, Hkv, R, L]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, L] fp32
-    if decode:
+    if multiply_and_sum:
         out = jnp.sum(weights[..., None] * values32[:, :, None], axis=-2)  # [B, Hkv, R, D]
     else:
         out = jnp.einsum("bhrl,bhld->bhrd", weights, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
