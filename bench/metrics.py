@@ -46,6 +46,11 @@ def bytes_per_step(config: MistralConfig, dtype_bytes: int, batch: int, cache: s
             + kv_bytes_per_step(config, dtype_bytes, batch, slots_read(config, cache, max_cache_len)))
 
 
+def gbps(bytes_per_step: int, steps_per_s: float) -> float:
+    """Effective streaming rate of a decode: the bytes a step must read, times steps per second, in GB/s."""
+    return bytes_per_step * steps_per_s / 1e9
+
+
 def param_count(config: MistralConfig) -> int:
     total = 0
     for shape in expected_tensor_shapes(config).values():

@@ -92,7 +92,7 @@ class _Results:
             record["machine"] = self.machine
             record["limit_gbps"] = limit
             if record.get("bytes_per_step") and record.get("decode_tok_s"):
-                record["gbps"] = record["bytes_per_step"] * record["decode_tok_s"] / 1e9
+                record["gbps"] = metrics.gbps(record["bytes_per_step"], record["decode_tok_s"])
                 record["roofline_frac"] = record["gbps"] / limit if limit else None
                 record["roofline_tok_s"] = limit * 1e9 / record["bytes_per_step"] if limit else None
 
@@ -104,6 +104,11 @@ class _Results:
         tmp.write_text(json.dumps(self.records, indent=1, default=float) + "\n")
         tmp.replace(self.out / "results.json")
         report.write_report(self.records, self.out)
+
+
+def _round_label(round_number: int) -> str:
+    """The `when` of the bandwidth probe taken at the start of a decode-table round."""
+    return f"round {round_number}"
 
 
 def _one_line(err: BaseException) -> str:
@@ -252,7 +257,7 @@ class Bench:
         for round_idx in range(self.repeats):
             # The bandwidth a shared machine offers drifts (this 2-core VM: 46 GB/s for minutes, then 76): a probe
             # per round gives each timed run the limit measured next to it, beside the run-wide best.
-            self._probe(f"round {round_idx + 1}", repeats=5)
+            self._probe(_round_label(round_idx + 1), repeats=5)
             shift = round_idx % max(1, len(live))
             for cell in live[shift:] + live[:shift]:  # rotate so no cell always runs right after a compile
                 self._tick(f"{cell[0]}/{cell[1]} #{round_idx + 1}")
@@ -283,7 +288,7 @@ class Bench:
             return
         runs = [run for run, _ in timed]
         # Each run against the best probe of its own round: the fraction of the bandwidth available at the time.
-        local_fracs = [common["bytes_per_step"] * run.decode_tok_s / 1e9 / limit for run, info in timed
+        local_fracs = [metrics.gbps(common["bytes_per_step"], run.decode_tok_s) / limit for run, info in timed
                        if (limit := self._round_limit(info["round"]))]
         tok_s = [run.decode_tok_s for run in runs]
         median_tok_s = statistics.median(tok_s)
@@ -308,7 +313,8 @@ class Bench:
 
     def _round_limit(self, round_number: int) -> float | None:
         """The best any probe streamed in this round of the decode table."""
-        found = [p for p in self.results.probes if p.get("when") == f"round {round_number}" and "best_gbps" in p]
+        label = _round_label(round_number)
+        found = [p for p in self.results.probes if p.get("when") == label and "best_gbps" in p]
         return probes.bandwidth_limit(found) if found else None
 
     def _ratios(self) -> None:
