@@ -29,8 +29,8 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Compiled for CPU with few rows (decode), it is written as multiply-and-sum: inductor fuses that into one
     vectorised, threaded reduction that streams the weight ~2.7x faster than the oneMKL gemv behind F.linear.
     """
-    rows = x.shape[:-1].numel()
-    if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= _MULTIPLY_SUM_MAX_ROWS.get(x.dtype, 1):
+    if (torch.compiler.is_compiling() and x.device.type == "cpu"
+            and x.shape[:-1].numel() <= _MULTIPLY_SUM_MAX_ROWS.get(x.dtype, 1)):
         return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
     return F.linear(x, weight)  # [..., out]
 
