@@ -33,8 +33,7 @@ class StaticCache:
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: jnp.dtype = jnp.float32) -> None:
-        if batch_size <= 0 or max_cache_len <= 0:
-            raise CacheError(f"batch_size={batch_size} and max_cache_len={max_cache_len} must both be > 0")
+        batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -42,6 +41,9 @@ class StaticCache:
         self.max_cache_len = max_cache_len
         self.cache_len = self._buffer_len(config, max_cache_len)
         self.dtype = jnp.dtype(dtype)
+        # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
+        device = jnp.zeros((), jnp.int32).devices().pop()  # where jnp.zeros puts the buffers below
+        cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), f"{device} memory")
         shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
         self.keys = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
         self.values = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
@@ -150,16 +152,24 @@ class StaticCache:
                 "in place by donation, so each call consumes its input cache. Use the cache that call returned "
                 "(logits, cache = ...), or reset()/build a new cache")
 
-    def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: jnp.dtype) -> None:
-        """Refuse a cache built for another model, batch or dtype, or one already donated."""
-        self.check_live()
-        cache_checks.check_compatible(self, config, batch_size, jnp.dtype(model_dtype))
+    @property
+    def device(self) -> str:
+        """The device(s) holding the buffers, as a label: "TFRT_CPU_0", "cuda:0", or several joined by "+"."""
+        return device_label(self.keys[0])
 
-    def check_forward(self, config: MistralConfig, input_ids: jax.Array, model_dtype: jnp.dtype) -> None:
+    def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: jnp.dtype,
+                         model_device: str) -> None:
+        """Refuse a cache already donated, or built for another device, model (kind, window, layers, heads,
+        head_dim), dtype or batch."""
+        self.check_live()
+        cache_checks.check_compatible(self, config, batch_size, jnp.dtype(model_dtype), model_device)
+
+    def check_forward(self, config: MistralConfig, input_ids: jax.Array, model_dtype: jnp.dtype,
+                      model_device: str) -> None:
         """Refuse a forward this cache was not built for, before anything is dispatched."""
         if input_ids.ndim != 2:
             raise CacheError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len]")
-        self.check_compatible(config, input_ids.shape[0], model_dtype)
+        self.check_compatible(config, input_ids.shape[0], model_dtype, model_device)
         self._check_write_range(input_ids.shape[1])
 
     def next_positions(self) -> jax.Array:
@@ -211,6 +221,21 @@ class SlidingWindowCache(StaticCache):
         return num_new == 1
 
 
+def device_label(array: jax.Array) -> str:
+    """The device(s) an array lives on, as a label for comparisons and messages."""
+    return "+".join(sorted(str(device) for device in array.devices()))
+
+
+def available_memory(device: jax.Device) -> int | None:
+    """Bytes a new allocation on `device` can still take (None when unknown: no check)."""
+    if device.platform == "cpu":
+        return cache_checks.host_available_bytes()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
                dtype: jnp.dtype = jnp.float32) -> StaticCache:
     """Build a cache by name: "static" or "sliding_window"."""
@@ -225,4 +250,4 @@ def cache_fields(cache: StaticCache) -> dict[str, object]:
     return {k: v for k, v in vars(cache).items() if k not in ("keys", "values", "slot_positions", "length")}
 
 
-__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields"]
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "device_label"]

@@ -20,41 +20,58 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_cache.cache import StaticCache, make_cache
+from jax_cache.cache import StaticCache, available_memory, make_cache
 from jax_cache.model import Mistral
-from twincache.errors import InputError, NonFiniteLogitsError
+from twincache import cache_checks
+from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
     append_tokens,
     check_budget,
+    check_positions,
     pad_token_id,
     plan_cache,
     prepare_batch,
-    validate_prompts,
+    prepare_continuation,
 )
 
 MIN_PROMPT_BUCKET = 16
+_CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
+               "jax_cache.interop.cache_from_torch), or a kind name")
+MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 DecodeStep = Callable[[jax.Array, jax.Array, StaticCache], tuple[jax.Array, StaticCache]]
+
+
+def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """fp32 logits [B, V] scaled by the temperature, with the tokens top-k and top-p leave out at -inf. [B, V]
+
+    Scaled as (logits - max) / T: the top token sits at 0 and every other is below it, so a tiny T overflows only
+    to -inf (never to inf, or inf - inf = NaN), and sampling tends to greedy as T -> 0. A T below float32's smallest
+    normal number acts as that number. Both filters cut by value, so a tie at the boundary keeps every tied token.
+    """
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
+    logits = (logits - peak) / max(sampling.temperature, MIN_TEMPERATURE)
+    if sampling.top_k:
+        kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # [B, V], descending
+        sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays.
+        kept = jnp.sum((jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < sampling.top_p, axis=-1,
+                       keepdims=True)  # [B, 1]
+        cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)  # [B, 1], the smallest logit kept
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return logits
 
 
 def sample(logits: jax.Array, sampling: SamplingParams, key: jax.Array) -> jax.Array:
     """Next token per row from fp32 logits [B, V]: greedy, or temperature with top-k and top-p filtering. [B] int32."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # [B, 1]
-        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
-    if sampling.top_p < 1.0:
-        order = jnp.argsort(-logits, axis=-1)  # [B, V]
-        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
-        drop_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) >= sampling.top_p
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
-        logits = jnp.where(drop, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filter_logits(logits, sampling), axis=-1).astype(jnp.int32)
 
 
 class ModelGraph:
@@ -192,7 +209,7 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
         # The model's own checks are skipped under tracing, and inside the jitted step an out-of-range write position
         # would be clamped silently by dynamic_update_slice: refuse it (and bad ids, batch, dtype) before dispatch.
         model.check_inputs(input_ids, positions, None)
-        cache.check_forward(model.config, input_ids, model.dtype)
+        cache.check_forward(model.config, input_ids, model.dtype, model.device)
         return _decode_step(graph, state, cache, input_ids, positions)
 
     return step
@@ -209,7 +226,7 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
     """Run the left-padded prompt [B, T] through the model, filling the (donated) cache.
     Returns last-token logits [B, V] fp32 and the new cache."""
     model.check_inputs(input_ids, jnp.cumsum(attention_mask, axis=-1) - 1, attention_mask)
-    cache.check_forward(model.config, input_ids, model.dtype)
+    cache.check_forward(model.config, input_ids, model.dtype, model.device)
     graph, state = split_model(model)
     return _prefill(graph, state, cache, input_ids, attention_mask)
 
@@ -225,18 +242,24 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     callback, decodes one jitted step at a time.
     """
     config = model.config
-    sampling = sampling or SamplingParams()
-    prompt_ids, ids_np, mask_np = prepare_batch(prompts, config, sampling, max_new_tokens)  # ids, mask: [B, T]
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
+    sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = ids_np.shape
-    if isinstance(cache, StaticCache):
-        cache.check_compatible(config, batch, model.dtype)  # before reset(): a refused call changes nothing
+    if cache is not None and not isinstance(cache, str):
+        cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
+        cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
-        cache = cache.reset()
         bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens)
+        check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
+        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
+        cache = cache.reset()
     else:
         kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         bounded = kind == "static" or cache_len < config.sliding_window
         bucket = prompt_bucket(prompt_len, cache_len - max_new_tokens if bounded and max_cache_len else None)
+        check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
+        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
         if max_cache_len is None:  # room for the bucket's extra padding columns
             cache_len = bucket + max_new_tokens
         cache = make_cache(kind, config, batch, cache_len, model.dtype)
@@ -275,13 +298,13 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     is the updated one.
     """
     config = model.config
-    sampling = sampling or SamplingParams()
-    sampling.validate(config.vocab_size)
-    last_tokens = [t[0] for t in validate_prompts([[int(t)] for t in last_tokens], config)]
-    cache.check_compatible(config, len(last_tokens), model.dtype)
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
+    last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens)
+    cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
+    # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
+    check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, int(cache.length) + max_new_tokens)
+    _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
     eos, batch = config.eos_token_id, len(last_tokens)
     graph, state = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
@@ -340,6 +363,17 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         step_logits = jnp.concatenate([empty, *logits_per_step], axis=1)  # [B, steps, V]
     return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
                             decode_s, decode_steps, timed_steps, step_logits, cache)
+
+
+def _check_outputs_fit(batch: int, steps: int, vocab_size: int, fused: bool, return_logits: bool) -> None:
+    """The fused loop allocates its [batch, steps] tokens (and [batch, steps, vocab] logits) up front, and returned
+    logits are concatenated once more at the end: refuse what cannot fit before anything is compiled or run."""
+    needed = (batch * steps * 4 if fused else 0) + (2 * batch * steps * vocab_size * 4 if return_logits else 0)
+    device = jnp.zeros((), jnp.int32).devices().pop()
+    what = f"decoding {steps} steps" + (f" with return_logits (2 x [{batch}, {steps}, {vocab_size}] float32)"
+                                        if return_logits else f" fused ([{batch}, {steps}] int32 tokens)")
+    cache_checks.check_fits(what, needed, available_memory(device), f"{device} memory",
+                            "generate fewer tokens" + (" or pass return_logits=False" if return_logits else ""))
 
 
 def _without_seed(sampling: SamplingParams) -> SamplingParams:

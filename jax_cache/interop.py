@@ -16,6 +16,7 @@ import torch_cache.cache as torch_caches
 import torch_cache.model as torch_model
 from jax_cache import cache as jax_caches
 from jax_cache.model import Mistral
+from twincache import cache_checks
 from twincache.config import MistralConfig
 
 _ARRAY_FIELDS = ("slot_positions", "length")
@@ -66,8 +67,22 @@ def to_torch(model: Mistral, device: str | torch.device = "cpu") -> torch_model.
     return torch_version.eval().requires_grad_(False)
 
 
+def _check_handoff(cache: object, own_type: type, config: MistralConfig, where: str) -> None:
+    """The cache must be of the source backend, built for `config` (kind, window, layers, heads, head_dim), and hold
+    arrays of the shapes it describes: the copy is built from both, so neither is trusted alone."""
+    backend = own_type.__module__.split(".")[0]
+    cache_checks.check_cache_type(cache, own_type, backend, f"{where} copies a {backend} cache")
+    if isinstance(cache, jax_caches.StaticCache):
+        cache.check_live()
+    cache_checks.check_model_geometry(cache, config)
+    keys, values, slot_positions, length = cache.keys, cache.values, cache.slot_positions, cache.length
+    cache_checks.check_layout(cache, [k.shape for k in keys], [v.shape for v in values], slot_positions.shape,
+                              length.shape, where)
+
+
 def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig) -> jax_caches.StaticCache:
     """A jax_cache copy of a live torch cache: same kind, sizes, contents, positions and length."""
+    _check_handoff(cache, torch_caches.StaticCache, config, "cache_from_torch")
     jax_cache = jax_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
                                       _jax_dtype(cache.dtype))
     copy = lambda t: jnp.array(_to_jax(t.clone()))  # noqa: E731 - an owned JAX buffer, independent of torch
@@ -78,7 +93,7 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig) -> 
 def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig,
                    device: str | torch.device = "cpu") -> torch_caches.StaticCache:
     """A torch_cache copy of a live JAX cache. Its buffers are fresh static addresses on `device`."""
-    cache.check_live()
+    _check_handoff(cache, jax_caches.StaticCache, config, "cache_to_torch")
     torch_cache = torch_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
                                           _torch_dtype(cache.dtype), device)
     for ours, theirs in ((torch_cache.keys, cache.keys), (torch_cache.values, cache.values)):

@@ -11,14 +11,16 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from safetensors import safe_open
 
-from jax_cache.cache import StaticCache
+from jax_cache.cache import StaticCache, device_label
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
+from twincache.generation import INT32_MAX
 
 _ModuleList = getattr(nnx, "List", list)
 
@@ -189,7 +191,7 @@ class Mistral(nnx.Module):
         embed = self.model.embed_tokens.weight[...]
         if not isinstance(input_ids, jax.core.Tracer):
             self.check_inputs(input_ids, positions, attention_mask)
-            cache.check_forward(self.config, input_ids, embed.dtype)
+            cache.check_forward(self.config, input_ids, embed.dtype, self.device)
         query_valid = jnp.ones_like(input_ids, dtype=bool) if attention_mask is None else attention_mask.astype(bool)
         new_positions = jnp.where(query_valid, positions, -1).astype(jnp.int32)  # [B, S]; padding is never a key
         key_positions = cache.attended_positions(new_positions)  # [B, Lkv]
@@ -217,13 +219,20 @@ class Mistral(nnx.Module):
             if array is not None and tuple(array.shape) != tuple(input_ids.shape):
                 raise InputError(f"{name} has shape {list(array.shape)} but input_ids has "
                                  f"{list(input_ids.shape)}; they must match")
-        valid = positions if attention_mask is None else jnp.where(attention_mask.astype(bool), positions, 0)
-        if valid.size and int(valid.min()) < 0:
-            raise InputError(f"positions of real tokens must be >= 0, got {int(valid.min())}")
+        positions = np.asarray(positions)  # as given: an int64 position past int32 must not wrap on the way in
+        valid = positions if attention_mask is None else positions[np.asarray(attention_mask).astype(bool)]
+        if valid.size and (int(valid.min()) < 0 or int(valid.max()) > INT32_MAX):
+            bad = int(valid.min()) if int(valid.min()) < 0 else int(valid.max())
+            raise InputError(f"positions of real tokens must be in [0, {INT32_MAX}] (int32), got {bad}")
 
     @property
     def dtype(self) -> jnp.dtype:
         return self.model.embed_tokens.weight[...].dtype
+
+    @property
+    def device(self) -> str:
+        """The device(s) holding the weights, labelled as jax_cache.cache.device_label does."""
+        return device_label(self.model.embed_tokens.weight[...])
 
     @classmethod
     def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array]) -> Mistral:

@@ -26,8 +26,7 @@ class StaticCache:
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
-        if batch_size <= 0 or max_cache_len <= 0:
-            raise CacheError(f"batch_size={batch_size} and max_cache_len={max_cache_len} must both be > 0")
+        batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -36,6 +35,8 @@ class StaticCache:
         self.cache_len = self._buffer_len(config, max_cache_len)
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
+        # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
+        cache_checks.check_cache_fits(self, dtype.itemsize, available_memory(self.device), f"{self.device} memory")
         shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
@@ -112,10 +113,8 @@ class StaticCache:
 
     def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: torch.dtype,
                          model_device: torch.device) -> None:
-        """Refuse a cache built for another model, batch, dtype or device."""
-        if model_device != self.device:
-            raise CacheError(f"model is on {model_device} but the cache is on {self.device}; move them to one device")
-        cache_checks.check_compatible(self, config, batch_size, model_dtype)
+        """Refuse a cache built for another device, model (kind, window, layers, heads, head_dim), dtype or batch."""
+        cache_checks.check_compatible(self, config, batch_size, model_dtype, model_device)
 
     def check_forward(self, config: MistralConfig, input_ids: torch.Tensor, model_dtype: torch.dtype,
                       model_device: torch.device) -> None:
@@ -175,6 +174,16 @@ class SlidingWindowCache(StaticCache):
         # One token overwrites the slot of position q - W, which its query cannot see; several would overwrite
         # keys that earlier queries of the same chunk still need.
         return num_new == 1
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation on `device` can still take (None when unknown: no check)."""
+    if device.type == "cpu":
+        return cache_checks.host_available_bytes()
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # + the pool's free
+    return None
 
 
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,

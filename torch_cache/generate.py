@@ -15,43 +15,59 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from torch_cache.cache import StaticCache, make_cache
+from torch_cache.cache import StaticCache, available_memory, make_cache
 from torch_cache.model import Mistral
-from twincache.errors import InputError, NonFiniteLogitsError
+from twincache import cache_checks
+from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
     append_tokens,
     check_budget,
+    check_positions,
     plan_cache,
     positions_from_mask,
     prepare_batch,
+    prepare_continuation,
     validate_attention_mask,
-    validate_prompts,
 )
 
 MAX_DECODE_VARIANTS = 64
+_CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy a jax_cache one with "
+               "jax_cache.interop.cache_to_torch), or a kind name")
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache], torch.Tensor]
 _compiled_steps: weakref.WeakKeyDictionary[Mistral, DecodeStep] = weakref.WeakKeyDictionary()
+
+
+def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """fp32 logits [B, V] scaled by the temperature, with the tokens top-k and top-p leave out at -inf. [B, V]
+
+    Scaled as (logits - max) / T: the top token sits at 0 and every other is below it, so a tiny T overflows only
+    to -inf (never to inf, or inf - inf = NaN), and sampling tends to greedy as T -> 0. A T below float32's smallest
+    normal number acts as that number. Both filters cut by value, so a tie at the boundary keeps every tied token.
+    """
+    peak = logits.max(dim=-1, keepdim=True).values  # [B, 1]
+    logits = (logits - peak) / max(sampling.temperature, MIN_TEMPERATURE)
+    if sampling.top_k:
+        kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays.
+        kept = ((sorted_probs.cumsum(dim=-1) - sorted_probs) < sampling.top_p).sum(dim=-1, keepdim=True)  # [B, 1]
+        cutoff = sorted_logits.gather(-1, kept - 1)  # [B, 1], the smallest logit kept
+        logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    return logits
 
 
 def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Next token per row from fp32 logits [B, V]: greedy, or temperature with top-k and top-p filtering. [B] int64."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    logits = logits / sampling.temperature
-    if sampling.top_k:
-        kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
-        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+    return torch.multinomial(filter_logits(logits, sampling).softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
 def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
@@ -94,26 +110,32 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
-    object to reuse (it is reset first). `on_token` receives each step's tokens, one per row.
+    object to reuse (it is reset first). `on_token` receives each step's tokens, one per row. Every input is
+    validated before a given cache is touched: a refused call changes nothing.
     """
     config = model.config
-    sampling = sampling or SamplingParams()
-    prompt_ids, ids_np, mask_np = prepare_batch(prompts, config, sampling, max_new_tokens)  # ids, mask: [B, T]
-    batch, prompt_len = ids_np.shape
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
+    batch, prompt_len = inputs.input_ids.shape  # [B, T]
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
-    if isinstance(cache, StaticCache):
+    if return_logits:
+        _check_logits_fit(batch, max_new_tokens, config.vocab_size, device)
+    if cache is not None and not isinstance(cache, str):
+        cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
     else:
         kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         cache = make_cache(kind, config, batch, cache_len, dtype, device)
+    prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:
         return GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
                                 0, 0, None, cache)
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     start = time.perf_counter()
-    logits = prefill(model, torch.from_numpy(ids_np).long().to(device), torch.from_numpy(mask_np).to(device), cache)
+    logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
+                     torch.from_numpy(inputs.attention_mask).to(device), cache)  # [B, V]
     _, _, first = _pick(logits, torch.zeros(batch, dtype=torch.bool, device=device), sampling, generator,
                         config.eos_token_id, step=0)
     prefill_s = time.perf_counter() - start
@@ -139,27 +161,27 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     A row whose last token is EOS is finished. Returns only the new tokens; `result.cache` is `cache`, written in place.
     """
     config = model.config
-    sampling = sampling or SamplingParams()
-    sampling.validate(config.vocab_size)
+    cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
+    last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens)
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
-    last_tokens = validate_prompts([[int(t)] for t in last_tokens], config)
     cache.check_compatible(config, len(last_tokens), dtype, device)
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
+    positions = cache.next_positions()[:, None]  # [B, 1], the positions of last_tokens
+    check_positions(config, int(positions.max()) + 1, max_new_tokens, int(cache.length) + max_new_tokens)
+    if return_logits:
+        _check_logits_fit(len(last_tokens), max_new_tokens, config.vocab_size, device)
     if generator is None and not sampling.greedy:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     eos = config.eos_token_id
-    next_ids = torch.tensor([t[0] for t in last_tokens], dtype=torch.long, device=device)  # [B]
+    next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
     finished = next_ids == eos if eos is not None else torch.zeros_like(next_ids, dtype=torch.bool)
-    positions = cache.next_positions()[:, None]  # [B, 1]
     step = decode_step_fn(model, compile)
     tokens: list[list[int]] = [[] for _ in last_tokens]
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0
     decode_steps = 0
     decode_start = time.perf_counter()
-    all_done = eos is not None and all(t[0] == eos for t in last_tokens)
+    all_done = eos is not None and all(t == eos for t in last_tokens)
     while decode_steps < max_new_tokens and not all_done:
         logits = step(next_ids[:, None], positions, cache).float()  # [B, V]
         positions = positions + 1
@@ -183,16 +205,26 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                             decode_s, decode_steps, max(decode_steps - 1, 0), logits_out, cache)
 
 
+def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.device) -> None:
+    """return_logits keeps [batch, steps, vocab] fp32 logits (twice, while they are stacked): refuse it up front."""
+    cache_checks.check_fits(f"return_logits over {steps} steps (2 x [{batch}, {steps}, {vocab_size}] float32)",
+                            2 * batch * steps * vocab_size * 4, available_memory(device), f"{device} memory",
+                            "generate fewer tokens or pass return_logits=False")
+
+
 def _pick(logits: torch.Tensor, finished: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
           eos: int | None, step: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Sample one step's tokens [B]; finished rows keep emitting EOS. Raises on non-finite logits.
 
     Returns the tokens on device and on the host: one host sync per step carries them and the finiteness flag."""
+    finite_rows = torch.isfinite(logits).all(dim=-1, keepdim=True)  # [B, 1]
+    if not sampling.greedy:  # a row with NaN/Inf is drawn from zeros instead: multinomial would raise before we can
+        logits = logits.where(finite_rows, 0.0)
     next_ids = sample(logits, sampling, generator)  # [B]
     if eos is not None:
         next_ids = torch.where(finished, eos, next_ids)
         finished = finished | (next_ids == eos)
-    *row_ids, non_finite = torch.cat([next_ids, (~torch.isfinite(logits).all())[None].long()]).tolist()
+    *row_ids, non_finite = torch.cat([next_ids, (~finite_rows.all())[None].long()]).tolist()
     if non_finite:
         raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
                                    f"or dtype ({logits.dtype}) are not usable for this input")

@@ -17,6 +17,7 @@ from torch_cache.cache import StaticCache
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import InputError
+from twincache.generation import INT32_MAX
 
 # Most rows a compiled CPU projection writes as multiply-and-sum, by dtype (else 1). Measured on a 2-core EPYC, torch
 # 2.13, [1536, 512] weights: fp32 1 row 40 GB/s vs 15 with F.linear, 4 rows 17 vs 9.5, 8 rows slower; bf16 wins at 1.
@@ -191,8 +192,11 @@ class Mistral(nn.Module):
                 raise InputError(f"{name} has shape {list(tensor.shape)} but input_ids has "
                                  f"{list(input_ids.shape)}; they must match")
         valid = positions if attention_mask is None else positions[attention_mask.bool()]
-        if valid.numel() and int(valid.min()) < 0:
-            raise InputError(f"positions of real tokens must be >= 0, got {int(valid.min())}")
+        if valid.numel():
+            low, high = torch.stack(torch.aminmax(valid)).tolist()  # one host sync
+            if low < 0 or high > INT32_MAX:  # int64 positions past int32 would wrap in the cache's int32 positions
+                raise InputError(f"positions of real tokens must be in [0, {INT32_MAX}] (int32), got "
+                                 f"{low if low < 0 else high}")
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,

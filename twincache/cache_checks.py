@@ -1,25 +1,44 @@
-"""Checks both backends' caches run before anything is written or dispatched, with one wording for both.
+"""Checks both backends' caches run before anything is allocated, written or dispatched, with one wording for both.
 
-A cache is read through the attributes both backends define: num_layers, num_kv_heads, head_dim, batch_size,
-dtype, capacity. Dtypes are compared as their framework's own objects and printed as such.
+A cache is read through the attributes both backends define: kind, num_layers, num_kv_heads, head_dim, batch_size,
+dtype, device, capacity, cache_len and, for a ring, sliding_window. Dtypes and devices are compared as their
+framework's own objects and printed as such.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from twincache.config import MistralConfig
-from twincache.errors import CacheError
+from twincache.errors import CacheError, ResourceError
+from twincache.generation import INT32_MAX, check_count
 
 
-def check_compatible(cache: Any, config: MistralConfig, batch_size: int, model_dtype: object) -> None:
-    """Refuse a cache built for another model (layers, kv heads, head_dim), batch or dtype."""
+def check_model_geometry(cache: Any, config: MistralConfig) -> None:
+    """Refuse a cache shaped for another model: its kind and window, layers, kv heads or head_dim."""
+    if cache.kind == "sliding_window":
+        if config.sliding_window is None:
+            raise CacheError(f"this sliding_window cache was built for a window of {cache.sliding_window}, but the "
+                             "model's config has sliding_window=null; use a static cache")
+        if cache.sliding_window != config.sliding_window:
+            raise CacheError(f"this sliding_window cache was built for sliding_window={cache.sliding_window}, but "
+                             f"the model's window is {config.sliding_window}; build the cache from this model's config")
     if (config.num_hidden_layers, config.num_key_value_heads, config.head_dim) != (
             cache.num_layers, cache.num_kv_heads, cache.head_dim):
         raise CacheError(
             f"cache was built for {cache.num_layers} layers x {cache.num_kv_heads} kv heads x head_dim "
             f"{cache.head_dim}, but the model has {config.num_hidden_layers} x {config.num_key_value_heads} x "
             f"{config.head_dim}; build the cache from this model's config")
+
+
+def check_compatible(cache: Any, config: MistralConfig, batch_size: int, model_dtype: object,
+                     model_device: object) -> None:
+    """Refuse a cache built for another device, model (kind, window, layers, kv heads, head_dim), dtype or batch."""
+    if model_device != cache.device:
+        raise CacheError(f"model is on {model_device} but the cache is on {cache.device}; move them to one device")
+    check_model_geometry(cache, config)
     if model_dtype != cache.dtype:
         raise CacheError(f"cache dtype {cache.dtype} differs from model dtype {model_dtype}; "
                          f"build the cache with dtype={model_dtype}")
@@ -28,12 +47,94 @@ def check_compatible(cache: Any, config: MistralConfig, batch_size: int, model_d
                          "build a cache whose batch_size equals the number of rows")
 
 
+def check_cache_type(cache: object, own_type: type, backend: str, hint: str) -> None:
+    """Refuse a cache object of the other backend (or anything else) where this backend's cache is needed."""
+    if not isinstance(cache, own_type):
+        raise CacheError(f"cache is a {type(cache).__module__}.{type(cache).__name__}, not a {backend} cache; {hint}")
+
+
+def check_layout(cache: Any, key_shapes: Sequence[Sequence[int]], value_shapes: Sequence[Sequence[int]],
+                 slot_positions_shape: Sequence[int], length_shape: Sequence[int], where: str) -> None:
+    """Refuse arrays that do not match what the cache says it is (a handoff must not trust either side alone)."""
+    expected_len = min(cache.sliding_window, cache.max_cache_len) if cache.kind == "sliding_window" else (
+        cache.max_cache_len)
+    if cache.cache_len != expected_len:
+        raise CacheError(f"{where}: this {cache.kind} cache says cache_len={cache.cache_len}, but max_cache_len="
+                         f"{cache.max_cache_len} implies {expected_len}")
+    kv = (cache.batch_size, cache.num_kv_heads, cache.cache_len, cache.head_dim)
+    for name, shapes in (("keys", key_shapes), ("values", value_shapes)):
+        if len(shapes) != cache.num_layers:
+            raise CacheError(f"{where}: the cache holds {len(shapes)} {name} arrays for {cache.num_layers} layers")
+        for layer, shape in enumerate(shapes):
+            if tuple(shape) != kv:
+                raise CacheError(f"{where}: {name}[{layer}] has shape {list(shape)}, but the cache describes "
+                                 f"{list(kv)} [batch, kv_heads, cache_len, head_dim]")
+    for name, shape, want in (("slot_positions", slot_positions_shape, (cache.batch_size, cache.cache_len)),
+                              ("length", length_shape, ())):
+        if tuple(shape) != want:
+            raise CacheError(f"{where}: {name} has shape {list(shape)}, but the cache describes {list(want)}")
+
+
+def check_cache_size(batch_size: object, max_cache_len: object) -> tuple[int, int]:
+    """A cache's batch and capacity: integers in [1, int32 max]. Returns them as Python ints."""
+    return check_count("batch_size", batch_size, minimum=1), check_count("max_cache_len", max_cache_len, minimum=1)
+
+
+def cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, cache_len: int, head_dim: int,
+                itemsize: int) -> int:
+    """Bytes a cache allocates: K and V per layer, plus int32 slot positions and length."""
+    return 2 * num_layers * batch_size * num_kv_heads * cache_len * head_dim * itemsize + 4 * batch_size * cache_len + 4
+
+
+def check_cache_fits(cache: Any, itemsize: int, available: int | None, memory: str) -> None:
+    """Refuse, before allocating, a cache larger than the `memory` available to hold it (None: unknown, not checked)."""
+    needed = cache_bytes(cache.num_layers, cache.batch_size, cache.num_kv_heads, cache.cache_len, cache.head_dim,
+                         itemsize)
+    check_fits(f"a {cache.kind} cache of {cache.num_layers} layers x batch {cache.batch_size} x {cache.num_kv_heads} "
+               f"kv heads x {cache.cache_len} slots x head_dim {cache.head_dim} in {cache.dtype}", needed, available,
+               memory, "lower max_cache_len (--max-cache-len) or max_new_tokens, or use the sliding_window cache")
+
+
+def check_fits(what: str, needed: int, available: int | None, memory: str, advice: str) -> None:
+    """Refuse an allocation of `needed` bytes when less `memory` is available; the message gives both figures."""
+    if available is not None and needed > available:
+        raise ResourceError(f"{what} needs {format_bytes(needed)}, but only {format_bytes(available)} of {memory} "
+                            f"is available; {advice}")
+
+
+def format_bytes(count: int) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
+def host_available_bytes() -> int | None:
+    """Memory the host can still give (Linux MemAvailable: free plus reclaimable cache); None when unknown."""
+    try:
+        import psutil
+    except ImportError:  # psutil is optional: read the kernel's own figure
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+    return int(psutil.virtual_memory().available)
+
+
 def check_write_range(cache: Any, start: int, num_new: int) -> None:
-    """Refuse a write of num_new tokens from column `start` outside [0, capacity): JAX would clamp it silently."""
-    if start < 0 or (cache.capacity is not None and start + num_new > cache.capacity):
-        raise CacheError(f"writing {num_new} tokens at columns {start}..{start + num_new - 1} is outside this "
+    """Refuse a write of num_new tokens from column `start` outside [0, capacity) or past the int32 limit of
+    columns: JAX would clamp it silently, and an int32 length would wrap."""
+    end = start + num_new
+    if start < 0 or (cache.capacity is not None and end > cache.capacity):
+        raise CacheError(f"writing {num_new} tokens at columns {start}..{end - 1} is outside this "
                          f"{type(cache).__name__}'s capacity [0, {cache.capacity}); reset() it or build a larger "
                          "cache (max_cache_len)")
+    if end > INT32_MAX:
+        raise CacheError(f"writing {num_new} tokens at columns {start}..{end - 1} passes {INT32_MAX}, the int32 "
+                         "limit of cache columns and lengths; reset() the cache")
 
 
 def check_states(cache: Any, layer_idx: int, name: str, shape: tuple[int, ...], dtype: object) -> None:

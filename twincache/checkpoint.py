@@ -7,7 +7,9 @@ Pickled `.bin` weights are never opened.
 from __future__ import annotations
 
 import json
+import re
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -18,6 +20,8 @@ from twincache.errors import CheckpointError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100_000_000
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_config(model_dir: str | Path) -> MistralConfig:
@@ -30,29 +34,60 @@ def load_config(model_dir: str | Path) -> MistralConfig:
     return MistralConfig.from_json(model_dir / "config.json")
 
 
-def expected_tensor_shapes(config: MistralConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and shapes of a Mistral checkpoint; both backends name their parameters the same way."""
+def _layer_shapes(config: MistralConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor name suffix -> shape of one decoder layer (the same for every layer)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_width = config.num_attention_heads * config.head_dim
     kv_width = config.num_key_value_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    return {
+        "self_attn.q_proj.weight": (q_width, hidden),
+        "self_attn.k_proj.weight": (kv_width, hidden),
+        "self_attn.v_proj.weight": (kv_width, hidden),
+        "self_attn.o_proj.weight": (hidden, q_width),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+
+
+def iter_expected_tensor_shapes(config: MistralConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor a Mistral checkpoint holds, in file order, generated lazily: a config
+    claiming 10^8 layers costs nothing until its first missing tensor is reached."""
+    yield "model.embed_tokens.weight", (config.vocab_size, config.hidden_size)
+    layer = _layer_shapes(config)
     for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        shapes |= {
-            prefix + "self_attn.q_proj.weight": (q_width, hidden),
-            prefix + "self_attn.k_proj.weight": (kv_width, hidden),
-            prefix + "self_attn.v_proj.weight": (kv_width, hidden),
-            prefix + "self_attn.o_proj.weight": (hidden, q_width),
-            prefix + "mlp.gate_proj.weight": (inter, hidden),
-            prefix + "mlp.up_proj.weight": (inter, hidden),
-            prefix + "mlp.down_proj.weight": (hidden, inter),
-            prefix + "input_layernorm.weight": (hidden,),
-            prefix + "post_attention_layernorm.weight": (hidden,),
-        }
-    shapes["model.norm.weight"] = (hidden,)
+        for suffix, shape in layer.items():
+            yield f"model.layers.{i}.{suffix}", shape
+    yield "model.norm.weight", (config.hidden_size,)
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
+        yield "lm_head.weight", (config.vocab_size, config.hidden_size)
+
+
+def expected_tensor_shapes(config: MistralConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of a Mistral checkpoint; both backends name their parameters the same way.
+    Builds one entry per tensor: call it only for a config already checked against a checkpoint's tensor list."""
+    return dict(iter_expected_tensor_shapes(config))
+
+
+def expected_shape(config: MistralConfig, name: str) -> tuple[int, ...] | None:
+    """The shape `name` has in a checkpoint of `config`; None when such a checkpoint holds no tensor of that name."""
+    globals_ = {"model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+                "model.norm.weight": (config.hidden_size,)}
+    if not config.tie_word_embeddings:
+        globals_["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    if name in globals_:
+        return globals_[name]
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None or int(match[1]) >= config.num_hidden_layers or match[1] != str(int(match[1])):
+        return None
+    return _layer_shapes(config).get(match[2])
+
+
+def is_ignorable_tensor(name: str) -> bool:
+    """Buffers some older checkpoints store that are derived from config.json (transformers skips them too)."""
+    return name.endswith(_IGNORABLE_SUFFIXES)
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
@@ -96,10 +131,10 @@ def tensor_files(model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tupl
     index_path, single_path = model_dir / INDEX_FILE, model_dir / SINGLE_FILE
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            weight_map = json.loads(index_path.read_bytes().decode("utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index_path} is not a valid safetensors index (no 'weight_map')") from None
-        shard_names = sorted(set(weight_map.values()))
+        shard_names = _shard_names(weight_map, index_path)
     elif single_path.is_file():
         shard_names = [SINGLE_FILE]
     else:
@@ -117,18 +152,46 @@ def tensor_files(model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tupl
         if not shard_path.is_file():
             raise CheckpointError(f"shard {shard} named in {INDEX_FILE} is missing from {model_dir}")
         for name, entry in read_safetensors_header(shard_path).items():
+            if name in files:
+                raise CheckpointError(f"tensor {name} is stored twice, in {files[name].name} and {shard}; a "
+                                      "checkpoint must hold each tensor once")
             files[name], shapes[name] = shard_path, tuple(entry["shape"])
     return files, shapes
 
 
+def _shard_names(weight_map: object, index_path: Path) -> list[str]:
+    """The shard file names of an index's weight_map: plain file names in the checkpoint directory."""
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names, not hold "
+                              f"{type(weight_map).__name__}")
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise CheckpointError(f"{index_path}: weight_map[{tensor!r}] = {shard!r} is not a shard file name in "
+                                  "the checkpoint directory; each value must be a plain file name such as "
+                                  "'model-00001-of-00002.safetensors'")
+    return sorted(set(weight_map.values()))
+
+
 def check_tensor_shapes(config: MistralConfig, stored: dict[str, tuple[int, ...]], model_dir: str | Path) -> None:
-    """Refuse a checkpoint that lacks a tensor or holds one of the wrong shape, naming it."""
-    for name, shape in expected_tensor_shapes(config).items():
+    """Refuse a checkpoint that lacks a tensor, holds one of the wrong shape, or holds one config.json does not
+    describe (extra layers, an lm_head beside tied embeddings), naming it. Runs in time proportional to the
+    checkpoint's own tensor list, whatever sizes config.json claims."""
+    for name, shape in iter_expected_tensor_shapes(config):
         if name not in stored:
             raise CheckpointError(f"checkpoint {model_dir} is missing tensor {name} (expected shape {list(shape)})")
         if tuple(stored[name]) != shape:
             raise CheckpointError(f"checkpoint {model_dir} tensor {name} has shape {list(stored[name])}, "
                                   f"but config.json implies {list(shape)}")
+    unexpected = sorted(name for name in stored
+                        if expected_shape(config, name) is None and not is_ignorable_tensor(name))
+    if unexpected:
+        shown = ", ".join(unexpected[:3]) + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else "")
+        hint = ("config.json says tie_word_embeddings=true, which uses the embedding as the output head; set it to "
+                "false if lm_head.weight is the model's own head" if "lm_head.weight" in unexpected else
+                f"config.json describes num_hidden_layers={config.num_hidden_layers}; fix config.json or the "
+                "checkpoint so they describe the same model")
+        raise CheckpointError(f"checkpoint {model_dir} holds {len(unexpected)} tensor(s) config.json does not "
+                              f"describe: {shown}; {hint}")
 
 
 def open_checkpoint(model_dir: str | Path) -> tuple[MistralConfig, dict[str, Path]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,44 @@ _UNSUPPORTED_IF_SET: dict[str, Any] = {
 }
 
 
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _type_name(value: object) -> str:
+    """How a JSON value reads to a user: a string, a boolean, null, a list, ..."""
+    names = {str: "a string", bool: "a boolean", type(None): "null", list: "a list", dict: "an object",
+             float: "a float"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _integer(name: str, value: object) -> int:
+    """A config integer: a JSON integer, never a boolean, float or numeric string."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config field {name}={value!r} must be an integer, not {_type_name(value)}")
+    return value
+
+
+def _positive_integer(name: str, value: object) -> int:
+    if _integer(name, value) <= 0:
+        raise ConfigError(f"config field {name}={value!r} must be a positive integer")
+    return value
+
+
+def _positive_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config field {name}={value!r} must be a number, not {_type_name(value)}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"config field {name}={value!r} must be a finite number > 0")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class MistralConfig:
+    """Every field is type-checked on construction: integers are ints (not bools, floats or strings), floats are
+    finite numbers, tie_word_embeddings is a bool. A wrong type is a ConfigError naming the field."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,25 +74,26 @@ class MistralConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "max_position_embeddings")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"config field {name}={value!r} must be a positive integer")
+        for name in _INT_FIELDS:
+            _positive_integer(name, getattr(self, name))
+        for name in ("rms_norm_eps", "rope_theta"):  # an int in JSON (rope_theta: 10000) is the same number
+            object.__setattr__(self, name, _positive_number(name, getattr(self, name)))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"config num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention needs it to be")
         if self.head_dim % 2:
             raise ConfigError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
+                                                or self.sliding_window <= 0):
             raise ConfigError(f"config sliding_window={self.sliding_window!r} must be a positive integer or null")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ConfigError(f"config rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if not isinstance(self.tie_word_embeddings, bool):  # "false" (a string) is truthy: it would tie silently
+            raise ConfigError(f"config field tie_word_embeddings={self.tie_word_embeddings!r} must be true or false, "
+                              f"not {_type_name(self.tie_word_embeddings)}")
+        for name in _TOKEN_FIELDS:
             value = getattr(self, name)
-            if value is not None and not 0 <= value < self.vocab_size:
+            if value is not None and not 0 <= _integer(name, value) < self.vocab_size:
                 raise ConfigError(f"config {name}={value} is outside the vocabulary [0, {self.vocab_size})")
 
     @property
@@ -65,10 +103,15 @@ class MistralConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MistralConfig:
-        """Read an HF config dict; refuse, naming the field, anything not computed exactly."""
+        """Read an HF config dict; refuse, naming the field, anything not computed exactly or of the wrong type."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json must hold a JSON object of fields, not {_type_name(raw)}")
         model_type = raw.get("model_type")
         if model_type != "mistral":
             raise ConfigError(f"config model_type={model_type!r} is not supported; twincache implements 'mistral' only")
+        for key in ("attention_bias", "mlp_bias"):
+            if key in raw and not isinstance(raw[key], bool):
+                raise ConfigError(f"config field {key}={raw[key]!r} must be true or false, not {_type_name(raw[key])}")
         for key, default in _UNSUPPORTED_IF_SET.items():
             if raw.get(key, default) not in (default, {}):
                 raise ConfigError(f"config field {key}={raw[key]!r} is not supported; only {key}={default!r} is")
@@ -77,6 +120,9 @@ class MistralConfig:
         rope_theta = raw.get("rope_theta")
         rope_parameters = raw.get("rope_parameters")
         if rope_parameters is not None:
+            if not isinstance(rope_parameters, dict):
+                raise ConfigError(f"config field rope_parameters={rope_parameters!r} must be an object or null, not "
+                                  f"{_type_name(rope_parameters)}")
             extra = {k: v for k, v in rope_parameters.items() if k not in ("rope_theta", "rope_type")}
             if rope_parameters.get("rope_type", "default") != "default" or extra:
                 raise ConfigError(f"config field rope_parameters={rope_parameters!r} is not supported; "
@@ -85,39 +131,49 @@ class MistralConfig:
         eos = raw.get("eos_token_id", 2)
         if isinstance(eos, list):
             if len(eos) != 1:
-                raise ConfigError(f"config field eos_token_id={eos!r} lists several ids; twincache supports one")
+                raise ConfigError(f"config field eos_token_id={eos!r} must be one id; twincache supports one")
             eos = eos[0]
-        try:
-            hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-            return cls(
-                vocab_size=raw["vocab_size"],
-                hidden_size=hidden,
-                intermediate_size=raw["intermediate_size"],
-                num_hidden_layers=raw["num_hidden_layers"],
-                num_attention_heads=heads,
-                num_key_value_heads=raw.get("num_key_value_heads") or heads,
-                head_dim=raw.get("head_dim") or hidden // heads,
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-                sliding_window=raw.get("sliding_window"),
-                max_position_embeddings=raw.get("max_position_embeddings", 32768),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_id=eos,
-                pad_token_id=raw.get("pad_token_id"),
-            )
-        except KeyError as missing:
-            raise ConfigError(f"config.json lacks the required field {missing.args[0]!r}") from None
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if name not in raw:
+                raise ConfigError(f"config.json lacks the required field {name!r}")
+        hidden = _positive_integer("hidden_size", raw["hidden_size"])
+        heads = _positive_integer("num_attention_heads", raw["num_attention_heads"])
+
+        def optional(name: str, default: object) -> object:  # absent or null: HF's default
+            return default if raw.get(name) is None else raw[name]
+
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=optional("num_key_value_heads", heads),
+            head_dim=optional("head_dim", hidden // heads),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta if rope_theta is not None else 10000.0,
+            sliding_window=raw.get("sliding_window"),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=raw.get("pad_token_id"),
+        )
 
     @classmethod
     def from_json(cls, path: str | Path) -> MistralConfig:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            text = path.read_bytes().decode("utf-8")
+            raw = json.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"{path} does not exist; a checkpoint directory needs an HF config.json") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {err.start}); config.json must be UTF-8 JSON") from None
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        except OSError as err:
+            raise ConfigError(f"{path} cannot be read ({err.strerror or err}); it must be a readable file") from None
         return cls.from_dict(raw)
 
     def to_hf_dict(self) -> dict[str, Any]:

@@ -30,3 +30,11 @@ class InputError(TwincacheError):
 
 class NonFiniteLogitsError(TwincacheError):
     """The model produced NaN or Inf logits during generation."""
+
+
+class ResourceError(TwincacheError):
+    """Something would not fit: a cache or buffer larger than the memory available for it."""
+
+
+class StorageError(TwincacheError):
+    """A directory twincache must write to (TWINCACHE_HOME, bench --out) is not a writable directory."""

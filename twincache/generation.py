@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,27 +18,70 @@ from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
 
 CACHE_KINDS = ("static", "sliding_window")
+INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both backends
+# jax.random.key keeps only a seed's low 32 bits (without x64), so seeds 2^32 apart would repeat a stream there;
+# both backends take seeds in [0, 2^32) so that a seed means the same thing in either.
+SEED_LIMIT = 2**32
 
 # Called after each generated step with the new token of every row: list[int] of length batch.
 TokenCallback = Callable[[list[int]], None]
 
 
+def as_integer(name: str, value: object) -> int:
+    """`value` as a Python int when it is an integer of any kind (int, numpy or 0-d tensor ints); refused otherwise:
+    a float (even 5.0), a bool or a string would be truncated, or loop forever, further in."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise InputError(f"{name}={value!r} must be an integer, not {type(value).__name__}")
+
+
+def check_count(name: str, value: object, minimum: int = 0, maximum: int = INT32_MAX) -> int:
+    """The one check of every count at the API (max_new_tokens, max_cache_len, batch_size, ...): an integer in
+    [minimum, maximum]. Returns it as a Python int."""
+    value = as_integer(name, value)
+    if value < minimum:
+        raise InputError(f"{name}={value} must be {'> 0' if minimum == 1 else f'>= {minimum}'}")
+    if value > maximum:
+        why = " (the int32 limit of positions and lengths)" if maximum == INT32_MAX else ""
+        raise InputError(f"{name}={value} must be <= {maximum}{why}")
+    return value
+
+
+def _as_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputError(f"{name}={value!r} must be a number, not {type(value).__name__}")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering."""
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean no filtering. The seed is checked even when greedy,
+    so both backends accept and refuse the same settings."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
 
-    def validate(self, vocab_size: int) -> None:
-        if math.isnan(self.temperature) or self.temperature < 0:
-            raise InputError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 <= self.top_k <= vocab_size:
-            raise InputError(f"top_k={self.top_k} must be in [0, vocab_size={vocab_size}] (0 disables it)")
-        if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
+    def validate(self, vocab_size: int) -> SamplingParams:
+        """Refuse settings out of range; returns them with plain Python int/float fields."""
+        temperature = _as_real("temperature", self.temperature)
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise InputError(f"temperature={self.temperature} must be >= 0 and finite (0 means greedy)")
+        top_k = as_integer("top_k", self.top_k)
+        if not 0 <= top_k <= vocab_size:
+            raise InputError(f"top_k={top_k} must be in [0, vocab_size={vocab_size}] (0 disables it)")
+        top_p = _as_real("top_p", self.top_p)
+        if math.isnan(top_p) or not 0 < top_p <= 1:
             raise InputError(f"top_p={self.top_p} must be in (0, 1] (1 disables it)")
+        seed = as_integer("seed", self.seed)
+        if not 0 <= seed < SEED_LIMIT:
+            raise InputError(f"seed={seed} must be in [0, 2**32 - 1 = {SEED_LIMIT - 1}]: both backends draw from a "
+                             "32-bit seed")
+        return SamplingParams(temperature, top_k, top_p, seed)
 
     @property
     def greedy(self) -> bool:
@@ -77,20 +122,51 @@ def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: int | None) 
             tokens[row].append(token)
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]], config: MistralConfig) -> list[list[int]]:
-    """Check token ids and lengths of a batch of prompts; returns them as lists of ints."""
+def validate_prompts(prompts: Sequence[Sequence[int]], config: MistralConfig,
+                     label: str = "prompt") -> list[list[int]]:
+    """Check token ids and lengths of a batch of prompts; returns them as lists of Python ints.
+
+    Ids must be integers (a float id would be truncated) inside the vocabulary; `label` names a row in messages."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise InputError(f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]], not {type(prompts).__name__}")
     if len(prompts) == 0:
         raise InputError("no prompts given; pass at least one prompt")
     checked = []
     for row, prompt in enumerate(prompts):
-        ids = [int(t) for t in prompt]
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise InputError(f"{label} {row} is {prompt!r}, not a sequence of token ids; pass a list of prompts, "
+                             "e.g. [[1, 2, 3]] (tokenize text first)")
+        ids = []
+        for token in prompt:
+            if isinstance(token, bool) or not hasattr(token, "__index__"):
+                raise InputError(f"{label} {row} holds token id {token!r}, which is not an integer")
+            ids.append(as_integer("token id", token))
         if not ids:
-            raise InputError(f"prompt {row} is empty; every prompt needs at least one token")
+            raise InputError(f"{label} {row} is empty; every prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < config.vocab_size]
         if bad:
-            raise InputError(f"prompt {row} holds token id {bad[0]} outside the vocabulary [0, {config.vocab_size})")
+            raise InputError(f"{label} {row} holds token id {bad[0]} outside the vocabulary [0, {config.vocab_size})")
         checked.append(ids)
     return checked
+
+
+def parse_token_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
+    """Comma-separated token ids as typed on a command line. An empty field ("1,,2") is refused, not skipped;
+    only an all-empty text gives [] (the caller refuses an empty prompt)."""
+    fields = text.split(",")
+    if not any(field.strip() for field in fields):
+        return []
+    ids = []
+    for number, field in enumerate(fields, 1):
+        if not field.strip():
+            raise InputError(f"{flag} has an empty field (field {number} of {text!r}); separate ids with single "
+                             "commas, e.g. 1,2,3")
+        try:
+            ids.append(int(field))
+        except ValueError:
+            raise InputError(f"{flag} must be comma-separated integers, got {text!r} (field {number} is "
+                             f"{field.strip()!r})") from None
+    return ids
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -119,14 +195,52 @@ def validate_attention_mask(attention_mask: np.ndarray, input_shape: tuple[int, 
                              "(pads first, then tokens)")
 
 
-def prepare_batch(prompts: Sequence[Sequence[int]], config: MistralConfig, sampling: SamplingParams,
-                  max_new_tokens: int) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
-    """Validate a generation's inputs; returns the prompts, left-padded input_ids [B, T] and attention_mask [B, T]."""
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A generation's validated inputs."""
+
+    prompt_ids: list[list[int]]  # per row, without padding
+    input_ids: np.ndarray  # [B, T] int32, left-padded
+    attention_mask: np.ndarray  # [B, T] int32
+    sampling: SamplingParams
+    max_new_tokens: int
+
+
+def prepare_batch(prompts: Sequence[Sequence[int]], config: MistralConfig, sampling: SamplingParams | None,
+                  max_new_tokens: int) -> Batch:
+    """Validate every input of a generation (prompts, sampling with its seed, the budget and the positions it
+    reaches) before anything is built or touched; returns them left-padded."""
     prompt_ids = validate_prompts(prompts, config)
-    sampling.validate(config.vocab_size)
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    return prompt_ids, *left_pad(prompt_ids, pad_token_id(config))
+    sampling = (sampling or SamplingParams()).validate(config.vocab_size)
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+    longest = max(len(p) for p in prompt_ids)  # the last column fed is longest + max_new_tokens - 2
+    check_positions(config, longest, max_new_tokens, longest + max(max_new_tokens - 1, 0))
+    return Batch(prompt_ids, *left_pad(prompt_ids, pad_token_id(config)), sampling, max_new_tokens)
+
+
+def prepare_continuation(last_tokens: Sequence[int], config: MistralConfig, sampling: SamplingParams | None,
+                         max_new_tokens: int) -> tuple[list[int], SamplingParams, int]:
+    """Validate a continuation's inputs: one last token per row, sampling, the budget. Positions are checked by
+    the caller against its cache (check_positions)."""
+    if isinstance(last_tokens, (str, bytes)) or not hasattr(last_tokens, "__iter__"):
+        raise InputError(f"last_tokens must be a list of one token id per row, not {type(last_tokens).__name__}")
+    rows = validate_prompts([[token] for token in last_tokens], config, label="last token of row")
+    sampling = (sampling or SamplingParams()).validate(config.vocab_size)
+    return [row[0] for row in rows], sampling, check_count("max_new_tokens", max_new_tokens)
+
+
+def check_positions(config: MistralConfig, first_position: int, max_new_tokens: int, length_after: int) -> None:
+    """Refuse up front new tokens at positions first_position .. first_position + max_new_tokens - 1 beyond the
+    model's max_position_embeddings, or a cache length beyond int32 (positions and lengths would wrap silently)."""
+    last_position = first_position + max_new_tokens - 1
+    limit = config.max_position_embeddings
+    if max_new_tokens and last_position >= limit:
+        raise InputError(f"max_new_tokens={max_new_tokens} from position {first_position} would reach position "
+                         f"{last_position}, but this model's max_position_embeddings={limit} allows positions up to "
+                         f"{limit - 1}; generate at most {max(limit - first_position, 0)} new tokens")
+    if length_after > INT32_MAX:
+        raise InputError(f"max_new_tokens={max_new_tokens} would fill the cache to {length_after} columns, past "
+                         f"{INT32_MAX}, the int32 limit of positions and lengths; generate fewer tokens")
 
 
 def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> None:
@@ -149,19 +263,16 @@ def default_cache_kind(config: MistralConfig) -> str:
 def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, max_new_tokens: int,
                max_cache_len: int | None) -> tuple[str, int]:
     """Choose cache kind and length for a generation, refusing up front what would not fit."""
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    max_new_tokens = check_count("max_new_tokens", max_new_tokens)
     cache_kind = cache_kind or default_cache_kind(config)
-    if cache_kind not in CACHE_KINDS:
-        raise InputError(f"cache={cache_kind!r} is not one of {', '.join(CACHE_KINDS)}")
+    if not isinstance(cache_kind, str) or cache_kind not in CACHE_KINDS:
+        raise InputError(f"cache={cache_kind!r} is not one of {', '.join(CACHE_KINDS)} (or a cache object of this "
+                         "backend)")
     if cache_kind == "sliding_window" and config.sliding_window is None:
         raise CacheError("a sliding_window cache was asked for, but this model's config has sliding_window=null; "
                          "use the static cache")
     total = prompt_len + max_new_tokens
-    if max_cache_len is None:
-        max_cache_len = total
-    if max_cache_len <= 0:
-        raise InputError(f"max_cache_len={max_cache_len} must be > 0")
+    max_cache_len = check_count("max_cache_len", total if max_cache_len is None else max_cache_len, minimum=1)
     window_fits = cache_kind == "sliding_window" and max_cache_len >= config.sliding_window
     if not window_fits and total > max_cache_len:
         raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
