@@ -11,6 +11,7 @@ from bench.impls import IMPLS
 from bench.presets import PRESETS
 from twincache.errors import InputError
 from twincache.generation import CACHE_KINDS
+from twincache.storage import writable_directory
 
 
 def _list(choices: Sequence[str]) -> object:
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise InputError(f"preset {preset.name} needs a CUDA GPU; none is visible (use --preset small on CPU)")
     out = args.out if args.out is not None else Path("bench_out") / preset.name
+    writable_directory(out, "--out", "pass --out a directory where results can be written")  # before hours of work
     opts = Options(preset=preset, out=out, impls=args.impls or list(preset.impls), caches=args.caches,
                    repeats=args.repeats, curves=not args.no_curves, batch=not args.no_batch, cache_dir=args.cache_dir,
                    fresh_compile_cache=not args.warm_compile_cache, deadline_s=args.deadline,

@@ -43,7 +43,7 @@ class StaticCache:
         self.dtype = jnp.dtype(dtype)
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
         device = jnp.zeros((), jnp.int32).devices().pop()  # where jnp.zeros puts the buffers below
-        cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), f"{device} memory")
+        cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), memory_label(device))
         shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
         self.keys = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
         self.values = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
@@ -236,6 +236,10 @@ def available_memory(device: jax.Device) -> int | None:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
+def memory_label(device: jax.Device) -> str:
+    return "host memory" if device.platform == "cpu" else f"{device} memory"
+
+
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
                dtype: jnp.dtype = jnp.float32) -> StaticCache:
     """Build a cache by name: "static" or "sliding_window"."""
@@ -250,4 +254,5 @@ def cache_fields(cache: StaticCache) -> dict[str, object]:
     return {k: v for k, v in vars(cache).items() if k not in ("keys", "values", "slot_positions", "length")}
 
 
-__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "device_label"]
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "device_label",
+           "memory_label"]

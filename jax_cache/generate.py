@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_cache.cache import StaticCache, available_memory, make_cache
+from jax_cache.cache import StaticCache, available_memory, make_cache, memory_label
 from jax_cache.model import Mistral
 from twincache import cache_checks
 from twincache.errors import NonFiniteLogitsError
@@ -372,7 +372,7 @@ def _check_outputs_fit(batch: int, steps: int, vocab_size: int, fused: bool, ret
     device = jnp.zeros((), jnp.int32).devices().pop()
     what = f"decoding {steps} steps" + (f" with return_logits (2 x [{batch}, {steps}, {vocab_size}] float32)"
                                         if return_logits else f" fused ([{batch}, {steps}] int32 tokens)")
-    cache_checks.check_fits(what, needed, available_memory(device), f"{device} memory",
+    cache_checks.check_fits(what, needed, available_memory(device), memory_label(device),
                             "generate fewer tokens" + (" or pass return_logits=False" if return_logits else ""))
 
 

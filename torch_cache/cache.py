@@ -36,7 +36,7 @@ class StaticCache:
         self.dtype = dtype
         self.device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
-        cache_checks.check_cache_fits(self, dtype.itemsize, available_memory(self.device), f"{self.device} memory")
+        cache_checks.check_cache_fits(self, dtype.itemsize, available_memory(self.device), memory_label(self.device))
         shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
@@ -184,6 +184,10 @@ def available_memory(device: torch.device) -> int | None:
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # + the pool's free
     return None
+
+
+def memory_label(device: torch.device) -> str:
+    return "host memory" if device.type == "cpu" else f"{device} memory"
 
 
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,

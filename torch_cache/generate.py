@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from torch_cache.cache import StaticCache, available_memory, make_cache
+from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
 from torch_cache.model import Mistral
 from twincache import cache_checks
 from twincache.errors import NonFiniteLogitsError
@@ -208,7 +208,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
 def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.device) -> None:
     """return_logits keeps [batch, steps, vocab] fp32 logits (twice, while they are stacked): refuse it up front."""
     cache_checks.check_fits(f"return_logits over {steps} steps (2 x [{batch}, {steps}, {vocab_size}] float32)",
-                            2 * batch * steps * vocab_size * 4, available_memory(device), f"{device} memory",
+                            2 * batch * steps * vocab_size * 4, available_memory(device), memory_label(device),
                             "generate fewer tokens or pass return_logits=False")
 
 

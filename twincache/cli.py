@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -32,7 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a reader that went away shows here, inside the handlers, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `twincache generate | head -c 10`: stop quietly, as Unix tools do on SIGPIPE
+        try:  # point stdout at /dev/null, so the flush at interpreter exit cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file descriptor (e.g. captured): nothing to redirect
+            pass
+        return 128 + signal.SIGPIPE
     except TwincacheError as err:
         print(f"twincache: error: {err}", file=sys.stderr)
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
+from twincache.storage import writable_directory
 
 DEFAULT_SEED = 1234
 BUILD_VERSION = 2
@@ -55,7 +56,8 @@ def default_model_dir(seed: int = DEFAULT_SEED) -> Path:
     final = cache_root() / f"default-mistral-v{BUILD_VERSION}-seed{seed}"
     if (final / _COMPLETE_STAMP).is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    writable_directory(final.parent, "the default-model directory (TWINCACHE_HOME)",
+                       "point TWINCACHE_HOME at a writable directory, or pass --model")
     # Concurrent first runs take turns: the one that waited finds the other's complete build and uses it, instead of
     # treating it as incomplete and deleting it while its builder reads from it.
     with open(final.parent / f".{final.name}.lock", "w") as lock:

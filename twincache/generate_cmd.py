@@ -9,7 +9,7 @@ from pathlib import Path
 from twincache.checkpoint import load_config
 from twincache.default_model import default_model_dir
 from twincache.errors import InputError
-from twincache.generation import CACHE_KINDS, GenerationResult, SamplingParams
+from twincache.generation import CACHE_KINDS, GenerationResult, SamplingParams, parse_token_ids
 from twincache.tokenizer import StreamDecoder, Tokenizer
 
 BACKENDS = ("torch", "jax")
@@ -51,9 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def parse_ids(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        return parse_token_ids(text, "--prompt-ids")
+    except InputError as err:  # argparse replaces a ValueError's message with its own; this keeps ours
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def resolve_prompt(args: argparse.Namespace, model_dir: Path) -> tuple[list[int], Tokenizer | None]:
