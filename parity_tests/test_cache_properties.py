@@ -13,8 +13,8 @@ is visible to a query at q iff k >= 0 and q - W < k <= q; padding is never visib
 * a write past a bounded cache's capacity is refused with CacheError and changes nothing;
 * after reset() every buffer equals a fresh cache's.
 
-Backends plug in through a small adapter (numpy in, numpy out). Only torch is enabled here; a JAX adapter is one
-class with the same five methods, added to ADAPTERS.
+Backends plug in through a small adapter (numpy in, numpy out): TorchAdapter and JaxAdapter, both enabled in
+BACKENDS.
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from hypothesis import strategies as st
 from twincache.config import MistralConfig
 from twincache.errors import CacheError
 
-# Add "jax" to enable JaxAdapter below. It passes everything once jax_cache's attended_positions refuses a write past
-# the capacity before dynamic_update_slice (as torch_cache's does); until then a prefill wider than a bounded cache
-# leaks a raw TypeError from attended_positions instead of CacheError.
 BACKENDS = ["torch", "jax"]
 EXAMPLES = {"torch": 60, "jax": 25}  # JAX runs these tiny ops eagerly, compiling each new shape: ~0.5 s an example
 
@@ -113,7 +110,7 @@ class TorchAdapter:
 
 
 class JaxAdapter:
-    """jax_cache: functional caches; `update`/`advance`/`reset` return the new cache. Enable with "jax" in BACKENDS."""
+    """jax_cache: functional caches; `update`/`advance`/`reset` return the new cache."""
 
     name = "jax"
 
@@ -156,7 +153,7 @@ class JaxAdapter:
         cache.update(layer_idx, self.jnp.asarray(k), self.jnp.asarray(v))
 
     def check_forward(self, cache, config: MistralConfig, input_ids: np.ndarray) -> None:
-        cache.check_forward(config, self.jnp.asarray(input_ids), self.jnp.float32)
+        cache.check_forward(config, self.jnp.asarray(input_ids), self.jnp.float32, cache.device)
 
 
 ADAPTERS = {"torch": TorchAdapter, "jax": JaxAdapter}

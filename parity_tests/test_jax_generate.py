@@ -24,7 +24,7 @@ import jax_cache.generate as jg
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
 from parity_tests.conftest import WINDOW
-from twincache.errors import CacheError, StaleCacheError
+from twincache.errors import CacheError, InputError, StaleCacheError
 from twincache.generation import SamplingParams
 
 VOCAB = 128
@@ -312,16 +312,38 @@ def test_generate_refuses_a_given_cache_too_small_without_touching_it(model):
 
 # --- fused vs step, sampling -----------------------------------------------------------------------------------------
 
+def oracle_tokens(step_logits: np.ndarray, sampling: SamplingParams) -> list[list[int]]:
+    """The tokens a seeded generation must pick, from its own step logits [B, steps, V], computed without jax_cache:
+    step i draws argmax(filtered l / T + Gumbel noise of fold_in(key(seed), i)) (jax.random.categorical's
+    definition), with top-k and top-p filtered here in float64 (test_sampling.oracle_kept); greedy is the argmax."""
+    from parity_tests.test_sampling import oracle_kept
+
+    logits = np.asarray(step_logits, np.float64)
+    if sampling.greedy:
+        return logits.argmax(-1).tolist()
+    key = jax.random.key(sampling.seed)
+    tokens = []
+    for step in range(logits.shape[1]):
+        noise = np.asarray(jax.random.gumbel(jax.random.fold_in(key, step), logits[:, step].shape, jnp.float32))
+        kept = oracle_kept(logits[:, step], sampling)
+        masked = np.where([[t in row for t in range(logits.shape[2])] for row in kept], logits[:, step], -np.inf)
+        tokens.append((masked / sampling.temperature + noise).argmax(-1))
+    return np.stack(tokens, axis=1).tolist()
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
 def test_fused_and_step_modes_give_identical_tokens(model, sampling):
-    """Both fold the step index into one PRNG key, so even sampled tokens agree (logits: test_jax_parity)."""
-    fused = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=sampling)
+    """Both fold the step index into one PRNG key, so even sampled tokens agree (logits: test_jax_parity). The two
+    modes share sample() and _pick(), so each is also checked against an oracle that shares neither."""
+    fused = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=sampling, return_logits=True)
     streamed: list[list[int]] = []
     step = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=sampling, fused=False,
-                       on_token=streamed.append)
+                       on_token=streamed.append, return_logits=True)
     assert fused.token_ids == step.token_ids
     assert [list(row) for row in zip(*streamed)] == step.token_ids, "on_token must see every step's tokens"
     assert fused.decode_steps == step.decode_steps == NEW_TOKENS - 1
+    assert oracle_tokens(fused.step_logits, sampling) == fused.token_ids
+    assert oracle_tokens(step.step_logits, sampling) == step.token_ids
 
 
 def test_sampling_is_seeded_and_differs_from_greedy(model):
@@ -333,22 +355,6 @@ def test_sampling_is_seeded_and_differs_from_greedy(model):
     assert first.token_ids == again.token_ids, "one seed must give one sequence"
     assert first.token_ids != other.token_ids, "another seed should give another sequence"
     assert first.token_ids != greedy.token_ids, "temperature 0.8 sampling should not reproduce greedy decoding"
-
-
-def test_sample_respects_top_k_and_top_p():
-    rng = np.random.default_rng(0)
-    row = rng.standard_normal(VOCAB).astype(np.float32) * 3  # one distribution, drawn 512 times (one per row)
-    logits = jnp.asarray(np.tile(row, (512, 1)))
-    key = jax.random.key(3)
-    assert set(np.asarray(jg.sample(logits, SamplingParams(), key)).tolist()) == {int(row.argmax())}
-    top5 = set(np.argsort(-row)[:5].tolist())
-    drawn = set(np.asarray(jg.sample(logits, SamplingParams(temperature=1.0, top_k=5), key)).tolist())
-    assert drawn <= top5 and len(drawn) > 1, f"top_k=5 drew {drawn}, allowed {top5}"
-    probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
-    order = np.argsort(-probs)
-    nucleus = set(order[(np.cumsum(probs[order]) - probs[order]) < 0.6].tolist())
-    drawn = set(np.asarray(jg.sample(logits, SamplingParams(temperature=1.0, top_p=0.6), key)).tolist())
-    assert drawn <= nucleus and len(drawn) > 1, f"top_p=0.6 drew {drawn}, nucleus {nucleus}"
 
 
 # --- per-row EOS -----------------------------------------------------------------------------------------------------
@@ -392,3 +398,61 @@ def test_both_modes_end_early_once_every_row_has_emitted_eos_and_leave_the_same_
     # K/V agree to fp32 rounding: the step and the loop are separate XLA compilations.
     chex.assert_trees_all_close(streamed.cache.keys + streamed.cache.values, fused.cache.keys + fused.cache.values,
                                 rtol=0, atol=1e-5)
+
+
+def test_step_mode_stops_every_row_at_its_own_eos_and_streams_eos_after_it(model):
+    """Rows that stop at different steps: finished rows keep emitting EOS (in on_token too), and decoding ends at the
+    step where the last row emits it. torch's every_row_stops case, in both JAX modes."""
+    free = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window").token_ids
+    candidates = [t for t in sorted(set(free[0]) & set(free[1]))
+                  if free[0].index(t) != free[1].index(t) and max(free[0].index(t), free[1].index(t)) < NEW_TOKENS - 3]
+    assert candidates, f"no token ends both rows at different steps in {free}; change the prompts"
+    eos = candidates[0]
+    stops = [row.index(eos) for row in free]
+    variant = with_eos(model, eos)
+    for fused in (False, True):
+        streamed: list[list[int]] = []
+        result = jg.generate(variant, PROMPTS, NEW_TOKENS, cache="sliding_window", fused=fused,
+                             on_token=None if fused else streamed.append)
+        assert result.token_ids == [row[: stop + 1] for row, stop in zip(free, stops)], f"fused={fused}"
+        assert result.decode_steps == max(stops), f"fused={fused}: decoding must end when the last row ends"
+        if not fused:
+            assert len(streamed) == max(stops) + 1
+            for step, ids in enumerate(streamed):
+                want = [row[step] if step <= stop else eos for row, stop in zip(free, stops)]
+                assert ids == want, f"step {step}: on_token got {ids}, want {want} (finished rows emit EOS)"
+
+
+# --- the model and the step refuse bad inputs themselves (not only through prompt validation) -----------------------
+
+@pytest.mark.parametrize("bad", [-1, VOCAB, 10_000])
+def test_model_and_step_refuse_token_ids_outside_the_vocabulary(model, bad):
+    """jnp.take would clamp or fill an out-of-range id silently (NaN logits); both entry points refuse it first."""
+    cache = filled_static(model, 1, 16, 3)
+    snapshot = [np.asarray(array) for array in leaves(cache)]
+    ids, positions = jnp.asarray([[5, bad]], jnp.int32), jnp.asarray([[3, 4]], jnp.int32)
+    for name, call in (("model", lambda: model(ids, positions, cache)),
+                       ("step", lambda: jg.decode_step_fn(model)(ids[:, 1:], positions[:, 1:], cache)),
+                       ("prefill", lambda: jg.prefill(model, ids, jnp.ones_like(ids), cache))):
+        with pytest.raises(InputError, match=rf"token id {bad} is outside the vocabulary \[0, {VOCAB}\)"):
+            call()
+        assert not any(array.is_deleted() for array in leaves(cache)), name
+    chex.assert_trees_all_equal([np.asarray(a) for a in leaves(cache)], snapshot)
+
+
+@pytest.mark.parametrize(("ids", "positions", "mask", "fragment"), [
+    ([[5, 6]], [[-3, -2]], None, "positions of real tokens must be in [0, 2147483647] (int32), got -3"),
+    ([[5, 6]], [[3]], None, "positions has shape [1, 1] but input_ids has [1, 2]"),
+    ([[5, 6]], [[3, 4]], [[1, 1, 1]], "attention_mask has shape [1, 3] but input_ids has [1, 2]"),
+    (np.zeros((1, 0), np.int32), np.zeros((1, 0), np.int32), None, "expected [batch, seq_len >= 1]"),
+    (np.asarray([[5.0, 6.0]], np.float32), [[3, 4]], None, "input_ids dtype float32 must be int32 or int64"),
+], ids=["negative_position", "positions_shape", "mask_shape", "empty", "float_ids"])
+def test_model_refuses_bad_positions_shapes_and_dtypes(model, ids, positions, mask, fragment):
+    cache = filled_static(model, 1, 16, 3)
+    mask = None if mask is None else jnp.asarray(mask, jnp.int32)
+    with pytest.raises(InputError) as caught:
+        model(jnp.asarray(ids), jnp.asarray(positions, jnp.int32), cache, mask)
+    assert fragment in str(caught.value)
+    if fragment.startswith("positions of real tokens"):  # the step checks positions too
+        with pytest.raises(InputError, match="positions of real tokens"):
+            jg.decode_step_fn(model)(jnp.asarray(ids)[:, :1], jnp.asarray(positions, jnp.int32)[:, :1], cache)

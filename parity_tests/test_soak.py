@@ -48,12 +48,20 @@ def _one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str,
 
 
 def test_soak_subcommand_prints_one_json_record(default_model_dir, capsys):
+    """Through the CLI: eager torch for the record's shape (nothing compiles there, so its recompile count says
+    nothing), then JAX, whose jitted step really is traced, for the counts."""
     code, out, err = _one_line(capsys, ["soak", "--steps", "80", "--no-compile", "--model", str(default_model_dir)])
     assert code == 0, err
     record = json.loads(out)
     assert record["backend"] == "torch" and record["steps"] == 80 and not record["compiled"]
+    assert record["finite"] and record["cache_ok"] and record["ok"]
+    assert set(record) >= {"rss_start_mb", "rss_end_mb", "rss_growth_mb", "first_step_s", "decode_tok_s",
+                           "recompiles_after_first"}
+    code, out, err = _one_line(capsys, ["soak", "--backend", "jax", "--steps", "80", "--model", str(default_model_dir)])
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["backend"] == "jax" and record["steps"] == 80 and record["compiled"]
     assert record["recompiles_after_first"] == 0 and record["finite"] and record["cache_ok"] and record["ok"]
-    assert set(record) >= {"rss_start_mb", "rss_end_mb", "rss_growth_mb", "first_step_s", "decode_tok_s"}
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -127,7 +127,13 @@ class MistralConfig:
             if rope_parameters.get("rope_type", "default") != "default" or extra:
                 raise ConfigError(f"config field rope_parameters={rope_parameters!r} is not supported; "
                                   "only rope_type 'default' (plain RoPE, no scaling) is")
-            rope_theta = rope_parameters.get("rope_theta", rope_theta)
+            nested = rope_parameters.get("rope_theta")
+            if nested is not None:
+                nested = _positive_number("rope_parameters.rope_theta", nested)
+                if rope_theta is not None and _positive_number("rope_theta", rope_theta) != nested:
+                    raise ConfigError(f"config fields rope_theta={rope_theta!r} and rope_parameters.rope_theta="
+                                      f"{nested!r} disagree; keep one of them")
+                rope_theta = nested
         eos = raw.get("eos_token_id", 2)
         if isinstance(eos, list):
             if len(eos) != 1:

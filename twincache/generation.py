@@ -238,6 +238,10 @@ def check_positions(config: MistralConfig, first_position: int, max_new_tokens: 
         raise InputError(f"max_new_tokens={max_new_tokens} from position {first_position} would reach position "
                          f"{last_position}, but this model's max_position_embeddings={limit} allows positions up to "
                          f"{limit - 1}; generate at most {max(limit - first_position, 0)} new tokens")
+    if max_new_tokens and last_position > INT32_MAX:
+        raise InputError(f"max_new_tokens={max_new_tokens} from position {first_position} would reach position "
+                         f"{last_position}, past {INT32_MAX}, the int32 limit of positions; generate at most "
+                         f"{max(INT32_MAX + 1 - first_position, 0)} new tokens")
     if length_after > INT32_MAX:
         raise InputError(f"max_new_tokens={max_new_tokens} would fill the cache to {length_after} columns, past "
                          f"{INT32_MAX}, the int32 limit of positions and lengths; generate fewer tokens")

@@ -1,0 +1,685 @@
+"""Reliability, round two, at the Python API of both backends: no silent wrong results, memory checked before it is
+allocated, a refused call changes nothing, and every refusal is a one-line TwincacheError naming its cause.
+
+Each test names the issue item it guards. Backends plug in through a small adapter (`Side`), so every check runs on
+torch_cache and jax_cache alike; refusals happen before anything compiles, so these tests are cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_cache.cache as jc
+import jax_cache.generate as jg
+import torch_cache.cache as tc
+import torch_cache.generate as tg
+from jax_cache import interop
+from jax_cache.model import Mistral as JaxMistral
+from parity_tests.conftest import WINDOW
+from parity_tests.test_cli_bad_inputs import copy_checkpoint, edit_config, rewrite_tensors
+from torch_cache.model import Mistral as TorchMistral
+from twincache import cache_checks, default_model
+from twincache.config import MistralConfig
+from twincache.errors import (
+    CacheError,
+    CheckpointError,
+    ConfigError,
+    InputError,
+    NonFiniteLogitsError,
+    ResourceError,
+    StorageError,
+    TwincacheError,
+)
+from twincache.generation import INT32_MAX, SamplingParams
+
+VOCAB = 128
+PROMPT = [5, 17, 42, 99]
+
+
+# --- one adapter per backend ------------------------------------------------------------------------------------------
+
+
+class Side:
+    """What the tests need of a backend: its model, generate/continue, caches, a forward and a decode step."""
+
+    name: str
+    cache_module: Any
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.config = model.config
+
+    def make_cache(self, kind: str, config: MistralConfig | None = None, batch: int = 1, length: int = 24,
+                   **kwargs: object) -> Any:
+        return self.cache_module.make_cache(kind, config or self.config, batch, length, **kwargs)
+
+
+class TorchSide(Side):
+    name, cache_module = "torch", tc
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: object, **kwargs: object) -> Any:
+        return tg.generate(self.model, prompts, max_new_tokens, compile=False, **kwargs)
+
+    def continue_(self, cache: Any, last_tokens: object, max_new_tokens: object, **kwargs: object) -> Any:
+        return tg.continue_generation(self.model, cache, last_tokens, max_new_tokens, compile=False, **kwargs)
+
+    def forward(self, ids: list[list[int]], positions: object, cache: Any) -> Any:
+        with torch.inference_mode():
+            return self.model(torch.tensor(ids), torch.as_tensor(np.asarray(positions)), cache)
+
+    def step(self, ids: list[list[int]], positions: object, cache: Any) -> Any:
+        return tg.decode_step_fn(self.model, compile=False)(torch.tensor(ids), torch.as_tensor(np.asarray(positions)),
+                                                            cache)
+
+    @staticmethod
+    def arrays(cache: Any) -> list[np.ndarray]:
+        return [t.numpy().copy() for t in (*cache.keys, *cache.values, cache.slot_positions, cache.length)]
+
+    @staticmethod
+    def fill(cache: Any, length: int, positions: np.ndarray | None = None) -> Any:
+        """Give the cache distinctive contents, `length` columns written, in place."""
+        generator = torch.Generator().manual_seed(0)
+        for buffer in (*cache.keys, *cache.values):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator))
+        if positions is None:
+            positions = np.where(np.arange(cache.cache_len) < length, np.arange(cache.cache_len), -1)
+        cache.slot_positions.copy_(torch.as_tensor(np.broadcast_to(positions, cache.slot_positions.shape).copy()))
+        cache.length.fill_(length)
+        return cache
+
+
+class JaxSide(Side):
+    name, cache_module = "jax", jc
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: object, **kwargs: object) -> Any:
+        return jg.generate(self.model, prompts, max_new_tokens, **kwargs)
+
+    def continue_(self, cache: Any, last_tokens: object, max_new_tokens: object, **kwargs: object) -> Any:
+        return jg.continue_generation(self.model, cache, last_tokens, max_new_tokens, **kwargs)
+
+    def forward(self, ids: list[list[int]], positions: object, cache: Any) -> Any:
+        return self.model(jnp.asarray(ids, jnp.int32), np.asarray(positions), cache)
+
+    def step(self, ids: list[list[int]], positions: object, cache: Any) -> Any:
+        return jg.decode_step_fn(self.model)(jnp.asarray(ids, jnp.int32), np.asarray(positions), cache)
+
+    @staticmethod
+    def arrays(cache: Any) -> list[np.ndarray]:
+        return [np.asarray(a) for a in (*cache.keys, *cache.values, cache.slot_positions, cache.length)]
+
+    @staticmethod
+    def fill(cache: Any, length: int, positions: np.ndarray | None = None) -> Any:
+        rng = np.random.default_rng(0)
+        if positions is None:
+            positions = np.where(np.arange(cache.cache_len) < length, np.arange(cache.cache_len), -1)
+        shape = cache.keys[0].shape
+        return cache.replace(keys=[jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in cache.keys],
+                             values=[jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in cache.values],
+                             slot_positions=jnp.asarray(np.broadcast_to(positions, cache.slot_positions.shape),
+                                                        jnp.int32),
+                             length=jnp.int32(length))
+
+
+SIDES = {"torch": (TorchSide, TorchMistral), "jax": (JaxSide, JaxMistral)}
+
+
+@pytest.fixture(scope="module", params=list(SIDES))
+def side(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Side:
+    adapter, model_class = SIDES[request.param]
+    return adapter(model_class.from_pretrained(checkpoints["gqa"]))
+
+
+@contextmanager
+def refused(error: type[TwincacheError], *fragments: object, side: Side | None = None,
+            cache: Any = None) -> Iterator[None]:
+    """The block must raise exactly `error`, one line holding every fragment, leaving `cache` as it was."""
+    before = None if cache is None else side.arrays(cache)
+    with pytest.raises(TwincacheError) as info:
+        yield
+    assert type(info.value) is error, f"raised {type(info.value).__name__}({info.value}), expected {error.__name__}"
+    message = str(info.value)
+    assert message and "\n" not in message, f"message must be one line: {message!r}"
+    for fragment in fragments:
+        assert str(fragment) in message, f"{fragment!r} missing from: {message}"
+    if cache is not None:
+        if side.name == "jax":
+            assert not any(a.is_deleted() for a in (*cache.keys, *cache.values)), "a refused call consumed the cache"
+        for old, new in zip(before, side.arrays(cache), strict=True):
+            np.testing.assert_array_equal(new, old, err_msg="the refused call changed the cache")
+
+
+# --- 1. a cache built for another window (and kind, device) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("other_window", [WINDOW // 2, WINDOW + 4, 32])
+def test_item1_cache_for_another_window_is_refused_everywhere(side, other_window):
+    other = dataclasses.replace(side.config, sliding_window=other_window)
+    fragments = (f"sliding_window={other_window}", f"window is {WINDOW}")
+    cache = side.fill(side.make_cache("sliding_window", other), 3)
+    with refused(CacheError, *fragments, side=side, cache=cache):
+        side.generate([PROMPT], 3, cache=cache)
+    with refused(CacheError, *fragments, side=side, cache=cache):
+        side.continue_(cache, [5], 2)
+    with refused(CacheError, *fragments, side=side, cache=cache):
+        side.forward([[5]], [[3]], cache)
+    with refused(CacheError, *fragments, side=side, cache=cache):
+        side.step([[5]], [[3]], cache)
+
+
+def test_item1_a_ring_on_a_model_without_a_window_is_refused(side, checkpoints):
+    no_window = SIDES[side.name][1].from_pretrained(checkpoints["no_window"])
+    other = type(side)(no_window)
+    cache = side.fill(side.make_cache("sliding_window", side.config), 3)  # a ring of window 8
+    with refused(CacheError, "window of 8", "sliding_window=null", side=side, cache=cache):
+        other.generate([PROMPT], 3, cache=cache)
+    with refused(CacheError, "window of 8", "sliding_window=null", side=side, cache=cache):
+        other.continue_(cache, [5], 2)
+    with refused(CacheError, "window of 8", "sliding_window=null", side=side, cache=cache):
+        other.forward([[5]], [[3]], cache)
+
+
+def test_item1_the_same_window_still_works(side):
+    """The control: a cache from an equal config (another object) is accepted, and its tokens are the model's."""
+    cache = side.make_cache("sliding_window", dataclasses.replace(side.config), length=19)
+    assert side.generate([PROMPT], 3, cache=cache).token_ids == side.generate([PROMPT], 3).token_ids
+
+
+def test_item1_jax_cache_on_another_device_is_refused(checkpoints, tmp_path):
+    """Two XLA-CPU devices (a subprocess: the device count is fixed when JAX starts). A cache on device 1 under a
+    model on device 0 is refused by every entry point, naming both devices, and left as it was."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "devices.py"
+    script.write_text(f'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+import jax_cache.generate as jg
+from jax_cache.cache import make_cache
+from jax_cache.model import Mistral
+from twincache.errors import CacheError
+model = Mistral.from_pretrained({str(checkpoints["gqa"])!r})
+assert model.device == "cpu:0", model.device
+for kind in ("static", "sliding_window"):
+    cache = jax.device_put(make_cache(kind, model.config, 1, 24), jax.devices()[1])
+    snapshot = [np.asarray(a) for a in (*cache.keys, cache.slot_positions, cache.length)]
+    ids = jnp.asarray([[5]], jnp.int32)
+    calls = [lambda: jg.generate(model, [[5, 6]], 3, cache=cache), lambda: jg.continue_generation(model, cache, [5], 2),
+             lambda: model(ids, jnp.asarray([[0]], jnp.int32), cache),
+             lambda: jg.decode_step_fn(model)(ids, jnp.asarray([[0]], jnp.int32), cache),
+             lambda: jg.prefill(model, ids, jnp.ones_like(ids), cache)]
+    for call in calls:
+        try:
+            call()
+        except CacheError as err:
+            assert "model is on cpu:0 but the cache is on cpu:1" in str(err), err
+        else:
+            raise AssertionError("a cache on another device was accepted")
+    assert not cache.keys[0].is_deleted()
+    assert all((np.asarray(a) == b).all() for a, b in zip((*cache.keys, cache.slot_positions, cache.length), snapshot))
+print("ok")
+''')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# --- 2. the handoff checks its config against the arrays --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoints) -> tuple[TorchMistral, JaxMistral]:
+    torch_model = TorchMistral.from_pretrained(checkpoints["gqa"])
+    return torch_model, interop.from_torch(torch_model)
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("sliding_window", 12, "sliding_window=8, but the model's window is 12"),
+    ("sliding_window", None, "sliding_window=null"),
+    ("num_hidden_layers", 3, "3 x 2 x 16"),
+    ("num_key_value_heads", 1, "2 x 1 x 16"),
+    ("head_dim", 24, "2 x 2 x 24"),
+])
+def test_item2_handoff_with_a_wrong_config_is_refused_both_ways(pair, field, value, fragment):
+    torch_model, jax_model = pair
+    wrong = dataclasses.replace(torch_model.config, **{field: value})
+    torch_side = TorchSide.fill(tc.make_cache("sliding_window", torch_model.config, 1, 32), 5)
+    with refused(CacheError, fragment):
+        interop.cache_from_torch(torch_side, wrong)
+    jax_side = JaxSide.fill(jc.make_cache("sliding_window", jax_model.config, 1, 32), 5)
+    with refused(CacheError, fragment):
+        interop.cache_to_torch(jax_side, wrong)
+    assert not jax_side.keys[0].is_deleted()
+
+
+def test_item2_handoff_of_arrays_that_disagree_with_their_cache_is_refused(pair):
+    torch_model, jax_model = pair
+    torch_side = tc.make_cache("sliding_window", torch_model.config, 1, 32)
+    torch_side.keys[1] = torch.zeros(1, 2, 12, 16)  # tampered: 12 slots where the ring says 8
+    with refused(CacheError, "cache_from_torch", "keys[1] has shape [1, 2, 12, 16]", "[1, 2, 8, 16]"):
+        interop.cache_from_torch(torch_side, torch_model.config)
+    jax_side = jc.make_cache("static", jax_model.config, 1, 16)
+    jax_side = jax_side.replace(slot_positions=jnp.zeros((1, 20), jnp.int32))
+    with refused(CacheError, "cache_to_torch", "slot_positions has shape [1, 20]", "[1, 16]"):
+        interop.cache_to_torch(jax_side, jax_model.config)
+
+
+def test_item2_handoff_of_the_wrong_backend_is_refused(pair):
+    torch_model, jax_model = pair
+    jax_side = jc.make_cache("static", jax_model.config, 1, 16)
+    with refused(CacheError, "jax_cache.cache.StaticCache", "not a torch_cache cache", "cache_from_torch"):
+        interop.cache_from_torch(jax_side, torch_model.config)
+    with refused(CacheError, "torch_cache.cache.StaticCache", "not a jax_cache cache", "cache_to_torch"):
+        interop.cache_to_torch(tc.make_cache("static", torch_model.config, 1, 16), jax_model.config)
+
+
+# --- 3. tiny temperatures sample the greedy tokens --------------------------------------------------------------------
+
+
+TINY_TEMPERATURES = [1e-30, 1e-38, 1e-45, 1e-300, 5e-324]
+
+
+@pytest.fixture(scope="module")
+def model_logits(checkpoints) -> np.ndarray:
+    """Real step logits [rows, V]: 3 prompts x 8 steps of the gqa model, flattened."""
+    model = TorchMistral.from_pretrained(checkpoints["gqa"])
+    result = tg.generate(model, [PROMPT, PROMPT[:2], [9, 8, 7, 6, 5, 4, 3]], 8, compile=False, return_logits=True)
+    return result.step_logits.reshape(-1, VOCAB).numpy()
+
+
+@pytest.mark.parametrize("backend", list(SIDES))
+def test_item3_tiny_temperatures_sample_the_greedy_token(model_logits, backend):
+    """Every tiny temperature, with and without filters, draws each row's argmax (many seeds). Today JAX drew
+    token 0 (logits / T overflowed to inf) and torch raised on inf/nan probabilities."""
+    greedy = model_logits.argmax(-1)
+    for temperature in TINY_TEMPERATURES:
+        for top_k, top_p in ((0, 1.0), (5, 0.9), (0, 0.3)):
+            sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+            for seed in range(3):
+                if backend == "torch":
+                    drawn = tg.sample(torch.from_numpy(model_logits), sampling, torch.Generator().manual_seed(seed))
+                else:
+                    drawn = jg.sample(jnp.asarray(model_logits), sampling, jax.random.key(seed))
+                np.testing.assert_array_equal(np.asarray(drawn), greedy, err_msg=f"T={temperature} {sampling}")
+
+
+def test_item3_a_tiny_temperature_generates_the_greedy_tokens(side):
+    greedy = side.generate([PROMPT], 3).token_ids
+    sampling = SamplingParams(temperature=1e-38, seed=3)
+    assert side.generate([PROMPT], 3, sampling=sampling).token_ids == greedy
+    if side.name == "jax":  # the streaming step samples through the same function
+        assert side.generate([PROMPT], 3, sampling=sampling, fused=False).token_ids == greedy
+
+
+def test_item3_non_finite_logits_while_sampling_are_named_as_such(checkpoints):
+    """torch.multinomial raises its own RuntimeError on NaN probabilities: the sampled path must still report the
+    non-finite logits (the greedy path always did)."""
+    poisoned = TorchMistral.from_pretrained(checkpoints["gqa"])
+    poisoned.model.norm.weight[3] = math.nan
+    with refused(NonFiniteLogitsError, "generated token 0"):
+        tg.generate(poisoned, [PROMPT], 4, compile=False, sampling=SamplingParams(temperature=0.7, top_p=0.9))
+
+
+# --- 4. checkpoints that do not match their config --------------------------------------------------------------------
+
+
+def _extra_layer(tensors: dict) -> None:
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+        tensors[name.replace("layers.1.", "layers.2.")] = tensors[name].copy()
+
+
+@pytest.mark.parametrize("backend", list(SIDES))
+def test_item4_tensors_the_config_does_not_describe_are_refused(checkpoints, tmp_path, backend):
+    load = SIDES[backend][1].from_pretrained
+    extra = copy_checkpoint(checkpoints["gqa"], tmp_path / "extra_layer")
+    rewrite_tensors(extra, _extra_layer)
+    with refused(CheckpointError, "holds 9 tensor(s) config.json does not describe", "model.layers.2.",
+                 "num_hidden_layers=2"):
+        load(extra)
+    stray = copy_checkpoint(checkpoints["gqa"], tmp_path / "stray")
+    rewrite_tensors(stray, lambda t: t.__setitem__("model.extra_bias", np.zeros(3, np.float32)))
+    with refused(CheckpointError, "model.extra_bias"):
+        load(stray)
+    tied_with_head = copy_checkpoint(checkpoints["gqa"], tmp_path / "tied_with_head")  # untied weights, tied config
+    edit_config(tied_with_head, lambda raw: raw.__setitem__("tie_word_embeddings", True))
+    with refused(CheckpointError, "lm_head.weight", "tie_word_embeddings=true"):
+        load(tied_with_head)
+    derived = copy_checkpoint(checkpoints["gqa"], tmp_path / "inv_freq")  # older checkpoints store these buffers
+    rewrite_tensors(derived, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq",
+                                                                   np.ones(8, np.float32)))
+    load(derived)
+
+
+@pytest.mark.parametrize("backend", list(SIDES))
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false' must be true or false, not a string"),
+    ("tie_word_embeddings", 0, "tie_word_embeddings=0 must be true or false"),
+    ("sliding_window", True, "sliding_window=True must be a positive integer or null"),
+])
+def test_item4_truthy_values_are_refused_by_both_loaders(checkpoints, tmp_path, backend, field, value, fragment):
+    directory = copy_checkpoint(checkpoints["gqa"], tmp_path / "config")
+    edit_config(directory, lambda raw: raw.__setitem__(field, value))
+    with refused(ConfigError, fragment):
+        SIDES[backend][1].from_pretrained(directory)
+
+
+def _good_raw(checkpoints) -> dict:
+    return json.loads((checkpoints["gqa"] / "config.json").read_text())
+
+
+INT_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "bos_token_id",
+              "eos_token_id", "pad_token_id"]
+FLOAT_FIELDS = ["rms_norm_eps", "rope_theta"]
+NULLABLE = {"num_key_value_heads", "head_dim", "sliding_window", "bos_token_id", "eos_token_id", "pad_token_id",
+            "rope_theta"}
+
+
+def _bad_values() -> list[tuple[str, object, str]]:
+    """Every config field with every wrong JSON type: numeric strings, booleans, floats, null, lists, objects."""
+    cases = []
+    for field in INT_FIELDS:
+        for value in ("2", True, 2.0, 2.5, [2, 3], {"a": 2}) + (() if field in NULLABLE else (None,)):
+            cases.append((field, value, f"{field}={value!r}"))
+    for field in FLOAT_FIELDS:
+        for value in ("1e-6", True, [1.0], float("nan"), float("inf"), 0, -1.0) + (
+                () if field in NULLABLE else (None,)):
+            cases.append((field, value, f"{field}={value!r}"))
+    for value in ("false", "true", 0, 1, None, [True]):
+        cases.append(("tie_word_embeddings", value, f"tie_word_embeddings={value!r}"))
+    for field in ("attention_bias", "mlp_bias"):
+        cases.append((field, "false", f"{field}='false'"))
+    cases.append(("rope_parameters", "default", "rope_parameters='default'"))
+    for value in ("1e4", True, -1.0):
+        cases.append(("rope_parameters", {"rope_type": "default", "rope_theta": value},
+                      f"rope_parameters.rope_theta={value!r}"))
+    cases.append(("rope_theta", 5e5, "rope_theta=500000.0 and rope_parameters.rope_theta=10000.0 disagree"))
+    for field in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size", "vocab_size"):
+        cases.append((field, 0, f"{field}=0"))
+    return cases
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), _bad_values(), ids=lambda v: repr(v)[:20])
+def test_item4_every_config_field_is_type_checked(checkpoints, field, value, fragment):
+    raw = _good_raw(checkpoints) | {field: value}
+    with refused(ConfigError, fragment):
+        MistralConfig.from_dict(raw)
+
+
+def test_item4_nullable_fields_take_their_defaults(checkpoints):
+    raw = _good_raw(checkpoints) | {name: None for name in ("num_key_value_heads", "head_dim", "sliding_window",
+                                                             "pad_token_id", "rope_scaling")}
+    config = MistralConfig.from_dict(raw)
+    assert (config.num_key_value_heads, config.head_dim, config.sliding_window) == (4, 16, None)
+    assert MistralConfig.from_dict(_good_raw(checkpoints) | {"rope_theta": 10000}).rope_theta == 10000.0
+
+
+# --- 5. positions past the model's limit or int32 ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_model_dir(checkpoints, tmp_path_factory) -> Path:
+    """The gqa checkpoint with max_position_embeddings=12."""
+    directory = copy_checkpoint(checkpoints["gqa"], tmp_path_factory.mktemp("short") / "gqa_short")
+    edit_config(directory, lambda raw: raw.__setitem__("max_position_embeddings", 12))
+    return directory
+
+
+def test_item5_generation_past_max_position_embeddings_is_refused_up_front(side, short_model_dir):
+    short = type(side)(SIDES[side.name][1].from_pretrained(short_model_dir))
+    assert len(short.generate([PROMPT], 12 - len(PROMPT), cache="static").token_ids[0]) == 8  # exactly at the limit
+    with refused(InputError, "max_new_tokens=9 from position 4 would reach position 12",
+                 "max_position_embeddings=12", "at most 8"):
+        short.generate([PROMPT], 9, cache="static")
+    ring = np.array([8, 1, 2, 3, 4, 5, 6, 7])  # columns 0..8 written: slot c % 8 holds c, the newest is 8
+    cache = short.fill(short.make_cache("sliding_window", short.config), 9, ring)  # the last token takes 9
+    with refused(InputError, "max_new_tokens=3 from position 10 would reach position 12", side=short, cache=cache):
+        short.continue_(cache, [5], 3)
+    assert len(short.continue_(cache, [5], 2).token_ids[0]) == 2  # new tokens at 10 and 11: allowed
+
+
+def test_item5_continuing_past_int32_positions_is_refused(side):
+    """With max_position_embeddings beyond int32, the int32 positions and cache lengths are the limit."""
+    original = side.model.config
+    side.model.config = side.config = dataclasses.replace(original, max_position_embeddings=2**40)
+    try:
+        cache = side.make_cache("sliding_window")
+        newest = INT32_MAX - 5
+        cache = side.fill(cache, 3, np.arange(newest - WINDOW + 1, newest + 1))  # the last token takes 2^31 - 5
+        with refused(InputError, "from position 2147483644", "would reach position 2147483648", "int32 limit",
+                     side=side, cache=cache):
+            side.continue_(cache, [5], 5)
+        with refused(CacheError, f"passes {INT32_MAX}", side=side, cache=cache):
+            side.continue_(cache, [5], INT32_MAX - 2)  # columns 3 .. 2^31: the length would wrap
+        assert len(side.continue_(cache, [5], 4).token_ids[0]) == 4  # new tokens up to position 2^31 - 1: allowed
+    finally:
+        side.model.config = side.config = original
+
+
+def test_item5_model_positions_past_int32_are_refused(side):
+    cache = side.make_cache("static", side.config)
+    with refused(InputError, "positions of real tokens", str(INT32_MAX), "2147483648", side=side, cache=cache):
+        side.forward([[5]], np.asarray([[2**31]], np.int64), cache)
+
+
+# --- 6. non-integral counts -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [5.5, 5.0, "5", True, np.float32(5), None])
+def test_item6_max_new_tokens_must_be_an_integer(side, bad):
+    calls: list[list[int]] = []
+    with refused(InputError, f"max_new_tokens={bad!r}", "must be an integer"):
+        side.generate([PROMPT], bad, on_token=calls.append)
+    if side.name == "jax":
+        with refused(InputError, "must be an integer"):
+            side.generate([PROMPT], bad, fused=False, on_token=calls.append)
+    cache = side.fill(side.make_cache("static", side.config), 4)
+    with refused(InputError, "must be an integer", side=side, cache=cache):
+        side.continue_(cache, [5], bad)
+    assert calls == []
+
+
+def test_item6_integers_of_any_kind_are_accepted(side):
+    ids = side.generate([PROMPT], 3).token_ids
+    assert side.generate([np.asarray(PROMPT, np.int64)], np.int64(3), max_cache_len=np.int32(19)).token_ids == ids
+    assert side.generate([torch.tensor(PROMPT)], 3).token_ids == ids  # 0-d integer tensors are integers too
+    checked = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(4), seed=np.uint32(7)).validate(VOCAB)
+    assert checked == SamplingParams(0.5, 4, 1.0, 7) and type(checked.top_k) is int and type(checked.seed) is int
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [
+    ({"max_cache_len": 10.5}, "max_cache_len=10.5 must be an integer"),
+    ({"max_cache_len": 2**31}, "max_cache_len=2147483648 must be <= 2147483647"),
+    ({"sampling": SamplingParams(temperature=1.0, top_k=2.5)}, "top_k=2.5 must be an integer"),
+    ({"sampling": SamplingParams(temperature=1.0, seed=1.5)}, "seed=1.5 must be an integer"),
+    ({"sampling": SamplingParams(temperature="1")}, "temperature='1' must be a number"),
+    ({"sampling": SamplingParams(temperature=math.inf)}, "temperature=inf must be >= 0 and finite"),
+], ids=["max_cache_len_float", "max_cache_len_int32", "top_k_float", "seed_float", "temperature_str",
+        "temperature_inf"])
+def test_item6_every_count_is_checked_at_the_api(side, kwargs, fragment):
+    with refused(InputError, fragment):
+        side.generate([PROMPT], 3, **kwargs)
+
+
+@pytest.mark.parametrize(("batch", "length", "fragment"), [(1.5, 8, "batch_size=1.5"), (1, 8.0, "max_cache_len=8.0"),
+                                                           (0, 8, "batch_size=0 must be > 0"), (True, 8, "batch_size")])
+def test_item6_cache_sizes_must_be_positive_integers(side, batch, length, fragment):
+    with refused(InputError, fragment):
+        side.make_cache("static", side.config, batch, length)
+
+
+# --- 7. caches and buffers are checked against memory before they are allocated ---------------------------------------
+
+
+def test_item7_a_cache_larger_than_memory_is_refused_before_allocating(side):
+    """10^9 slots of this model need 516 GB: no machine we run on has that, so the check is real, not patched."""
+    with refused(ResourceError, "1000000000 slots", "needs 516.0 GB", "memory is available", "--max-cache-len"):
+        side.make_cache("static", side.config, 1, 10**9)
+    with refused(ResourceError, "needs 516.0 GB"):
+        side.generate([PROMPT], 3, cache="static", max_cache_len=10**9)
+
+
+def test_item7_the_figure_is_compared_with_what_is_available(side, monkeypatch):
+    """With 1 MB available, a 1.1 MB cache is refused and a 0.9 MB one is built (2 x 2 layers x 2 heads x 16 x 4 B =
+    512 B per slot, plus 4 B of positions)."""
+    monkeypatch.setattr(cache_checks, "host_available_bytes", lambda: 1_000_000)
+    with refused(ResourceError, "needs 1.1 MB", "only 1.0 MB"):
+        side.make_cache("static", side.config, 1, 2100)
+    assert side.make_cache("static", side.config, 1, 1900).cache_len == 1900
+    with refused(ResourceError, "return_logits", "generate fewer tokens or pass return_logits=False"):
+        side.generate([PROMPT] * 3, 400, cache="sliding_window", return_logits=True)  # 2 x 3 x 400 x 128 x 4 B
+
+
+# --- 9. absurd configs are refused before anything large is built -----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", list(SIDES))
+def test_item9_absurd_layer_count_is_refused_from_the_tensor_list(checkpoints, tmp_path, backend):
+    directory = copy_checkpoint(checkpoints["gqa"], tmp_path / "absurd")
+    edit_config(directory, lambda raw: raw.__setitem__("num_hidden_layers", 10**8))
+    tracemalloc.start()
+    try:
+        with refused(CheckpointError, "missing tensor model.layers.2.self_attn.q_proj.weight"):
+            SIDES[backend][1].from_pretrained(directory)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 20e6, f"refusing took {peak / 1e6:.0f} MB of Python allocations: something was built per layer"
+
+
+# --- 11. a refused call changes no state; the backends agree on seeds -------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [2**70, 2**32, -1])
+def test_item11_a_bad_seed_is_refused_before_the_cache_is_touched(side, seed):
+    cache = side.fill(side.make_cache("sliding_window", side.config), 5)
+    for temperature in (0.0, 0.7):  # greedy too: both backends refuse the same settings
+        sampling = SamplingParams(temperature=temperature, seed=seed)
+        with refused(InputError, f"seed={seed}", "[0, 2**32 - 1", side=side, cache=cache):
+            side.generate([PROMPT], 3, cache=cache, sampling=sampling)
+        with refused(InputError, f"seed={seed}", side=side, cache=cache):
+            side.continue_(cache, [5], 2, sampling=sampling)
+
+
+def test_item11_the_largest_seed_is_accepted_in_both_backends(side):
+    assert side.generate([PROMPT], 3, sampling=SamplingParams(seed=2**32 - 1)).token_ids == side.generate(
+        [PROMPT], 3).token_ids
+
+
+# --- 12. messages that name their cause (API side) --------------------------------------------------------------------
+
+
+def test_item12_a_cache_of_the_other_backend_is_named(side, pair):
+    torch_model, jax_model = pair
+    foreign = (jc.make_cache("sliding_window", jax_model.config, 1, 24) if side.name == "torch" else
+               tc.make_cache("sliding_window", torch_model.config, 1, 24))
+    other = "jax_cache" if side.name == "torch" else "torch_cache"
+    for call in (lambda: side.continue_(foreign, [5], 2), lambda: side.generate([PROMPT], 2, cache=foreign)):
+        with refused(CacheError, f"cache is a {other}.cache.SlidingWindowCache", f"not a {side.name}_cache cache",
+                     "jax_cache.interop.cache_"):
+            call()
+
+
+@pytest.mark.parametrize(("prompts", "fragment"), [
+    ([[5, 1.7, 6]], "prompt 0 holds token id 1.7, which is not an integer"),
+    ([[5, 2.0]], "prompt 0 holds token id 2.0, which is not an integer"),
+    ([[5, "6"]], "prompt 0 holds token id '6'"),
+    ([[5, True]], "prompt 0 holds token id True"),
+    ([5, 6], "prompt 0 is 5, not a sequence of token ids"),
+    (["hello"], "prompt 0 is 'hello', not a sequence of token ids"),
+    ("hello", "prompts must be a list of token-id lists"),
+    ([np.asarray([5.0, 6.0])], "which is not an integer"),
+])
+def test_item12_float_and_malformed_ids_are_refused_not_truncated(side, prompts, fragment):
+    with refused(InputError, fragment):
+        side.generate(prompts, 2)
+
+
+def test_item12_float_last_tokens_are_refused(side):
+    cache = side.fill(side.make_cache("static", side.config), 4)
+    with refused(InputError, "last token of row 0 holds token id 5.9", side=side, cache=cache):
+        side.continue_(cache, [5.9], 2)
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    (b"[1, 2]", "must hold a JSON object of fields, not a list"),
+    (b"null", "not null"),
+    ("{\"model_type\": \"mistral\", \"x\": \"caf\u00e9\"}".encode("latin-1"), "is not UTF-8 text"),
+])
+@pytest.mark.parametrize("backend", list(SIDES))
+def test_item12_config_files_that_are_not_objects_or_utf8(checkpoints, tmp_path, backend, content, fragment):
+    directory = copy_checkpoint(checkpoints["gqa"], tmp_path / "config")
+    (directory / "config.json").write_bytes(content)
+    with refused(ConfigError, fragment):
+        SIDES[backend][1].from_pretrained(directory)
+
+
+@pytest.mark.parametrize(("weight_map", "fragment"), [
+    ({"model.norm.weight": 1}, "weight_map['model.norm.weight'] = 1 is not a shard file name"),
+    ({"model.norm.weight": None}, "= None is not a shard file name"),
+    ({"model.norm.weight": "../outside.safetensors"}, "'../outside.safetensors' is not a shard file name"),
+    (["model.norm.weight"], "'weight_map' must map tensor names to shard file names"),
+])
+def test_item12_a_weight_map_with_non_string_values(checkpoints, tmp_path, weight_map, fragment):
+    directory = copy_checkpoint(checkpoints["sharded"], tmp_path / "sharded")
+    index = directory / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["weight_map"] = weight_map if isinstance(weight_map, list) else raw["weight_map"] | weight_map
+    index.write_text(json.dumps(raw))
+    for backend in SIDES:
+        with refused(CheckpointError, "model.safetensors.index.json", fragment):
+            SIDES[backend][1].from_pretrained(directory)
+
+
+def test_item12_a_tensor_stored_in_two_shards_is_refused(checkpoints, tmp_path):
+    directory = copy_checkpoint(checkpoints["sharded"], tmp_path / "sharded")
+    shards = sorted(directory.glob("model-*.safetensors"))
+    shutil.copy(shards[0], directory / "model-extra.safetensors")
+    index = directory / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["weight_map"]["extra.marker"] = "model-extra.safetensors"
+    index.write_text(json.dumps(raw))
+    with refused(CheckpointError, "is stored twice", shards[0].name, "model-extra.safetensors"):
+        TorchMistral.from_pretrained(directory)
+
+
+def _unwritable(tmp_path: Path) -> Path:
+    """A directory this process cannot create files in: chmod for a normal user, /sys for root (chmod binds no root)."""
+    directory = tmp_path / "read_only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    probe = directory / "probe"
+    try:
+        probe.touch()
+    except PermissionError:
+        return directory
+    probe.unlink()
+    return Path("/sys/twincache-read-only-home")
+
+
+def test_item12_twincache_home_that_is_a_file_or_read_only(tmp_path, monkeypatch):
+    home_file = tmp_path / "home_file"
+    home_file.write_text("not a directory")
+    monkeypatch.setenv("TWINCACHE_HOME", str(home_file))
+    with refused(StorageError, str(home_file), "is a file, not a directory", "TWINCACHE_HOME"):
+        default_model.default_model_dir()
+    read_only = _unwritable(tmp_path)
+    monkeypatch.setenv("TWINCACHE_HOME", str(read_only))
+    with refused(StorageError, str(read_only), "is not a writable directory", "TWINCACHE_HOME"):
+        default_model.default_model_dir()
+

@@ -1,0 +1,161 @@
+"""Sampling in both backends, judged by an oracle written here in numpy from the definitions, never by the code it
+judges: the exact set of tokens top-k and top-p keep (ties at the boundary included), tiny temperatures, and which
+token a seeded draw picks.
+
+Definitions (docs in torch_cache/generate.py and jax_cache/generate.py):
+  scaled logits  l / T (shift-invariant: the backends compute (l - max) / T, which cannot overflow to +inf)
+  top-k          keep every token whose scaled logit is >= the k-th largest (a tie with the k-th is kept)
+  top-p          on the top-k survivors' softmax, keep every token t whose strictly-more-probable tokens hold less
+                 than top_p in total: the top token always stays, the token that crosses top_p stays, and tokens
+                 tied with a kept token stay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_cache.generate as jg
+import torch_cache.generate as tg
+from torch_cache.model import Mistral as TorchMistral
+from twincache.generation import SamplingParams
+
+BACKENDS = ["torch", "jax"]
+
+
+def oracle_kept(logits: np.ndarray, sampling: SamplingParams) -> list[set[int]]:
+    """Per row, the token ids the filters keep, by the definitions above, in float64."""
+    kept = []
+    for row in np.asarray(logits, np.float64):
+        scaled = row / sampling.temperature
+        keep = np.ones(scaled.shape, bool)
+        if sampling.top_k:
+            keep &= scaled >= np.sort(scaled)[-sampling.top_k]
+        if sampling.top_p < 1.0:
+            probs = np.where(keep, np.exp(scaled - scaled[keep].max()), 0.0)
+            probs /= probs.sum()
+            mass_above = np.array([probs[probs > p].sum() for p in probs])
+            keep &= mass_above < sampling.top_p
+        kept.append(set(np.flatnonzero(keep).tolist()))
+    return kept
+
+
+def filtered(backend: str, logits: np.ndarray, sampling: SamplingParams) -> list[set[int]]:
+    """Per row, the tokens a backend's filter_logits leaves finite."""
+    if backend == "torch":
+        out = tg.filter_logits(torch.from_numpy(np.asarray(logits, np.float32)), sampling).numpy()
+    else:
+        out = np.asarray(jg.filter_logits(jnp.asarray(logits, jnp.float32), sampling))
+    return [set(np.flatnonzero(np.isfinite(row)).tolist()) for row in out]
+
+
+def drawn(backend: str, logits: np.ndarray, sampling: SamplingParams, draws: int = 2000) -> set[int]:
+    """The set of tokens `draws` seeded draws of one row pick, through the backend's sample()."""
+    tiled = np.tile(np.asarray(logits, np.float32), (draws, 1))
+    if backend == "torch":
+        picks = tg.sample(torch.from_numpy(tiled), sampling, torch.Generator().manual_seed(0))
+    else:
+        picks = jg.sample(jnp.asarray(tiled), sampling, jax.random.key(0))
+    return set(np.asarray(picks).tolist())
+
+
+def log_probs(*probs: float) -> list[float]:
+    return np.log(np.asarray(probs)).tolist()
+
+
+# (name, one row of logits, sampling, the kept set derived by hand from the definitions)
+HAND_MADE = [
+    ("top_k", [3.0, 2.0, 1.0, 0.0, -1.0], SamplingParams(1.0, top_k=2), {0, 1}),
+    ("top_k_tie_at_k", [3.0, 2.0, 2.0, 1.0, 0.0], SamplingParams(1.0, top_k=2), {0, 1, 2}),
+    ("top_k_tie_at_top", [2.0, 2.0, 2.0, 1.0, 0.0], SamplingParams(1.0, top_k=1), {0, 1, 2}),
+    # p = .4 .3 .2 .1: token 1 crosses 0.5 (0.4 above it < 0.5) and stays; token 2 has 0.7 above it
+    ("top_p_keeps_the_crossing_token", log_probs(.4, .3, .2, .1), SamplingParams(1.0, top_p=0.5), {0, 1}),
+    ("top_p_0.75", log_probs(.4, .3, .2, .1), SamplingParams(1.0, top_p=0.75), {0, 1, 2}),
+    ("top_p_top_token_alone", log_probs(.4, .3, .2, .1), SamplingParams(1.0, top_p=0.35), {0}),
+    # p = .4 .2 .2 .1 .1: one 0.2 has 0.4 above it (kept), so its tie partner is kept too, whatever the sort order
+    ("top_p_tie_at_the_boundary", log_probs(.4, .2, .2, .1, .1), SamplingParams(1.0, top_p=0.5), {0, 1, 2}),
+    # p = .5 .2 .2 .1, top_p .45: both 0.2s have 0.5 above them: both go
+    ("top_p_tie_dropped_together", log_probs(.5, .2, .2, .1), SamplingParams(1.0, top_p=0.45), {0}),
+    # at T = 2 the same logits flatten to p ~ .32 .27 .23 .18: top_p .5 now keeps two
+    ("top_p_after_temperature", log_probs(.4, .3, .2, .1), SamplingParams(2.0, top_p=0.5), {0, 1}),
+    ("top_p_after_temperature_wider", log_probs(.4, .3, .2, .1), SamplingParams(2.0, top_p=0.65), {0, 1, 2}),
+    # top-k first, then top-p on the survivors' renormalised mass: among .4 .3 .2 top_p .6 keeps .4/.9 and .3/.9
+    ("top_k_then_top_p", log_probs(.4, .3, .2, .1), SamplingParams(1.0, top_k=3, top_p=0.6), {0, 1}),
+    ("no_filter", log_probs(.4, .3, .2, .1), SamplingParams(1.0), {0, 1, 2, 3}),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("row", "sampling", "expected"), [case[1:] for case in HAND_MADE],
+                         ids=[case[0] for case in HAND_MADE])
+def test_filters_keep_exactly_the_defined_set_on_hand_made_logits(backend, row, sampling, expected):
+    assert oracle_kept(np.asarray([row]), sampling) == [expected], "the oracle disagrees with the hand derivation"
+    assert filtered(backend, np.asarray([row]), sampling) == [expected]
+    assert drawn(backend, row, sampling) == expected, "draws must reach every kept token and nothing else"
+
+
+@pytest.fixture(scope="module")
+def model_logits(checkpoints: dict[str, Path]) -> np.ndarray:
+    """Real step logits [24, V] of the gqa model: 3 prompts x 8 steps."""
+    model = TorchMistral.from_pretrained(checkpoints["gqa"])
+    result = tg.generate(model, [[5, 17, 42, 99], [5, 17], [9, 8, 7, 6, 5, 4, 3]], 8, compile=False,
+                         return_logits=True)
+    return result.step_logits.reshape(24, -1).numpy()
+
+
+MODEL_SETTINGS = [SamplingParams(0.8, top_k=20, top_p=0.9), SamplingParams(1.0, top_p=0.5),
+                  SamplingParams(0.5, top_k=3), SamplingParams(1.5, top_k=50, top_p=0.3), SamplingParams(1.0)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampling", MODEL_SETTINGS, ids=str)
+def test_filters_keep_exactly_the_defined_set_on_model_logits(backend, model_logits, sampling):
+    expected = oracle_kept(model_logits, sampling)
+    assert any(0 < len(s) < model_logits.shape[1] for s in expected) or sampling == SamplingParams(1.0)
+    assert filtered(backend, model_logits, sampling) == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampling_tends_to_greedy_as_temperature_goes_to_zero(backend, model_logits):
+    """Below some temperature every draw is the argmax (no overflow, no NaN), down to the smallest float."""
+    for temperature in (1e-4, 1e-30, 1e-38, 1e-45, 5e-324):
+        for seed in range(3):
+            sampling = SamplingParams(temperature, top_k=10, top_p=0.95, seed=seed)
+            if backend == "torch":
+                picks = tg.sample(torch.from_numpy(model_logits), sampling, torch.Generator().manual_seed(seed))
+            else:
+                picks = jg.sample(jnp.asarray(model_logits), sampling, jax.random.key(seed))
+            np.testing.assert_array_equal(np.asarray(picks), model_logits.argmax(-1), err_msg=f"T={temperature}")
+
+
+def test_jax_draws_equal_an_independent_gumbel_max_oracle(model_logits):
+    """jax.random.categorical is argmax(logits + Gumbel noise from the key): the oracle applies its own filter in
+    float64 to l / T (the unshifted form, as before the overflow fix) and adds the same key's noise. The same token
+    means the shifted form leaves ordinary-temperature sampling unchanged."""
+    for i, sampling in enumerate(MODEL_SETTINGS):
+        key = jax.random.key(100 + i)
+        picks = np.asarray(jg.sample(jnp.asarray(model_logits), sampling, key))
+        noise = np.asarray(jax.random.gumbel(key, model_logits.shape, jnp.float32), np.float64)
+        kept = oracle_kept(model_logits, sampling)
+        scaled = model_logits.astype(np.float64) / sampling.temperature
+        masked = np.where([[t in row for t in range(scaled.shape[1])] for row in kept], scaled, -np.inf)
+        np.testing.assert_array_equal(picks, (masked + noise).argmax(-1), err_msg=str(sampling))
+
+
+def test_torch_draws_equal_the_unshifted_formula(model_logits):
+    """torch's draw from the same generator state, on probabilities built here as softmax(l / T) over the oracle's
+    kept set (the formula before the overflow fix): the same tokens, row for row."""
+    rows = np.tile(model_logits, (20, 1))  # 480 draws per setting
+    for i, sampling in enumerate(MODEL_SETTINGS):
+        picks = tg.sample(torch.from_numpy(rows), sampling, torch.Generator().manual_seed(i))
+        kept = oracle_kept(rows, sampling)
+        scaled = torch.from_numpy(rows) / sampling.temperature
+        mask = torch.tensor([[t in row for t in range(rows.shape[1])] for row in kept])
+        probs = scaled.masked_fill(~mask, float("-inf")).softmax(-1)
+        reference = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(i))[:, 0]
+        assert torch.equal(picks, reference), f"{sampling}: {int((picks != reference).sum())} draws differ"
