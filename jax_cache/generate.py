@@ -59,9 +59,10 @@ def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     if sampling.top_p < 1.0:
         sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # [B, V], descending
         sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays.
-        kept = jnp.sum((jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < sampling.top_p, axis=-1,
-                       keepdims=True)  # [B, 1]
+        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
+        # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
+        above = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # [B, V], the mass ranked above each token
+        kept = jnp.maximum(jnp.sum(above < sampling.top_p, axis=-1, keepdims=True), 1)  # [B, 1]
         cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)  # [B, 1], the smallest logit kept
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return logits

@@ -331,7 +331,8 @@ def oracle_tokens(step_logits: np.ndarray, sampling: SamplingParams) -> list[lis
     return np.stack(tokens, axis=1).tolist()
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED, SamplingParams(temperature=1.5, top_p=0.6, seed=11)],
+                         ids=["greedy", "sampled", "wide_nucleus"])
 def test_fused_and_step_modes_give_identical_tokens(model, sampling):
     """Both fold the step index into one PRNG key, so even sampled tokens agree (logits: test_jax_parity). The two
     modes share sample() and _pick(), so each is also checked against an oracle that shares neither."""

@@ -56,8 +56,10 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tenso
     if sampling.top_p < 1.0:
         sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
         sorted_probs = sorted_logits.softmax(dim=-1)
-        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays.
-        kept = ((sorted_probs.cumsum(dim=-1) - sorted_probs) < sampling.top_p).sum(dim=-1, keepdim=True)  # [B, 1]
+        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
+        # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
+        above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V], the mass ranked above each token
+        kept = (above < sampling.top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
         cutoff = sorted_logits.gather(-1, kept - 1)  # [B, 1], the smallest logit kept
         logits = logits.masked_fill(logits < cutoff, float("-inf"))
     return logits

@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     elif not streaming:
         sys.stdout.write(text if text is not None else " ".join(map(str, token_ids)))
     sys.stdout.write("\n")
+    sys.stdout.flush()  # a closed pipe ends the run here, before the summary below
     print(f"[{args.backend} {result.cache_kind} cache: prefill {result.prefill_s * 1000:.1f} ms, "
           f"first step {result.first_step_s:.2f} s, decode {result.decode_tok_s:.1f} tok/s over "
           f"{result.decode_steps} steps]", file=sys.stderr)

@@ -1,0 +1,172 @@
+"""Reliability, round two, through `twincache generate` and `twincache bench`: every case of issue 14 a CLI user can
+reach ends with exit 2 and one line naming its cause (never "unexpected ..."), in both backends; a reader that goes
+away ends the run quietly; a tiny temperature prints the greedy tokens.
+
+Most cases run in this process through `twincache.cli.main` (helpers shared with test_cli_bad_inputs.py); the
+broken-pipe cases need a real pipe, so they run the entry point in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from parity_tests.test_cli_bad_inputs import (
+    BACKENDS,
+    REPO,
+    _entry_point,
+    argv_for,
+    assert_one_line_error,
+    copy_checkpoint,
+    edit_config,
+    rewrite_tensors,
+    run_in_process,
+)
+
+
+def _set(field: str, value: object) -> Callable[[dict], None]:
+    return lambda raw: raw.__setitem__(field, value)
+
+
+def _extra_layer(tensors: dict) -> None:
+    for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+        tensors[name.replace("layers.1.", "layers.2.")] = tensors[name].copy()
+
+
+def _write(content: bytes) -> Callable[[Path], None]:
+    return lambda directory: (directory / "config.json").write_bytes(content)
+
+
+def _weight_map(value: object) -> Callable[[Path], None]:
+    def damage(directory: Path) -> None:
+        index = directory / "model.safetensors.index.json"
+        raw = json.loads(index.read_text())
+        raw["weight_map"]["model.norm.weight"] = value
+        index.write_text(json.dumps(raw))
+    return damage
+
+
+# name -> (base checkpoint, damage to a copy of it)
+BROKEN: dict[str, tuple[str, Callable[[Path], None]]] = {
+    "config_list": ("gqa", _write(b"[1, 2, 3]")),
+    "config_null": ("gqa", _write(b"null")),
+    "config_latin1": ("gqa", _write('{"model_type": "mistral", "name": "caf\u00e9"}'.encode("latin-1"))),
+    "numbers_as_strings": ("gqa", lambda d: edit_config(d, _set("hidden_size", "64"))),
+    "zero_heads": ("gqa", lambda d: edit_config(d, _set("num_attention_heads", 0))),
+    "zero_kv_heads": ("gqa", lambda d: edit_config(d, _set("num_key_value_heads", 0))),
+    "eos_string": ("gqa", lambda d: edit_config(d, _set("eos_token_id", "2"))),
+    "eos_float": ("gqa", lambda d: edit_config(d, _set("eos_token_id", 2.5))),
+    "tie_string": ("gqa", lambda d: edit_config(d, _set("tie_word_embeddings", "false"))),
+    "window_true": ("gqa", lambda d: edit_config(d, _set("sliding_window", True))),
+    "rms_norm_eps_null": ("gqa", lambda d: edit_config(d, _set("rms_norm_eps", None))),
+    "extra_layer": ("gqa", lambda d: rewrite_tensors(d, _extra_layer)),
+    "absurd_layers": ("gqa", lambda d: edit_config(d, _set("num_hidden_layers", 10**8))),
+    "weight_map_int": ("sharded", _weight_map(3)),
+    "weight_map_null": ("sharded", _weight_map(None)),
+    "short_positions": ("gqa", lambda d: edit_config(d, _set("max_position_embeddings", 8))),
+}
+
+
+# name -> (checkpoint, extra argv, what the one line must contain)
+CASES: dict[str, tuple[str, list[str], str]] = {
+    "config_list": ("config_list", [], "must hold a JSON object of fields, not a list"),
+    "config_null": ("config_null", [], "must hold a JSON object of fields, not null"),
+    "config_latin1": ("config_latin1", [], "config.json is not UTF-8 text"),
+    "numbers_as_strings": ("numbers_as_strings", [], "config field hidden_size='64' must be an integer, not a string"),
+    "zero_heads": ("zero_heads", [], "config field num_attention_heads=0 must be a positive integer"),
+    "zero_kv_heads": ("zero_kv_heads", [], "config field num_key_value_heads=0 must be a positive integer"),
+    "eos_string": ("eos_string", [], "config field eos_token_id='2' must be an integer, not a string"),
+    "eos_float": ("eos_float", [], "config field eos_token_id=2.5 must be an integer, not a float"),
+    "tie_string": ("tie_string", [], "tie_word_embeddings='false' must be true or false, not a string"),
+    "window_true": ("window_true", [], "sliding_window=True must be a positive integer or null"),
+    "rms_norm_eps_null": ("rms_norm_eps_null", [], "rms_norm_eps=None must be a number, not null"),
+    "extra_layer": ("extra_layer", [], "holds 9 tensor(s) config.json does not describe: model.layers.2."),
+    "absurd_layers": ("absurd_layers", [], "missing tensor model.layers.2.self_attn.q_proj.weight"),
+    "weight_map_int": ("weight_map_int", [], "weight_map['model.norm.weight'] = 3 is not a shard file name"),
+    "weight_map_null": ("weight_map_null", [], "weight_map['model.norm.weight'] = None is not a shard file name"),
+    "positions_past_max": ("short_positions", ["--max-new-tokens", "6"],
+                           "max_new_tokens=6 from position 3 would reach position 8, but this model's "
+                           "max_position_embeddings=8 allows positions up to 7; generate at most 5 new tokens"),
+    "huge_static_cache": ("gqa", ["--cache", "static", "--max-cache-len", "1000000000"],
+                          "a static cache of 2 layers x batch 1 x 2 kv heads x 1000000000 slots x head_dim 16 in"),
+    "huge_budget_static": ("gqa", ["--cache", "static", "--max-new-tokens", "100000000"],
+                           "max_new_tokens=100000000 from position 3 would reach position 100000002"),
+    "max_new_tokens_int32": ("gqa", ["--max-new-tokens", str(2**31)],
+                             "max_new_tokens=2147483648 must be <= 2147483647"),
+    "max_cache_len_int32": ("gqa", ["--cache", "static", "--max-cache-len", str(2**31)],
+                            "max_cache_len=2147483648 must be <= 2147483647"),
+    "seed_too_large": ("gqa", ["--seed", str(2**70)], f"seed={2**70} must be in [0, 2**32 - 1 = 4294967295]"),
+    "seed_negative": ("gqa", ["--seed=-1", "--temperature", "0.5"], "seed=-1 must be in [0, 2**32 - 1"),
+    "temperature_inf": ("gqa", ["--temperature", "inf"], "temperature=inf must be >= 0 and finite"),
+    "prompt_ids_empty_field": ("gqa", ["--prompt-ids", "1,,2"],
+                               "--prompt-ids has an empty field (field 2 of '1,,2')"),
+    "prompt_ids_trailing_comma": ("gqa", ["--prompt-ids", "1,2,"], "has an empty field (field 3 of '1,2,')"),
+    "prompt_ids_float": ("gqa", ["--prompt-ids", "1,2.5"], "field 2 is '2.5'"),
+}
+
+
+@pytest.fixture(scope="module")
+def broken(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("reliability_cli")
+    dirs = {"gqa": checkpoints["gqa"]}
+    for name, (base, damage) in BROKEN.items():
+        dirs[name] = copy_checkpoint(checkpoints[base], root / name)
+        damage(dirs[name])
+    return dirs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_case_is_one_line_naming_its_cause(broken, capsys, backend, case):
+    checkpoint, extra, expected = CASES[case]
+    code, out, err = run_in_process(argv_for(backend, broken[checkpoint], extra), capsys)
+    assert_one_line_error(code, err, expected)
+    assert out == "", f"nothing may be generated before a refusal: {out!r}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_twincache_home_that_is_a_file_is_named(tmp_path, monkeypatch, capsys, backend):
+    home = tmp_path / "home"
+    home.write_text("a file")
+    monkeypatch.setenv("TWINCACHE_HOME", str(home))
+    code, out, err = run_in_process(["generate", "--backend", backend, "--max-new-tokens", "2"], capsys)
+    assert_one_line_error(code, err, f"the default-model directory (TWINCACHE_HOME) {home} is a file")
+
+
+def test_bench_out_that_is_a_file_is_named(tmp_path, capsys):
+    out_file = tmp_path / "results"
+    out_file.write_text("a file")
+    code, out, err = run_in_process(["bench", "--preset", "tiny", "--out", str(out_file), "--no-progress"], capsys)
+    assert_one_line_error(code, err, f"--out {out_file} is a file, not a directory")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tiny_temperature_prints_the_greedy_tokens(broken, capsys, backend):
+    """Today JAX printed token 0 repeatedly (logits / 1e-38 overflowed) and torch died with a RuntimeError."""
+    records = []
+    for extra in ([], ["--temperature", "1e-38", "--top-p", "0.9", "--seed", "5"]):
+        code, out, err = run_in_process(argv_for(backend, broken["gqa"], ["--json", *extra]), capsys)
+        assert code == 0, err
+        records.append(json.loads(out)["token_ids"])
+    assert records[0] == records[1]
+
+
+@pytest.mark.parametrize(("backend", "flags"), [("torch", ["--no-compile"]), ("jax", [])],
+                         ids=["torch_streaming", "jax_fused"])
+def test_a_closed_pipe_ends_quietly(default_model_dir, tmp_path, backend, flags):
+    """`twincache generate | head -c 0`: the reader is gone before the first write. Exit 141 (128 + SIGPIPE, what a
+    shell reports for a tool SIGPIPE ended) with nothing on stderr, never a BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader: every write fails with EPIPE
+    env = dict(os.environ, TWINCACHE_HOME=str(default_model_dir.parent), PYTHONPATH=str(REPO))
+    try:
+        proc = subprocess.run(_entry_point() + ["generate", "--backend", backend, "--max-new-tokens", "40", *flags],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, env=env, timeout=300, cwd=REPO)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (141, ""), proc.stderr[-2000:]
