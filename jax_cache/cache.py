@@ -42,7 +42,7 @@ class StaticCache:
         self.cache_len = self._buffer_len(config, max_cache_len)
         self.dtype = jnp.dtype(dtype)
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
-        device = jnp.zeros((), jnp.int32).devices().pop()  # where jnp.zeros puts the buffers below
+        device = default_device()  # where jnp.zeros puts the buffers below (also while a jit traces this)
         cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), memory_label(device))
         shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
         self.keys = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
@@ -226,6 +226,14 @@ def device_label(array: jax.Array) -> str:
     return "+".join(sorted(str(device) for device in array.devices()))
 
 
+def default_device() -> jax.Device:
+    """The device new arrays go to: jax.default_device's when one is set, else the default backend's first."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):
+        return jax.devices(device)[0]
+    return device if device is not None else jax.devices()[0]
+
+
 def available_memory(device: jax.Device) -> int | None:
     """Bytes a new allocation on `device` can still take (None when unknown: no check)."""
     if device.platform == "cpu":
@@ -254,5 +262,5 @@ def cache_fields(cache: StaticCache) -> dict[str, object]:
     return {k: v for k, v in vars(cache).items() if k not in ("keys", "values", "slot_positions", "length")}
 
 
-__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "device_label",
-           "memory_label"]
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "default_device",
+           "device_label", "memory_label"]

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jax_cache.cache import StaticCache, available_memory, make_cache, memory_label
+from jax_cache.cache import StaticCache, available_memory, default_device, make_cache, memory_label
 from jax_cache.model import Mistral
 from twincache import cache_checks
 from twincache.errors import NonFiniteLogitsError
@@ -370,7 +370,7 @@ def _check_outputs_fit(batch: int, steps: int, vocab_size: int, fused: bool, ret
     """The fused loop allocates its [batch, steps] tokens (and [batch, steps, vocab] logits) up front, and returned
     logits are concatenated once more at the end: refuse what cannot fit before anything is compiled or run."""
     needed = (batch * steps * 4 if fused else 0) + (2 * batch * steps * vocab_size * 4 if return_logits else 0)
-    device = jnp.zeros((), jnp.int32).devices().pop()
+    device = default_device()
     what = f"decoding {steps} steps" + (f" with return_logits (2 x [{batch}, {steps}, {vocab_size}] float32)"
                                         if return_logits else f" fused ([{batch}, {steps}] int32 tokens)")
     cache_checks.check_fits(what, needed, available_memory(device), memory_label(device),

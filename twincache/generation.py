@@ -138,9 +138,10 @@ def validate_prompts(prompts: Sequence[Sequence[int]], config: MistralConfig,
                              "e.g. [[1, 2, 3]] (tokenize text first)")
         ids = []
         for token in prompt:
-            if isinstance(token, bool) or not hasattr(token, "__index__"):
-                raise InputError(f"{label} {row} holds token id {token!r}, which is not an integer")
-            ids.append(as_integer("token id", token))
+            try:
+                ids.append(as_integer("token id", token))
+            except InputError:
+                raise InputError(f"{label} {row} holds token id {token!r}, which is not an integer") from None
         if not ids:
             raise InputError(f"{label} {row} is empty; every prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < config.vocab_size]
