@@ -4,7 +4,8 @@ to every jitted call, so XLA updates its buffers in place.
 Two decode modes:
   fused (default when nothing streams): the whole decode loop is one jitted `lax.while_loop`, stopping each row at EOS.
   step (streaming): one jitted step per token, queued one step ahead; each step's tokens come back to the host.
-Both fold the step index into one PRNG key, so they sample the same tokens for the same seed.
+Both run one decode body (`decode_body`) over a named `DecodeState`, and fold the step index into one PRNG key, so
+they sample the same tokens for the same seed (docs/design.md §5).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +35,10 @@ from twincache.generation import (
     check_positions,
     pad_token_id,
     plan_cache,
+    positions_from_mask,
     prepare_batch,
     prepare_continuation,
+    validate_attention_mask,
 )
 
 MIN_PROMPT_BUCKET = 16
@@ -97,28 +101,27 @@ def split_model(model: Mistral) -> tuple[ModelGraph, nnx.State]:
     return ModelGraph(graphdef), state
 
 
-def _forward_last(graph: ModelGraph, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+def _forward_last(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
                   positions: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, StaticCache]:
-    logits, cache = nnx.merge(graph.graphdef, state)(input_ids, positions, cache, attention_mask)
+    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask)
     return logits[:, -1].astype(jnp.float32), cache  # [B, V]
 
 
 @functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
-def _prefill(graph: ModelGraph, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+def _prefill(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array, positions: jax.Array,
              attention_mask: jax.Array) -> tuple[jax.Array, StaticCache]:
-    positions = jnp.cumsum(attention_mask, axis=-1) - 1  # [B, T], padding at -1
-    return _forward_last(graph, state, cache, input_ids, positions, attention_mask)
+    return _forward_last(graph, params, cache, input_ids, positions, attention_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
-def _decode_step(graph: ModelGraph, state: nnx.State, cache: StaticCache, input_ids: jax.Array,
+def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
                  positions: jax.Array) -> tuple[jax.Array, StaticCache]:
-    return _forward_last(graph, state, cache, input_ids, positions, None)
+    return _forward_last(graph, params, cache, input_ids, positions, None)
 
 
-def _pick(logits: jax.Array, finished: jax.Array, step: jax.Array, key: jax.Array, sampling: SamplingParams,
-          eos: int | None) -> tuple[jax.Array, jax.Array]:
-    """Sample step `step`'s tokens; rows already finished keep emitting EOS."""
+def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: int | None,
+          step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sample step `step`'s tokens [B]; rows already finished keep emitting EOS. Returns (tokens, finished)."""
     tokens = sample(logits, sampling, jax.random.fold_in(key, step))  # [B]
     if eos is None:
         return tokens, finished
@@ -126,64 +129,107 @@ def _pick(logits: jax.Array, finished: jax.Array, step: jax.Array, key: jax.Arra
     return tokens, finished | (tokens == eos)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size"), donate_argnames=("cache",))
-def _sampled_step(graph: ModelGraph, state: nnx.State, cache: StaticCache, loop: tuple, key: jax.Array,
-                  sampling: SamplingParams, eos: int | None, vocab_size: int) -> tuple:
-    """One streaming step: feed the loop's tokens at its positions and sample the next ones.
+class DecodeState(NamedTuple):
+    """What one decode step reads and writes. The fused loop carries it through `lax.while_loop`; the streaming loop
+    keeps it on the device between jitted steps (gemma's SamplingState plays the same part)."""
 
-    loop = (tokens [B], positions [B], finished [B], step [], halted []) stays on the device. The streaming loop
-    dispatches step k + 1 before it reads step k's tokens, so a halted step (every row has emitted EOS, or an earlier
-    step's logits were not finite) changes nothing. Returns (for_host [B + 1]: the tokens, then a non-finite flag,
-    the step's one device-to-host copy; logits [B, V]; the next loop; the cache).
+    tokens: jax.Array  # [B] int32: each row's newest token, fed to the next step
+    positions: jax.Array  # [B] int32: the position that token takes
+    finished: jax.Array  # [B] bool: rows that have emitted EOS (they keep emitting it)
+    step: jax.Array  # [] int32: generated-token index the next step samples (folded into the PRNG key)
+    non_finite_step: jax.Array  # [] int32: the first step whose logits were NaN or Inf; -1 while none was
+    cache: StaticCache
+
+    def halted(self) -> jax.Array:
+        """[] bool: every row has emitted EOS, or a step's logits were not finite; further steps change nothing."""
+        return self.finished.all() | (self.non_finite_step >= 0)
+
+
+def initial_state(tokens: jax.Array, positions: jax.Array, cache: StaticCache, eos: int | None,
+                  first_step: int) -> DecodeState:
+    """The state before the first decode step: rows whose token is EOS are finished already."""
+    finished = tokens == eos if eos is not None else jnp.zeros(tokens.shape, bool)  # [B]
+    return DecodeState(tokens, positions, finished, jnp.int32(first_step), jnp.int32(-1), cache)
+
+
+def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams, eos: int | None,
+                state: DecodeState, forced: jax.Array | None = None) -> tuple[jax.Array, DecodeState]:
+    """One decode step, the body of both loops: feed `state.tokens` at `state.positions`, sample the next tokens.
+
+    `forced` ([B] int32, optional) replaces the sampled tokens: teacher forcing on the real decode path, for parity
+    (give eos=None with it: a teacher-forced run never stops early).
+    Returns this step's logits [B, V] fp32 and the next state.
     """
-    tokens, positions, finished, step, halted = loop
+    logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None)
+    tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step)
+    if forced is not None:
+        tokens = forced
+    first_bad = (state.non_finite_step < 0) & ~jnp.isfinite(logits).all()
+    non_finite_step = jnp.where(first_bad, state.step, state.non_finite_step)
+    return logits, DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache)
 
-    def advance(carry: tuple) -> tuple:
-        _, _, _, cache, trips = carry
-        logits, cache = _forward_last(graph, state, cache, tokens[:, None], positions[:, None], None)
-        return (logits, *_pick(logits, finished, step, key, sampling, eos), cache, trips - 1)
+
+@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size"), donate_argnames=("state",))
+def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
+                  eos: int | None, vocab_size: int,
+                  forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, DecodeState]:
+    """One streaming step: `decode_body`, unless the state has halted.
+
+    The streaming loop dispatches step k + 1 before it reads step k's tokens, so a step queued after the last one
+    must change nothing. `forced` ([B] int32 or None) as in `decode_body`. Returns (for_host [B + 1]: the tokens,
+    then `non_finite_step`, the step's one device-to-host copy; logits [B, V], zeros when halted; the next state).
+    """
+    def body(carry: tuple[jax.Array, DecodeState, jax.Array]) -> tuple[jax.Array, DecodeState, jax.Array]:
+        _, decode_state, trips = carry
+        logits, decode_state = decode_body(graph, params, key, sampling, eos, decode_state, forced)
+        return logits, decode_state, trips - 1
 
     # A loop of zero or one trip rather than lax.cond: XLA-CPU updates the cache in place through a while loop, but
-    # copies every K/V buffer through a conditional.
-    no_logits = jnp.zeros((tokens.shape[0], vocab_size), jnp.float32)  # [B, V], what a halted step returns
-    carry = (no_logits, tokens, finished, cache, (~halted).astype(jnp.int32))
-    logits, next_tokens, finished, cache, _ = lax.while_loop(lambda carry: carry[-1] > 0, advance, carry)
-    non_finite = ~jnp.isfinite(logits).all()
-    for_host = jnp.concatenate([next_tokens, non_finite.astype(jnp.int32)[None]])  # [B + 1]
-    loop = (next_tokens, positions + 1, finished, step + 1, halted | non_finite | finished.all())
-    return for_host, logits, loop, cache
+    # copies every K/V buffer through a conditional (docs/design.md §7.3).
+    no_logits = jnp.zeros((state.tokens.shape[0], vocab_size), jnp.float32)  # [B, V]
+    trips = (~state.halted()).astype(jnp.int32)
+    logits, state, _ = lax.while_loop(lambda carry: carry[2] > 0, body, (no_logits, state, trips))
+    for_host = jnp.concatenate([state.tokens, state.non_finite_step[None]])  # [B + 1]
+    return for_host, logits, state
+
+
+class FusedCarry(NamedTuple):
+    """The fused loop's carry: the decode state plus the outputs it fills, one column per step."""
+
+    state: DecodeState
+    out_tokens: jax.Array  # [B, N] int32: step i's tokens in column i; -1 where no step ran
+    out_logits: jax.Array  # [B, N, V] float32 with return_logits, else [B, 0, V]
 
 
 _FUSED_STATIC = ("graph", "sampling", "eos", "num_steps", "vocab_size", "return_logits")
 
 
-@functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("cache",))
-def _fused_decode(graph: ModelGraph, state: nnx.State, cache: StaticCache, tokens: jax.Array,
-                  positions: jax.Array, finished: jax.Array, key: jax.Array, first_step: jax.Array,
-                  sampling: SamplingParams,
-                  eos: int | None, num_steps: int, vocab_size: int, return_logits: bool) -> tuple:
-    """Up to `num_steps` decode steps in one lax.while_loop; stops early once every row has emitted EOS."""
-    batch = tokens.shape[0]
+@functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("state",))
+def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array,
+                  forced: jax.Array | None, sampling: SamplingParams, eos: int | None, num_steps: int,
+                  vocab_size: int, return_logits: bool) -> tuple[jax.Array, jax.Array, DecodeState]:
+    """Up to `num_steps` decode steps in one lax.while_loop; stops early once the state halts.
+
+    `forced` ([B, N] int32 or None): the tokens to feed instead of the sampled ones (teacher forcing).
+    Returns (out_tokens [B, N], out_logits [B, N or 0, V], the final state).
+    """
+    batch, first_step = state.tokens.shape[0], state.step
     out_tokens = jnp.full((batch, num_steps), -1, jnp.int32)  # [B, N]
     out_logits = jnp.zeros((batch, num_steps if return_logits else 0, vocab_size), jnp.float32)  # [B, N, V]
 
-    def cond(carry: tuple) -> jax.Array:
-        step, finished, bad_step = carry[0], carry[3], carry[7]
-        return (step < num_steps) & ~finished.all() & (bad_step < 0)
+    def cond(carry: FusedCarry) -> jax.Array:
+        return (carry.state.step - first_step < num_steps) & ~carry.state.halted()
 
-    def body(carry: tuple) -> tuple:
-        step, tokens, positions, finished, cache, out_tokens, out_logits, bad_step = carry
-        logits, cache = _forward_last(graph, state, cache, tokens[:, None], positions[:, None], None)
-        next_tokens, finished = _pick(logits, finished, first_step + step, key, sampling, eos)
-        out_tokens = out_tokens.at[:, step].set(next_tokens)
-        if return_logits:
-            out_logits = out_logits.at[:, step].set(logits)
-        bad_step = jnp.where(jnp.isfinite(logits).all(), bad_step, step)
-        return step + 1, next_tokens, positions + 1, finished, cache, out_tokens, out_logits, bad_step
+    def body(carry: FusedCarry) -> FusedCarry:
+        index = carry.state.step - first_step  # [] int32, the output column
+        forced_now = None if forced is None else forced[:, index]  # [B]
+        logits, decode_state = decode_body(graph, params, key, sampling, eos, carry.state, forced_now)
+        out_tokens = carry.out_tokens.at[:, index].set(decode_state.tokens)
+        out_logits = carry.out_logits.at[:, index].set(logits) if return_logits else carry.out_logits
+        return FusedCarry(decode_state, out_tokens, out_logits)
 
-    carry = (jnp.int32(0), tokens, positions, finished, cache, out_tokens, out_logits, jnp.int32(-1))
-    steps, _, _, _, cache, out_tokens, out_logits, bad_step = jax.lax.while_loop(cond, body, carry)
-    return out_tokens, out_logits, steps, bad_step, cache
+    carry = lax.while_loop(cond, body, FusedCarry(state, out_tokens, out_logits))
+    return carry.out_tokens, carry.out_logits, carry.state
 
 
 _fused_executables: dict[tuple, jax.stages.Compiled] = {}
@@ -204,14 +250,14 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
 def decode_step_fn(model: Mistral) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache) -> (logits [B, V], cache)`, jitted once, with
     the cache donated: the input cache is consumed and the returned one reuses its buffers."""
-    graph, state = split_model(model)
+    graph, params = split_model(model)
 
     def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache) -> tuple[jax.Array, StaticCache]:
         # The model's own checks are skipped under tracing, and inside the jitted step an out-of-range write position
         # would be clamped silently by dynamic_update_slice: refuse it (and bad ids, batch, dtype) before dispatch.
         model.check_inputs(input_ids, positions, None)
         cache.check_forward(model.config, input_ids, model.dtype, model.device)
-        return _decode_step(graph, state, cache, input_ids, positions)
+        return _decode_step(graph, params, cache, input_ids, positions)
 
     return step
 
@@ -226,10 +272,13 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
             cache: StaticCache) -> tuple[jax.Array, StaticCache]:
     """Run the left-padded prompt [B, T] through the model, filling the (donated) cache.
     Returns last-token logits [B, V] fp32 and the new cache."""
-    model.check_inputs(input_ids, jnp.cumsum(attention_mask, axis=-1) - 1, attention_mask)
+    mask_np = np.asarray(attention_mask)
+    validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
+    positions = jnp.asarray(positions_from_mask(mask_np))  # [B, T]; padding at -1
+    model.check_inputs(input_ids, positions, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype, model.device)
-    graph, state = split_model(model)
-    return _prefill(graph, state, cache, input_ids, attention_mask)
+    graph, params = split_model(model)
+    return _prefill(graph, params, cache, input_ids, positions, attention_mask)
 
 
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -240,7 +289,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
     object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused=False`, or an `on_token`
-    callback, decodes one jitted step at a time.
+    callback, decodes one jitted step at a time. `result.max_cache_len` is the capacity planned for this generation's
+    tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too (docs/design.md §5).
     """
     config = model.config
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
@@ -251,29 +301,30 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
+        planned_len = cache.max_cache_len
         bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
         cache = cache.reset()
     else:
-        kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
-        bounded = kind == "static" or cache_len < config.sliding_window
-        bucket = prompt_bucket(prompt_len, cache_len - max_new_tokens if bounded and max_cache_len else None)
+        kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
+        bounded = kind == "static" or planned_len < config.sliding_window
+        bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
-        if max_cache_len is None:  # room for the bucket's extra padding columns
-            cache_len = bucket + max_new_tokens
+        # Without a given max_cache_len, the cache also holds the bucket's extra padding columns.
+        cache_len = planned_len if max_cache_len else bucket + max_new_tokens
         cache = make_cache(kind, config, batch, cache_len, model.dtype)
     if max_new_tokens == 0:
-        return GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
-                                0, 0, None, cache)
+        return GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
+                                0, 0, None, cache, "fused" if fused and on_token is None else "step")
     extra = ((0, 0), (bucket - prompt_len, 0))  # the bucket's extra columns are padding too
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
     key = jax.random.key(sampling.seed)
     start = time.perf_counter()
     logits, cache = prefill(model, jnp.asarray(ids_np), jnp.asarray(mask_np), cache)  # [B, V]
-    first, _ = _pick(logits, jnp.zeros(batch, bool), jnp.int32(0), key, _without_seed(sampling), config.eos_token_id)
+    first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, config.eos_token_id, jnp.int32(0))
     first = np.asarray(first).tolist()
     prefill_s = time.perf_counter() - start
     _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
@@ -284,8 +335,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token == config.eos_token_id else more) for token, more in zip(first, rest.token_ids)]
     step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
-    return dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
-                               step_logits=step_logits)  # step_logits: [B, steps, V]
+    return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
+                               prefill_s=prefill_s, step_logits=step_logits)  # step_logits: [B, steps, V]
 
 
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
@@ -307,11 +358,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, int(cache.length) + max_new_tokens)
     _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
     eos, batch = config.eos_token_id, len(last_tokens)
-    graph, state = split_model(model)
+    graph, params = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
-    tokens_now = jnp.asarray(last_tokens, jnp.int32)  # [B]
-    finished = tokens_now == eos if eos is not None else jnp.zeros(batch, bool)  # [B]
-    positions = cache.next_positions()  # [B]
+    state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, _first_step)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     logits_per_step: list[jax.Array] = []
     first_step_s = decode_s = 0.0
@@ -319,33 +368,30 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     all_done = eos is not None and all(t == eos for t in last_tokens)
     if fused and on_token is None and max_new_tokens and not all_done:
         executable, first_step_s = fused_executable(
-            graph, state, cache, tokens_now, positions, finished, key, jnp.int32(_first_step),
-            sampling=static_sampling, eos=eos, num_steps=max_new_tokens, vocab_size=config.vocab_size,
-            return_logits=return_logits)
+            graph, params, state, key, None, sampling=static_sampling, eos=eos, num_steps=max_new_tokens,
+            vocab_size=config.vocab_size, return_logits=return_logits)
         decode_start = time.perf_counter()
-        out_tokens, out_logits, steps, bad_step, cache = executable(state, cache, tokens_now, positions, finished,
-                                                                    key, jnp.int32(_first_step))
-        out_host, decode_steps, bad_step = np.asarray(out_tokens), int(steps), int(bad_step)
+        out_tokens, out_logits, state = executable(params, state, key, None)
+        out_host, decode_steps = np.asarray(out_tokens), int(state.step) - _first_step
         decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps
-        if bad_step >= 0:
-            _raise_if_non_finite(True, _first_step + bad_step, model.dtype)
+        non_finite_step = int(state.non_finite_step)
+        _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
         for step in range(decode_steps):
             append_tokens(tokens, out_host[:, step].tolist(), eos)
         if return_logits:
             logits_per_step = [out_logits[:, :decode_steps]]
     elif max_new_tokens and not all_done:
-        loop = (tokens_now, positions, finished, jnp.int32(_first_step), jnp.bool_(False))
         decode_start = time.perf_counter()
         cache.check_live()
-        pending = _sampled_step(graph, state, cache, loop, key, static_sampling, eos, config.vocab_size)
+        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size)
         while True:
-            for_host, logits, loop, cache = pending
+            for_host, logits, state = pending
             decode_steps += 1
             if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
-                pending = _sampled_step(graph, state, cache, loop, key, static_sampling, eos, config.vocab_size)
-                cache = pending[3]  # the live cache; a step queued after the last token holds it unchanged
-            *row_ids, non_finite = np.asarray(for_host).tolist()  # the step's one host sync
-            _raise_if_non_finite(bool(non_finite), _first_step + decode_steps - 1, model.dtype)
+                pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size)
+                state = pending[2]  # the live state; a step queued after the last token holds it unchanged
+            *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
+            _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
             all_done = eos is not None and all(token == eos for token in row_ids)
             if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
                 first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
@@ -362,8 +408,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     if return_logits:
         empty = jnp.zeros((batch, 0, config.vocab_size), jnp.float32)
         step_logits = jnp.concatenate([empty, *logits_per_step], axis=1)  # [B, steps, V]
-    return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
-                            decode_s, decode_steps, timed_steps, step_logits, cache)
+    return GenerationResult(state.cache.kind, state.cache.max_cache_len, [[] for _ in tokens], tokens, 0.0,
+                            first_step_s, decode_s, decode_steps, timed_steps, step_logits, state.cache,
+                            "fused" if fused and on_token is None else "step")
 
 
 def _check_outputs_fit(batch: int, steps: int, vocab_size: int, fused: bool, return_logits: bool) -> None:
@@ -386,3 +433,8 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
     if non_finite:
         raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
                                    f"or dtype ({dtype}) are not usable for this input")
+
+
+__all__ = ["MIN_PROMPT_BUCKET", "DecodeStep", "sample", "ModelGraph", "split_model", "DecodeState", "initial_state",
+           "decode_body", "FusedCarry", "fused_executable", "decode_step_fn", "prompt_bucket", "prefill", "generate",
+           "continue_generation"]

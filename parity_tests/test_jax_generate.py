@@ -128,14 +128,12 @@ def test_compiled_decode_copies_no_kv_buffer(model, kind):
     if jax.default_backend() != "cpu":
         pytest.skip("an XLA-CPU property: other backends keep the attention dots (jax_cache/model.py)")
     _, cache = prefilled(model, kind, PROMPTS[:1], 48)
-    graph, state = jg.split_model(model)
-    tokens, positions = jnp.asarray([3], jnp.int32), cache.next_positions()
-    finished, key, sampling = jnp.zeros(1, bool), jax.random.key(0), jg._without_seed(SamplingParams())
-    loop = (tokens, positions, finished, jnp.int32(0), jnp.bool_(False))
-    step_hlo = jg._sampled_step.lower(graph, state, cache, loop, key, sampling, None, VOCAB).compile().as_text()
-    fused_hlo = jg._fused_decode.lower(graph, state, cache, tokens, positions, finished, key, jnp.int32(0),
-                                       sampling=sampling, eos=None, num_steps=8, vocab_size=VOCAB,
-                                       return_logits=False).compile().as_text()
+    graph, params = jg.split_model(model)
+    state = jg.initial_state(jnp.asarray([3], jnp.int32), cache.next_positions(), cache, None, 0)
+    key, sampling = jax.random.key(0), jg._without_seed(SamplingParams())
+    step_hlo = jg._sampled_step.lower(graph, params, state, key, sampling, None, VOCAB).compile().as_text()
+    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, sampling=sampling, eos=None, num_steps=8,
+                                       vocab_size=VOCAB, return_logits=False).compile().as_text()
     buffer_shape = cache.keys[0].shape
     assert " dynamic-update-slice(" in step_hlo, "the step writes the cache (else this test checks nothing)"
     assert buffer_copies(step_hlo, buffer_shape) == []
@@ -182,7 +180,8 @@ def test_prompt_bucket_is_a_power_of_two_at_least_16_capped_by_the_room():
 def test_bucket_padding_does_not_change_tokens(model):
     prompt = make_prompt(13)
     padded = jg.generate(model, [prompt], 10, cache="static")  # bucket 16: 3 padding columns
-    assert padded.max_cache_len == 16 + 10
+    assert padded.cache.max_cache_len == 16 + 10
+    assert padded.max_cache_len == 13 + 10, "the planned capacity, as torch_cache reports it (docs/design.md §5)"
     exact = jg.generate(model, [prompt], 10, cache=StaticCache(model.config, 1, 13 + 10))  # no room for a bucket
     assert exact.max_cache_len == 23
     assert exact.token_ids == padded.token_ids
@@ -299,6 +298,26 @@ def test_out_of_range_batch_and_dtype_writes_are_refused_and_change_nothing(mode
                                 leaves(cache)):
         np.testing.assert_array_equal(np.asarray(array), old, err_msg=f"{case} via {entry} changed the cache's {name}")
     assert compiled_counts() == compiled_before, "the refused call reached compiled code"
+
+
+BAD_MASKS = {  # as torch_cache's prefill refuses them (test_torch_bad_inputs.py, item 11)
+    "shape": ([[1, 1, 1, 1], [1, 1, 1, 1]], ["[2, 4]", "[2, 3]"]),
+    "right padding": ([[1, 1, 1], [1, 1, 0]], ["row 1", "right padding"]),
+    "gap": ([[0, 1, 0], [1, 1, 1]], ["row 0", "left padding"]),
+    "all padding": ([[0, 0, 0], [1, 1, 1]], ["row 0", "all padding"]),
+    "not 0/1": ([[2, 1, 1], [1, 1, 1]], ["only 0 (padding) and 1"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MASKS))
+def test_prefill_refuses_a_bad_attention_mask_like_torch_and_keeps_the_cache(model, case):
+    """JAX prefill validates the mask with the floor's rule before dispatch, as torch's does (docs/design.md §2)."""
+    mask, fragments = BAD_MASKS[case]
+    cache = make_cache("static", model.config, 2, 12)
+    with pytest.raises(InputError) as caught:
+        jg.prefill(model, jnp.asarray([[5, 6, 7], [8, 9, 10]], jnp.int32), jnp.asarray(mask, jnp.int32), cache)
+    assert all(fragment in str(caught.value) for fragment in fragments), str(caught.value)
+    assert not any(array.is_deleted() for array in leaves(cache)), "a refused prefill must not consume the cache"
 
 
 def test_generate_refuses_a_given_cache_too_small_without_touching_it(model):
