@@ -30,6 +30,9 @@ class StaticCache:
     """Per-layer K/V buffers written with `lax.dynamic_update_slice`; with donation XLA writes them in place."""
 
     kind = "static"
+    # The cache's arrays, declared once: the pytree's children (everything else is static metadata) and what the
+    # torch <-> JAX handoff copies. keys and values are per-layer lists.
+    ARRAY_FIELDS = ("keys", "values", "slot_positions", "length")
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: jnp.dtype = jnp.float32) -> None:
@@ -62,16 +65,19 @@ class StaticCache:
     # --- pytree protocol: arrays are children, sizes are static ----------------------------------------------------
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
-        static = tuple((k, v) for k, v in vars(self).items() if k not in ("keys", "values", "slot_positions", "length"))
-        return (self.keys, self.values, self.slot_positions, self.length), static
+        return tuple(getattr(self, name) for name in self.ARRAY_FIELDS), tuple(cache_fields(self).items())
 
     @classmethod
     def tree_unflatten(cls, static: tuple, children: tuple) -> StaticCache:
         cache = object.__new__(cls)
         cache.__dict__.update(static)
-        cache.keys, cache.values, cache.slot_positions, cache.length = children
-        cache.keys, cache.values = list(cache.keys), list(cache.values)
+        for name, child in zip(cls.ARRAY_FIELDS, children, strict=True):
+            setattr(cache, name, list(child) if isinstance(child, (list, tuple)) else child)
         return cache
+
+    def arrays(self) -> list[jax.Array]:
+        """Every array of the cache: keys and values of each layer, slot_positions, length."""
+        return [*self.keys, *self.values, self.slot_positions, self.length]
 
     def replace(self, **changes: object) -> StaticCache:
         """A shallow copy with some arrays replaced (the functional form of torch_cache's in-place writes)."""
@@ -109,8 +115,8 @@ class StaticCache:
         return jnp.concatenate([self.slot_positions, new_positions], axis=1)  # [B, L + S]
 
     def update(self, layer_idx: int, key_states: jax.Array,
-               value_states: jax.Array) -> tuple[StaticCache, jax.Array, jax.Array]:
-        """Write S new tokens' K/V ([B, Hkv, S, D]) of one layer; return the new cache and the K/V attention reads."""
+               value_states: jax.Array) -> tuple[jax.Array, jax.Array, StaticCache]:
+        """Write S new tokens' K/V ([B, Hkv, S, D]) of one layer; return the K/V attention reads and the new cache."""
         if not isinstance(key_states, jax.core.Tracer):
             self._check_states(layer_idx, key_states, value_states)
         num_new = key_states.shape[2]
@@ -122,10 +128,10 @@ class StaticCache:
         all_keys[layer_idx], all_values[layer_idx] = new_keys, new_values
         cache = self.replace(keys=all_keys, values=all_values)
         if self._attends_in_place(num_new):
-            return cache, new_keys, new_values
+            return new_keys, new_values, cache
         attended_keys = jnp.concatenate([keys, key_states], axis=2)  # [B, Hkv, L + S, D], the buffers before writing
         attended_values = jnp.concatenate([values, value_states], axis=2)  # [B, Hkv, L + S, D]
-        return cache, attended_keys, attended_values
+        return attended_keys, attended_values, cache
 
     def advance(self, new_positions: jax.Array) -> StaticCache:
         """Record the positions written by this forward ([B, S]) and move `length` past them; call once per forward."""
@@ -146,7 +152,7 @@ class StaticCache:
 
     def check_live(self) -> None:
         """Refuse a cache whose buffers were donated to an earlier jitted call."""
-        if any(array.is_deleted() for array in (*self.keys, *self.values, self.slot_positions, self.length)):
+        if any(array.is_deleted() for array in self.arrays()):
             raise StaleCacheError(
                 "this cache's buffers were donated to a jitted call and no longer exist: twincache updates caches "
                 "in place by donation, so each call consumes its input cache. Use the cache that call returned "
@@ -259,7 +265,7 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:
     """The static description of a cache (everything but its arrays), for comparisons and handoff."""
-    return {k: v for k, v in vars(cache).items() if k not in ("keys", "values", "slot_positions", "length")}
+    return {k: v for k, v in vars(cache).items() if k not in cache.ARRAY_FIELDS}
 
 
 __all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "default_device",

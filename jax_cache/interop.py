@@ -19,8 +19,6 @@ from jax_cache.model import Mistral
 from twincache import cache_checks
 from twincache.config import MistralConfig
 
-_ARRAY_FIELDS = ("slot_positions", "length")
-
 
 def _to_jax(tensor: torch.Tensor) -> jax.Array:
     """Zero-copy through DLPack when possible; a host copy otherwise (e.g. torch on a device JAX does not see)."""
@@ -85,9 +83,9 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig) -> 
     _check_handoff(cache, torch_caches.StaticCache, config, "cache_from_torch")
     jax_cache = jax_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
                                       _jax_dtype(cache.dtype))
-    copy = lambda t: jnp.array(_to_jax(t.clone()))  # noqa: E731 - an owned JAX buffer, independent of torch
-    return jax_cache.replace(keys=[copy(k) for k in cache.keys], values=[copy(v) for v in cache.values],
-                             **{name: copy(getattr(cache, name)) for name in _ARRAY_FIELDS})
+    # Both caches list their arrays in the same order (ARRAY_FIELDS); each copy is an owned JAX buffer.
+    treedef = jax.tree_util.tree_structure(jax_cache)
+    return jax.tree_util.tree_unflatten(treedef, [jnp.array(_to_jax(t.clone())) for t in cache.arrays()])
 
 
 def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig,
@@ -96,9 +94,6 @@ def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig,
     _check_handoff(cache, jax_caches.StaticCache, config, "cache_to_torch")
     torch_cache = torch_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
                                           _torch_dtype(cache.dtype), device)
-    for ours, theirs in ((torch_cache.keys, cache.keys), (torch_cache.values, cache.values)):
-        for buffer, array in zip(ours, theirs, strict=True):
-            buffer.copy_(_to_torch(array, torch_cache.device))
-    for name in _ARRAY_FIELDS:
-        getattr(torch_cache, name).copy_(_to_torch(getattr(cache, name), torch_cache.device))
+    for buffer, array in zip(torch_cache.arrays(), cache.arrays(), strict=True):
+        buffer.copy_(_to_torch(array, torch_cache.device))
     return torch_cache

@@ -110,7 +110,7 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # k, v: [B, Hkv, S, D]
-        cache, keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, Lkv, D]
+        keys, values, cache = cache.update(layer_idx, k, v)  # [B, Hkv, Lkv, D]
         # Grouped-query attention without repeating K/V: the G query heads of one KV head become G*S query rows.
         q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
         mask = jnp.broadcast_to(visible[:, :, None], (batch, 1, groups, seq_len, visible.shape[-1]))
@@ -258,3 +258,7 @@ class Mistral(nnx.Module):
                     if name in wanted:
                         weights[name] = f.get_tensor(name).astype(dtype)
         return cls.from_weights(config, weights)
+
+
+__all__ = ["project", "Linear", "Embedding", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility",
+           "Attention", "scaled_dot_product_attention", "MLP", "DecoderLayer", "MistralModel", "Mistral"]

@@ -1,4 +1,4 @@
-"""Property-based tests of the KV caches against a plain Python reference (NOTES section 1).
+"""Property-based tests of the KV caches against a plain Python reference (docs/design.md §2, §3).
 
 Random sequences of cache operations -- left-padded prefills of random lengths (some longer than the window),
 multi-token extends, decode steps, resets -- drive a cache through the model's forward protocol
@@ -131,7 +131,7 @@ class JaxAdapter:
         key_positions = np.asarray(cache.attended_positions(positions))
         attended = []
         for layer_idx, (k, v) in enumerate(kv):
-            cache, keys, values = cache.update(layer_idx, jnp.asarray(k), jnp.asarray(v))
+            keys, values, cache = cache.update(layer_idx, jnp.asarray(k), jnp.asarray(v))
             attended.append((np.asarray(keys), np.asarray(values)))
         return cache.advance(positions), key_positions, attended
 

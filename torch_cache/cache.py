@@ -23,6 +23,9 @@ class StaticCache:
     """Per-layer K/V buffers written in place with `index_copy_`; addresses never change."""
 
     kind = "static"
+    # The cache's tensors, declared once: what reset() empties, what is marked as static addresses and what the
+    # torch <-> JAX handoff copies. keys and values are per-layer lists.
+    ARRAY_FIELDS = ("keys", "values", "slot_positions", "length")
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
@@ -42,7 +45,7 @@ class StaticCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
         self.slot_positions = torch.full((batch_size, self.cache_len), -1, dtype=torch.int32, device=self.device)
         self.length = torch.zeros((), dtype=torch.int32, device=self.device)
-        for buffer in (*self.keys, *self.values, self.slot_positions, self.length):
+        for buffer in self.arrays():
             torch._dynamo.mark_static_address(buffer)  # cudagraphs may keep pointers to these across replays
 
     @staticmethod
@@ -53,6 +56,10 @@ class StaticCache:
     def capacity(self) -> int | None:
         """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
         return self.max_cache_len
+
+    def arrays(self) -> list[torch.Tensor]:
+        """Every tensor of the cache: keys and values of each layer, slot_positions, length."""
+        return [*self.keys, *self.values, self.slot_positions, self.length]
 
     # --- slot mapping: the only place the two caches differ ---------------------------------------------------------
 
@@ -197,3 +204,11 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
     if kind not in classes:
         raise InputError(f"cache={kind!r} is not one of {', '.join(classes)}")
     return classes[kind](config, batch_size, max_cache_len, dtype, device)
+
+
+def cache_fields(cache: StaticCache) -> dict[str, object]:
+    """The static description of a cache (everything but its tensors), for comparisons and handoff."""
+    return {k: v for k, v in vars(cache).items() if k not in cache.ARRAY_FIELDS}
+
+
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields"]
