@@ -65,8 +65,7 @@ class TorchDriver:
         from torch_cache.cache import SlidingWindowCache
         from torch_cache.generate import decode_step_fn, prefill
 
-        dtype = self.model.model.embed_tokens.weight.dtype
-        self.cache = SlidingWindowCache(self.config, 1, max_cache_len, dtype, self.device)
+        self.cache = SlidingWindowCache(self.config, 1, max_cache_len, self.model.dtype, self.model.device)
         self._inference = torch.inference_mode()  # one mode for every call: switching it would recompile
         self._inference.__enter__()
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, T]

@@ -29,7 +29,7 @@ def traced_graph(model: Mistral, batch: int) -> torch.fx.GraphModule:
     def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: object) -> torch.Tensor:
         return model(input_ids, positions, cache)[:, -1]
 
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.dtype
     cache = make_cache("sliding_window", model.config, batch, 16, dtype)
     ids = torch.zeros(batch, 1, dtype=torch.long)
     with torch.inference_mode():

@@ -119,7 +119,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = inputs.input_ids.shape  # [B, T]
-    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
+    device, dtype = model.device, model.dtype
     if return_logits:
         _check_logits_fit(batch, max_new_tokens, config.vocab_size, device)
     if cache is not None and not isinstance(cache, str):
@@ -133,7 +133,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:
         return GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
-                                0, 0, None, cache)
+                                0, 0, None, cache, "compiled" if compile else "eager")
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
@@ -165,7 +165,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     config = model.config
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens)
-    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
+    device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
     positions = cache.next_positions()[:, None]  # [B, 1], the positions of last_tokens
@@ -204,7 +204,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         empty = torch.zeros(len(tokens), 0, config.vocab_size, device=device)
         logits_out = torch.stack(step_logits, dim=1) if step_logits else empty
     return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
-                            decode_s, decode_steps, max(decode_steps - 1, 0), logits_out, cache)
+                            decode_s, decode_steps, max(decode_steps - 1, 0), logits_out, cache,
+                            "compiled" if compile else "eager")
 
 
 def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.device) -> None:
@@ -231,3 +232,7 @@ def _pick(logits: torch.Tensor, finished: torch.Tensor, sampling: SamplingParams
         raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
                                    f"or dtype ({logits.dtype}) are not usable for this input")
     return next_ids, finished, row_ids
+
+
+__all__ = ["MAX_DECODE_VARIANTS", "DecodeStep", "sample", "decode_step_fn", "prefill", "generate",
+           "continue_generation"]

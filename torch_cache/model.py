@@ -16,7 +16,7 @@ from torch import nn
 from torch_cache.cache import StaticCache
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
-from twincache.errors import InputError
+from twincache.errors import CheckpointError, InputError
 from twincache.generation import INT32_MAX
 
 # Most rows a compiled CPU projection writes as multiply-and-sum, by dtype (else 1). Measured on a 2-core EPYC, torch
@@ -198,13 +198,30 @@ class Mistral(nn.Module):
                 raise InputError(f"positions of real tokens must be in [0, {INT32_MAX}] (int32), got "
                                  f"{low if low < 0 else high}")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @classmethod
+    def from_weights(cls, config: MistralConfig, weights: dict[str, torch.Tensor]) -> Mistral:
+        """Build a model from HF-named tensors (no copy: the model holds the tensors themselves)."""
+        missing = [name for name in expected_tensor_shapes(config) if name not in weights]
+        if missing:
+            raise CheckpointError(f"weights lack tensor {missing[0]}")
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(weights, strict=True, assign=True)
+        return model.eval().requires_grad_(False)
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> Mistral:
         """Load an HF Mistral checkpoint directory (safetensors only), converting to `dtype` on `device`."""
         config, files = open_checkpoint(model_dir)
-        with torch.device("meta"):
-            model = cls(config)
         wanted = expected_tensor_shapes(config)
         state = {}
         for path in sorted(set(files.values())):
@@ -215,5 +232,8 @@ class Mistral(nn.Module):
                         # safetensors' CPU tensors sit 32 bytes into a Python bytes object; XLA-CPU copies anything
                         # not 64-byte aligned, so an own copy lets jax_cache.interop.from_torch share them zero-copy.
                         state[name] = tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
-        model.load_state_dict(state, strict=True, assign=True)
-        return model.eval().requires_grad_(False)
+        return cls.from_weights(config, state)
+
+
+__all__ = ["project", "Linear", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility", "Attention", "MLP",
+           "DecoderLayer", "MistralModel", "Mistral"]

@@ -22,6 +22,7 @@ INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both 
 # jax.random.key keeps only a seed's low 32 bits (without x64), so seeds 2^32 apart would repeat a stream there;
 # both backends take seeds in [0, 2^32) so that a seed means the same thing in either.
 SEED_LIMIT = 2**32
+DTYPES = ("float32", "bfloat16", "float16")  # by name, the same in every backend
 
 # Called after each generated step with the new token of every row: list[int] of length batch.
 TokenCallback = Callable[[list[int]], None]
@@ -103,6 +104,7 @@ class GenerationResult:
     timed_steps: int  # decode steps inside decode_s
     step_logits: Any = None  # [B, steps, V] float32 (backend array) when asked for
     cache: Any = None  # the cache after the last step: torch writes in place; JAX returns the donated result
+    mode: str | None = None  # the decode mode that ran (docs/design.md §5)
 
     @property
     def decode_tok_s(self) -> float:
@@ -284,3 +286,19 @@ def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, m
                          f"{cache_kind} cache capacity max_cache_len={max_cache_len}; raise --max-cache-len to at "
                          f"least {total} or generate fewer tokens")
     return cache_kind, max_cache_len
+
+
+def check_dtype(dtype: str) -> str:
+    """Refuse a dtype name that no backend computes in."""
+    if dtype not in DTYPES:
+        raise InputError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def check_mode(backend: str, modes: Sequence[str], streaming_modes: Sequence[str], mode: str, streams: bool) -> None:
+    """Refuse a decode mode the backend does not have, or a callback for a mode that does not stream."""
+    if mode not in modes:
+        raise InputError(f"mode {mode!r} is not a {backend} mode; choose one of {', '.join(modes)}")
+    if streams and mode not in streaming_modes:
+        raise InputError(f"{backend} mode {mode!r} does not stream tokens as it decodes; use "
+                         f"{' or '.join(repr(m) for m in streaming_modes)} for on_token")

@@ -1,0 +1,94 @@
+"""jax_cache's backend: the small surface the app layer drives, the mirror of torch_cache/backend.py name for name
+(docs/design.md §5); parity_tests/test_mirror.py checks that they stay the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES
+from jax_cache import generate as _jax_generate
+from jax_cache.cache import StaticCache, make_cache
+from jax_cache.generate import (
+    _fused_executables,
+    _without_seed,
+    fused_executable,
+    initial_state,
+    prefill,
+    split_model,
+)
+from jax_cache.generate import generate as _generate
+from jax_cache.model import Mistral
+from twincache.config import MistralConfig
+from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+
+
+def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
+    """A model from a checkpoint directory, in `dtype` (a name) on `device` (default: JAX's default device; "cuda"
+    and "gpu" both mean the first GPU). Needs no torch."""
+    placement = contextlib.nullcontext()
+    if device is not None:
+        placement = jax.default_device(jax.devices("gpu" if device.startswith("cuda") else device)[0])
+    with placement:
+        return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)))
+
+
+def from_weights(config: MistralConfig, weights: dict[str, jax.Array]) -> Mistral:
+    """A model holding these HF-named arrays themselves (no copy)."""
+    return Mistral.from_weights(config, weights)
+
+
+def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mode: str = DEFAULT_MODE,
+             cache: str | StaticCache | None = None, max_cache_len: int | None = None,
+             sampling: SamplingParams | None = None, on_token: TokenCallback | None = None,
+             return_logits: bool = False) -> GenerationResult:
+    """jax_cache.generate.generate in a decode mode: "fused" (default) or "step"."""
+    check_mode(NAME, MODES, STREAMING_MODES, mode, on_token is not None)
+    return _generate(model, prompts, max_new_tokens, cache=cache, max_cache_len=max_cache_len, sampling=sampling,
+                     fused=mode == "fused", on_token=on_token, return_logits=return_logits)
+
+
+def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_kind: str,
+                mode: str = DEFAULT_MODE) -> np.ndarray:
+    """Teacher-forced logits [len(sequence) - prompt_len, V] float32: the prompt through `prefill`, then each later
+    token through the decode loop `generate` runs in `mode` (the fused while_loop or the streaming step), fed the
+    sequence's tokens instead of sampled ones. Row i predicts sequence[prompt_len + i]."""
+    check_mode(NAME, MODES, STREAMING_MODES, mode, False)
+    ids = np.asarray([list(sequence)], np.int32)  # [1, L]
+    num_steps = len(sequence) - 1 - prompt_len  # decode steps after the prefill's logits
+    cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype)
+    first, cache = prefill(model, jnp.asarray(ids[:, :prompt_len]), jnp.ones((1, prompt_len), jnp.int32), cache)
+    logits = [np.asarray(first)]  # [1, V]
+    if num_steps > 0:
+        graph, params = split_model(model)
+        key, sampling = jax.random.key(0), _without_seed(SamplingParams())
+        state = initial_state(jnp.asarray(ids[:, prompt_len]), cache.next_positions(), cache, None, 1)
+        forced = jnp.asarray(ids[:, prompt_len + 1:])  # [1, steps]: step i feeds the token step i - 1 was forced to
+        if mode == "fused":
+            executable, _ = fused_executable(graph, params, state, key, forced, sampling=sampling, eos=None,
+                                             num_steps=num_steps, vocab_size=model.config.vocab_size,
+                                             return_logits=True)
+            _, out_logits, _ = executable(params, state, key, forced)  # [1, steps, V]
+            logits.append(np.asarray(out_logits[0]))
+        else:
+            for i in range(num_steps):
+                _, step, state = _jax_generate._sampled_step(graph, params, state, key, sampling, None,
+                                                             model.config.vocab_size, forced[:, i])
+                logits.append(np.asarray(step))
+    return np.concatenate(logits).astype(np.float32)
+
+
+def compiled_variants() -> int:
+    """Executables jax_cache holds now: each jitted entry point's cache entries plus the fused loop's ahead-of-time
+    executables. Each is one trace + compile."""
+    jitted = (_jax_generate._prefill, _jax_generate._decode_step, _jax_generate._sampled_step)
+    return sum(int(fn._cache_size()) for fn in jitted) + len(_fused_executables)
+
+
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants"]
