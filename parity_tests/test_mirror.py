@@ -1,0 +1,179 @@
+"""The two towers mirror each other (docs/design.md §1): the same modules, public names, classes and methods, and the
+same parameter names in the same order. Every difference a framework forces is listed below with its reason; any
+other drift fails here, and so does a listed difference that no longer exists. Only names and signatures are read.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TOWERS = ("torch_cache", "jax_cache")
+MODULES = ("", "cache", "model", "generate", "backend")  # "" is the package itself
+
+# Public names only one tower has (module.name or module.Class.member) -> why.
+TORCH_ONLY = {
+    "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
+    "model.Mistral.device": "a torch model lives on one device; JAX arrays carry their own placement",
+}
+JAX_ONLY = {
+    "model.Embedding": "torch uses nn.Embedding; NNX builds the HF [vocab, hidden] table itself",
+    "model.scaled_dot_product_attention": "torch has F.scaled_dot_product_attention; JAX spells it out (and contracts "
+                                          "by multiply-and-sum on XLA-CPU, docs/design.md §7.2)",
+    "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
+    "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
+    "cache.StaticCache.tree_flatten": "the pytree protocol",
+    "cache.StaticCache.tree_unflatten": "the pytree protocol",
+    "generate.MIN_PROMPT_BUCKET": "XLA compiles one prefill per shape, so prompts are padded to buckets; torch "
+                                  "prefills eagerly",
+    "generate.prompt_bucket": "as MIN_PROMPT_BUCKET",
+    "generate.ModelGraph": "jit takes an NNX model as a hashed GraphDef plus its State",
+    "generate.split_model": "as ModelGraph",
+    "generate.DecodeState": "the jitted decode loops carry their state; torch loops in Python around one compiled step",
+    "generate.FusedCarry": "as DecodeState",
+    "generate.initial_state": "as DecodeState",
+    "generate.decode_body": "as DecodeState",
+    "generate.fused_executable": "the fused lax.while_loop is compiled ahead of time, apart from decoding",
+}
+# Parameters only one tower's signature has: qualified function -> parameter names (and why).
+TORCH_ONLY_PARAMS = {
+    "cache.StaticCache.__init__": ("device",),  # torch allocates on a device; JAX on its default one
+    "cache.SlidingWindowCache.__init__": ("device",),
+    "cache.make_cache": ("device",),
+    "cache.StaticCache.check_compatible": ("model_device",),
+    "cache.StaticCache.check_forward": ("model_device",),
+    "model.Mistral.from_pretrained": ("device",),
+    "generate.decode_step_fn": ("compile",),  # torch.compile or eager; JAX's step is always jitted
+    "generate.generate": ("compile",),  # the tower's own decode knob; backend.generate(mode=...) is the neutral one
+    "generate.continue_generation": ("compile", "generator"),  # the RNG stream continues in a torch.Generator
+}
+JAX_ONLY_PARAMS = {
+    # NNX creates parameters at construction, in a dtype; torch modules are built first and converted afterwards.
+    **{f"model.{cls}.__init__": ("dtype",) for cls in ("Linear", "RMSNorm", "Attention", "MLP", "DecoderLayer",
+                                                      "MistralModel", "Mistral")},
+    "generate.generate": ("fused",),  # the tower's own decode knob, as torch's `compile`
+    "generate.continue_generation": ("fused", "_first_step"),  # the RNG stream continues by folding in the step
+}
+RENAMED_PARAMS = {"generator": "key"}  # a torch.Generator where JAX takes a PRNG key
+METHOD_NAMES = {"forward": "__call__"}  # torch modules compute in forward, NNX modules in __call__
+
+
+def tower_module(tower: str, name: str) -> ModuleType:
+    return importlib.import_module(f"{tower}.{name}" if name else tower)
+
+
+def defined_public_names(module: ModuleType) -> set[str]:
+    """Top-level functions, classes and assignments the module's own source defines, without a leading underscore."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if not name.startswith("_")}
+
+
+def members(cls: type) -> dict[str, object]:
+    """The members a class defines itself (inherited ones count where they are defined), with torch's `forward`
+    under NNX's name `__call__`."""
+    return {METHOD_NAMES.get(name, name): value for name, value in vars(cls).items()
+            if not name.startswith("__") or name in ("__init__", "__call__")}
+
+
+def parameters(fn: object) -> list[tuple[str, str]]:
+    """(name, kind) of each parameter."""
+    function = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+    return [(p.name, p.kind.name) for p in inspect.signature(inspect.unwrap(function)).parameters.values()]
+
+
+def public_surface(tower: str, module_name: str) -> dict[str, object]:
+    """qualified name -> object: the module's __all__, and each exported class's members (private ones included:
+    where both towers have a private helper, its signature must match too)."""
+    module = tower_module(tower, module_name)
+    surface: dict[str, object] = {}
+    for name in module.__all__:
+        surface[f"{module_name}.{name}"] = getattr(module, name)
+        value = getattr(module, name)
+        if inspect.isclass(value) and value.__module__ == module.__name__:
+            for member, member_value in members(value).items():
+                surface[f"{module_name}.{name}.{member}"] = member_value
+    for name, value in vars(module).items():  # private module-level functions, compared where both have them
+        if name.startswith("_") and not name.startswith("__") and inspect.isfunction(value):
+            if value.__module__ == module.__name__:
+                surface[f"{module_name}.{name}"] = value
+    return surface
+
+
+def is_public(qualified: str) -> bool:
+    return not any(part.startswith("_") and part not in ("__init__", "__call__") for part in qualified.split("."))
+
+
+def listed(qualified: str, allowed: dict[str, str]) -> str | None:
+    """The entry of `allowed` that covers a name: the name itself or a class it belongs to."""
+    parts = qualified.split(".")
+    return next((".".join(parts[:n]) for n in range(len(parts), 1, -1) if ".".join(parts[:n]) in allowed), None)
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+@pytest.mark.parametrize("tower", TOWERS)
+def test_mirror_all_lists_exactly_the_public_names_a_module_defines(tower, module_name):
+    module = tower_module(tower, module_name)
+    assert hasattr(module, "__all__"), f"{module.__name__} has no __all__"
+    assert len(module.__all__) == len(set(module.__all__)), f"{module.__name__}.__all__ repeats a name"
+    assert set(module.__all__) == defined_public_names(module), (
+        f"{module.__name__}.__all__ differs from its public definitions: "
+        f"{set(module.__all__) ^ defined_public_names(module)}")
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_mirror_public_names_are_the_same_but_for_the_listed_framework_differences(module_name):
+    torch_side, jax_side = (public_surface(tower, module_name) for tower in TOWERS)
+    only_torch = {name for name in set(torch_side) - set(jax_side) if is_public(name)}
+    only_jax = {name for name in set(jax_side) - set(torch_side) if is_public(name)}
+    for only, allowed, tower in ((only_torch, TORCH_ONLY, "torch_cache"), (only_jax, JAX_ONLY, "jax_cache")):
+        unlisted = {name for name in only if listed(name, allowed) is None}
+        assert not unlisted, f"{tower} only, and not listed as a framework difference: {sorted(unlisted)}"
+        stale = {name for name in allowed if name.startswith(f"{module_name}.") and name not in only}
+        assert not stale, f"listed as {tower} only, but mirrored or gone: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_mirror_signatures_name_the_same_parameters_in_the_same_order(module_name):
+    torch_side, jax_side = (public_surface(tower, module_name) for tower in TOWERS)
+    compared = 0
+    for name in sorted(set(torch_side) & set(jax_side)):
+        ours, theirs = torch_side[name], jax_side[name]
+        if isinstance(ours, (str, int, tuple)) and "." in name.removeprefix(f"{module_name}."):
+            assert ours == theirs, f"{name}: class constant {ours!r} (torch) != {theirs!r} (jax)"
+        if not (inspect.isfunction(ours) or isinstance(ours, (classmethod, staticmethod))):
+            continue  # properties and constants by name; classes member by member; type aliases name framework types
+        torch_params = [(RENAMED_PARAMS.get(p, p), kind) for p, kind in parameters(ours)
+                        if p not in TORCH_ONLY_PARAMS.get(name, ())]
+        jax_params = [(p, kind) for p, kind in parameters(theirs) if p not in JAX_ONLY_PARAMS.get(name, ())]
+        assert torch_params == jax_params, f"{name}: torch_cache {torch_params} != jax_cache {jax_params}"
+        compared += 1
+    if module_name in ("cache", "model", "generate", "backend"):
+        assert compared >= 3, f"{module_name}: only {compared} signatures compared; the test reads nothing"
+
+
+def test_mirror_listed_parameter_differences_exist():
+    """A listed parameter difference must still be one: in that tower's signature, not in the other's."""
+    surfaces = {tower: {} for tower in TOWERS}
+    for tower in TOWERS:
+        for module_name in MODULES:
+            surfaces[tower] |= public_surface(tower, module_name)
+    for own, other, listed in (("torch_cache", "jax_cache", TORCH_ONLY_PARAMS),
+                               ("jax_cache", "torch_cache", JAX_ONLY_PARAMS)):
+        for name, params in listed.items():
+            own_params = [p for p, _ in parameters(surfaces[own][name])]
+            other_params = [p for p, _ in parameters(surfaces[other][name])]
+            for param in params:
+                assert param in own_params and param not in other_params, f"{name}({param}) is no longer {own} only"
