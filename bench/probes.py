@@ -56,7 +56,7 @@ def jax_probes(nbytes: int, device: str, repeats: int = 10) -> list[dict[str, An
         w = x.reshape(-1, _GEMV_COLS)  # [N / 4096, 4096]
         v = jnp.ones((1, _GEMV_COLS), dtype=jnp.float32)  # [1, 4096]
         total = jax.jit(jnp.sum)
-        # einsum contracts the weight's last axis directly; NOTES §4: `v @ w.T` runs 26x slower on XLA-CPU.
+        # einsum contracts the weight's last axis directly; `v @ w.T` runs 26x slower on XLA-CPU (docs/design.md §7.1).
         gemv = jax.jit(lambda w, v: jnp.einsum("bd,od->bo", v, w, precision="highest"))
         out = [_record("jax_sum", x.size * 4, *_time(lambda: total(x).block_until_ready(), repeats)),
                _record("jax_gemv", w.size * 4, *_time(lambda: gemv(w, v).block_until_ready(), repeats))]

@@ -1,7 +1,9 @@
 """Faults: interrupts mid-generation, damaged checkpoint files, a crash while building the default model, and
 non-finite logits. Each must end in a clear error or a state that is safe to reuse -- never wrong tokens.
 
-torch backend now; the JAX versions plug into the same shapes of test (BACKENDS) once jax_cache lands.
+Interrupts, damaged files and non-finite logits go through torch_cache's API here (an interrupt needs its Python decode
+loop and in-place cache); damaged checkpoints and non-finite logits reach jax_cache too, through the CLI, in
+test_cli_bad_inputs.py, and the default-model build is framework-free.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`twincache parity` (any checkpoint, exit codes, JSON) and the half-precision bounds of NOTES §2 on CPU.
+"""`twincache parity` (any checkpoint, exit codes, JSON) and the half-precision bounds of docs/design.md §4 on CPU.
 
 bf16 runs are kept tiny (bf16 matmuls are slow on CPU): one transformers-written checkpoint, 64 teacher-forced steps.
 """

@@ -1,4 +1,4 @@
-"""NOTES section 3, items 1-12 and 14-20, at the torch_cache Python API.
+"""docs/design.md §6, items 1-12 and 14-20, at the torch_cache Python API.
 
 Each bad input must raise one specific twincache error class (exactly that class), with a one-line message holding
 the relevant numbers, and a refused call must leave a cache it was given unchanged: every K/V buffer,
