@@ -54,10 +54,7 @@ def _configure_frameworks(opts: Options) -> str | None:
     import torch._dynamo
 
     # Default 8: past it dynamo silently falls back to eager. Count every recompile instead of hiding it.
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 64
-    else:  # torch < 2.6 named it cache_size_limit
-        torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.recompile_limit = 64  # named cache_size_limit before torch 2.6 (docs/design.md §7.7)
     if not opts.fresh_compile_cache:
         return None
     compile_dir = tempfile.mkdtemp(prefix="twincache-bench-inductor-")

@@ -1,4 +1,4 @@
-"""Every bad input of NOTES section 3 that a CLI user can reach, through `twincache generate`.
+"""Every bad input of docs/design.md §6 that a CLI user can reach, through `twincache generate`.
 
 Each must end with exit code 2 and exactly one non-empty line on stderr -- the case's own message, never the CLI's
 catch-all "unexpected ..." and never a traceback. Most cases run in this process through `twincache.cli.main(argv)`
@@ -110,7 +110,7 @@ def _without(name: str) -> Callable[[dict], None]:
 
 def _build_checkpoints(root: Path, good: Path, no_window: Path, sharded: Path) -> dict[str, Path]:
     """name -> broken checkpoint directory."""
-    dirs: dict[str, Path] = {"missing_dir": root / "does-not-exist"}
+    dirs: dict[str, Path] = {"missing_dir": root / "does-not-exist", "a_file": good / "config.json"}
 
     d = dirs["no_config"] = copy_checkpoint(good, root / "no_config")
     (d / "config.json").unlink()
@@ -159,6 +159,7 @@ def _build_checkpoints(root: Path, good: Path, no_window: Path, sharded: Path) -
 CASES: dict[str, tuple[str, list[str], str]] = {
     # 15. checkpoint dir missing, or without config.json or safetensors files
     "missing_dir": ("missing_dir", [], "does-not-exist does not exist"),
+    "model_is_a_file": ("a_file", [], "config.json is a file, not a directory"),
     "no_config": ("no_config", [], "has no config.json"),
     "no_safetensors": ("no_safetensors", [], "has no model.safetensors or model.safetensors.index.json"),
     "shard_missing": ("shard_missing", [], "named in model.safetensors.index.json is missing"),

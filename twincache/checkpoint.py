@@ -27,8 +27,11 @@ _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 def load_config(model_dir: str | Path) -> MistralConfig:
     """The config of a checkpoint directory, after checking that the directory exists."""
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
+    if not model_dir.exists():
         raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
+    if not model_dir.is_dir():
+        raise CheckpointError(f"checkpoint path {model_dir} is a file, not a directory; give the HF checkpoint "
+                              "directory that holds config.json and the safetensors files")
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"checkpoint directory {model_dir} has no config.json")
     return MistralConfig.from_json(model_dir / "config.json")

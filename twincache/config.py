@@ -96,11 +96,6 @@ class MistralConfig:
             if value is not None and not 0 <= _integer(name, value) < self.vocab_size:
                 raise ConfigError(f"config {name}={value} is outside the vocabulary [0, {self.vocab_size})")
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads that share one key/value head."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MistralConfig:
         """Read an HF config dict; refuse, naming the field, anything not computed exactly or of the wrong type."""
