@@ -140,6 +140,22 @@ def test_compiled_decode_copies_no_kv_buffer(model, kind):
     assert buffer_copies(fused_hlo, buffer_shape) == []
 
 
+def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
+    """The donated cache is the loop's output buffer (alias = every cache byte) and its temporaries are smaller than
+    one K/V buffer, so none is copied: XLA regressed to copying a donated buffer read by a while_loop (docs/design.md
+    §7.9). A static cache of 128 slots, so that one buffer outweighs the step's other temporaries."""
+    cache = make_cache("static", model.config, 1, 128)
+    graph, params = jg.split_model(model)
+    state = jg.initial_state(jnp.asarray([3], jnp.int32), jnp.asarray([0], jnp.int32), cache, None, 0)
+    executable, _ = jg.fused_executable(graph, params, state, jax.random.key(0), None,
+                                        sampling=jg._without_seed(SamplingParams()), eos=None, num_steps=8,
+                                        vocab_size=VOCAB, return_logits=False)
+    analysis = executable.memory_analysis()
+    cache_bytes = sum(array.nbytes for array in cache.arrays())
+    assert analysis.alias_size_in_bytes >= cache_bytes
+    assert analysis.temp_size_in_bytes < cache.keys[0].nbytes, (analysis.temp_size_in_bytes, cache.keys[0].nbytes)
+
+
 # --- traces and compiles ---------------------------------------------------------------------------------------------
 
 def test_prefill_compiles_at_most_log2_of_the_longest_prompt(model, traces):
