@@ -81,6 +81,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m bench`: the same flags as `twincache bench`, through twincache's one-line error handling."""
-    from twincache.cli import main as twincache_main
+    from twincache_app.cli import main as twincache_main
 
     return twincache_main(["bench", *(sys.argv[1:] if argv is None else argv)])

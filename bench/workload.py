@@ -147,7 +147,7 @@ class Workload:
             if self.model_dir is not None:
                 self._jax_model = Mistral.from_pretrained(self.model_dir, jnp.dtype(self.dtype_name))
             else:  # torch -> JAX handoff: zero-copy through DLPack on the same device
-                from jax_cache.interop import from_torch
+                from twincache_app.handoff import from_torch
 
                 self._jax_model = from_torch(self.torch_model())
         return self._jax_model

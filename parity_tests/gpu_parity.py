@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from twincache.config import MistralConfig
-from twincache.parity import Implementations, format_table, parity_reports
+from twincache_app.parity import Implementations, format_table, parity_reports
 
 MISTRAL_7B = MistralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
@@ -34,8 +34,8 @@ def build_implementations(config: MistralConfig, dtype: torch.dtype, seed: int =
     from transformers import MistralConfig as HFMistralConfig
     from transformers import MistralForCausalLM
 
-    from jax_cache.interop import from_torch
     from torch_cache.model import Mistral
+    from twincache_app.handoff import from_torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run of this script
     generator = torch.Generator(device=device).manual_seed(seed)

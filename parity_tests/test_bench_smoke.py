@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.presets import PRESETS
-from twincache.cli import main
+from twincache_app.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = ("kind", "impl", "cache", "prompt_len", "new_tokens", "batch", "prefill_s", "decode_tok_s", "gbps",

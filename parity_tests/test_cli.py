@@ -17,8 +17,8 @@ import pytest
 
 from torch_cache.generate import generate
 from torch_cache.model import Mistral
-from twincache.generate_cmd import DEFAULT_PROMPT
 from twincache.tokenizer import Tokenizer
+from twincache_app.generate_cmd import DEFAULT_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [5, 17, 42, 99, 3]
@@ -35,7 +35,7 @@ def twincache(home: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TWINCACHE_HOME": str(home), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("TWINCACHE_DEBUG", None)  # it would turn unexpected errors into tracebacks
-    return subprocess.run([sys.executable, "-m", "twincache.cli", "generate", *args], capture_output=True, env=env,
+    return subprocess.run([sys.executable, "-m", "twincache_app.cli", "generate", *args], capture_output=True, env=env,
                           cwd=REPO, timeout=600, check=False)
 
 

@@ -1,7 +1,7 @@
 """Every bad input of docs/design.md §6 that a CLI user can reach, through `twincache generate`.
 
 Each must end with exit code 2 and exactly one non-empty line on stderr -- the case's own message, never the CLI's
-catch-all "unexpected ..." and never a traceback. Most cases run in this process through `twincache.cli.main(argv)`
+catch-all "unexpected ..." and never a traceback. Most cases run in this process through `twincache_app.cli.main(argv)`
 (a subprocess per case would not fit the time budget); a few run the installed entry point in a real subprocess.
 
 The checkpoint-breaking helpers here are shared with test_faults.py and test_safe_loading.py.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from twincache.cli import main
+from twincache_app.cli import main
 
 BACKENDS = ["torch", "jax"]
 VOCAB = 128  # the tiny conftest checkpoints
@@ -285,9 +285,9 @@ def test_good_input_through_the_same_helper_succeeds(bad_checkpoints, capsys, ba
 
 
 def _entry_point() -> list[str]:
-    """The installed `twincache` script next to this interpreter; `python -m twincache.cli` where there is none."""
+    """The installed `twincache` script next to this interpreter; `python -m twincache_app.cli` where there is none."""
     script = Path(sys.executable).with_name("twincache")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "twincache.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "twincache_app.cli"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -18,11 +18,11 @@ from flax import nnx
 
 import jax_cache.generate as jg
 import torch_cache.generate as tg
-from jax_cache import interop
 from jax_cache.cache import StaticCache, cache_fields
 from jax_cache.model import Mistral
 from torch_cache.model import Mistral as TorchMistral
 from twincache.errors import StaleCacheError
+from twincache_app import handoff as interop
 
 VOCAB = 128
 N1, N2, N3 = 7, 12, 10  # with window 8 the JAX leg alone wraps the ring once and the whole run three times

@@ -20,8 +20,8 @@ import torch
 from torch_cache.generate import generate
 from torch_cache.model import Mistral
 from twincache.default_model import default_model_dir
-from twincache.generate_cmd import DEFAULT_PROMPT
 from twincache.tokenizer import Tokenizer
+from twincache_app.generate_cmd import DEFAULT_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [5, 17, 42, 99, 3]
@@ -40,7 +40,7 @@ RUNS: dict[str, list[str]] = {
 def command() -> list[str]:
     """The installed console script when there is one (it is what users run), else the module."""
     script = Path(sys.executable).with_name("twincache")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "twincache.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "twincache_app.cli"]
 
 
 @pytest.fixture(scope="module")

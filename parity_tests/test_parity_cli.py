@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from twincache import cli, parity
+from twincache_app import cli, parity
 
 PAIR_FIELDS = {"cache", "reference", "candidate", "dtype", "steps", "max_abs_logit_diff", "mean_kl", "top1_agreement",
                "decisive_steps", "top1_agreement_decisive", "first_greedy_divergence_step",
@@ -22,7 +22,7 @@ PAIR_FIELDS = {"cache", "reference", "candidate", "dtype", "steps", "max_abs_log
 
 def run_cli(*argv: str, home: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TWINCACHE_HOME=home)
-    return subprocess.run([sys.executable, "-m", "twincache.cli", *argv], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "twincache_app.cli", *argv], capture_output=True, text=True, env=env,
                           timeout=300)
 
 

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from bench.soak import soak
-from twincache.cli import main
+from twincache_app.cli import main
+from twincache_app.soak import soak
 
 BACKENDS = ["torch", "jax"]
 STEPS = 320  # the default window is 32: about ten wraps

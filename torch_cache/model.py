@@ -230,7 +230,7 @@ class Mistral(nn.Module):
                     if name in wanted:
                         tensor = f.get_tensor(name).to(dtype)
                         # safetensors' CPU tensors sit 32 bytes into a Python bytes object; XLA-CPU copies anything
-                        # not 64-byte aligned, so an own copy lets jax_cache.interop.from_torch share them zero-copy.
+                        # not 64-byte aligned, so an own copy lets the handoff share them zero-copy (design.md §7.10).
                         state[name] = tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
         return cls.from_weights(config, state)
 

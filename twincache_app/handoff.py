@@ -1,4 +1,4 @@
-"""torch <-> JAX handoff: weights and live caches. The only jax_cache module that imports torch.
+"""torch <-> JAX handoff: weights and live caches. App layer: it sees both towers (docs/design.md §1).
 
 Weights move zero-copy through DLPack where dtype and device allow (JAX then reads torch's memory: do not modify
 the torch weights in place afterwards). Caches are copied, because torch writes its caches in place while JAX

@@ -2,7 +2,7 @@
 
 Every implementation is fed the same token sequence (the prompt, then a greedy continuation made once by
 torch_cache), step by step through its own cache; step i's logits predict continuation token i. Each pair is judged
-against the bounds of docs/design.md §4 for the dtype. Backends are imported lazily, so this module stays framework-free.
+against the bounds of docs/design.md §4 for the dtype. Backends are imported lazily.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from twincache.default_model import default_model_dir
 from twincache.errors import InputError
 from twincache.generation import CACHE_KINDS, validate_prompts
 
-# The promise (docs/design.md §4): fp32 logits within 1e-5 and the same greedy token wherever the reference's top-1 margin
-# exceeds 1e-4; half precision within a mean KL of 1e-3 with >= 99% top-1 agreement. Random-weight models have
+# The promise (docs/design.md §4): fp32 logits within 1e-5 and the same greedy token wherever the reference's top-1
+# margin exceeds 1e-4; half precision within a mean KL of 1e-3 with >= 99% top-1 agreement. Random-weight models have
 # near-tied logits, and a bf16 logit moves by whole ulps (2^-7 relative), so the half-precision top-1 agreement is
 # taken over the decisive steps: those whose reference top-1 margin exceeds HALF_DECISIVE_ULPS ulps of the top-1
 # logit in that dtype. The raw agreement over all steps is reported beside it.
@@ -219,7 +219,7 @@ def format_table(reports: Sequence[PairReport]) -> str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from twincache.generate_cmd import add_model_arguments
+    from twincache_app.generate_cmd import add_model_arguments
 
     parser = subparsers.add_parser(
         "parity", help="check transformers, torch_cache and jax_cache agree on a checkpoint",
@@ -235,7 +235,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from twincache.generate_cmd import resolve_prompt
+    from twincache_app.generate_cmd import resolve_prompt
 
     model_dir = args.model if args.model is not None else default_model_dir()
     config = load_config(model_dir)

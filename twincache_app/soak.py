@@ -224,7 +224,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from twincache.cli import print_json
+    from twincache_app.cli import print_json
 
     record = soak(args.backend, args.steps, args.model, args.prompt_len, args.dtype, not args.no_compile)
     print_json(record)

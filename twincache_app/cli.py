@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from twincache.errors import TwincacheError
 
 # Modules that contribute a subcommand: each has add_parser(subparsers) and run(args) -> int.
-SUBCOMMAND_MODULES = ["twincache.generate_cmd", "twincache.parity", "bench.soak", "bench.cli"]
+SUBCOMMAND_MODULES = ["twincache_app.generate_cmd", "twincache_app.parity", "twincache_app.soak", "bench.cli"]
 
 
 class _OneLineParser(argparse.ArgumentParser):

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     token_ids = result.token_ids[0]
     text = tokenizer.decode(token_ids) if tokenizer is not None else None
     if args.json:
-        from twincache.cli import print_json
+        from twincache_app.cli import print_json
 
         print_json({
             "backend": args.backend, "cache": result.cache_kind, "model": str(model_dir), "dtype": args.dtype,
