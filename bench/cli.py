@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.impls import IMPLS
+from bench.impls import impl_registry
 from bench.presets import PRESETS
-from twincache.errors import InputError
+from twincache.errors import InputError, UnavailableError
 from twincache.generation import CACHE_KINDS
 from twincache.storage import writable_directory
 
@@ -38,8 +38,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="tiny: seconds, smoke test; small: ~57M params fp32 on CPU (minutes); 7b: Mistral-7B "
                              "shape bf16, GPU only")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: bench_out/<preset>)")
-    parser.add_argument("--impls", type=_list(list(IMPLS)), default=None,
-                        help=f"comma-separated subset of {', '.join(IMPLS)} (default: the preset's)")
+    names = list(impl_registry())
+    parser.add_argument("--impls", type=_list(names), default=None,
+                        help=f"comma-separated subset of {', '.join(names)} (default: the preset's)")
     parser.add_argument("--caches", type=_list(CACHE_KINDS), default=list(CACHE_KINDS),
                         help="comma-separated subset of static, sliding_window")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default: the preset's)")
@@ -56,6 +57,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401 - the report's plots; an optional extra
+    except ImportError:
+        raise UnavailableError("twincache bench draws its plots with matplotlib, which is not installed: "
+                               "pip install 'twincache[bench]'") from None
     from bench.runner import Options, run_bench
 
     preset = PRESETS[args.preset]

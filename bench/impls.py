@@ -1,5 +1,6 @@
-"""One adapter per implementation, all in one registry (IMPLS). Each turns (prompts, new tokens, cache kind, cache
-length) into a `Run` with the same timing definitions, so the numbers side by side mean the same thing.
+"""One adapter per implementation, all in one registry (impl_registry()). Each turns (prompts, new tokens, cache kind,
+cache length) into a `Run` with the same timing definitions, so the numbers side by side mean the same thing. The
+towers' adapters live in the app layer (twincache_app.bench_adapters); transformers' are here.
 
 Timing, for every adapter (twincache's GenerationResult definitions): `prefill_s` ends when the first token is on
 the host; `first_step_s` holds compilation/tracing and, when stepping, the first decode step; `decode_s` covers the
@@ -49,7 +50,6 @@ class Impl:
 
     name: ClassVar[str]
     framework: ClassVar[str]  # "torch" or "jax": which probe/memory counters apply
-    compiled: ClassVar[bool]
     per_step_timing: ClassVar[bool] = True  # False when steps are not observable from the host (fused loops)
 
     def __init__(self, workload: Workload) -> None:
@@ -120,114 +120,11 @@ def jax_compile_seconds() -> float:
     return _jax_compile_s[0]
 
 
-class _TorchCacheImpl(Impl):
-    framework = "torch"
-
-    def __init__(self, workload: Workload) -> None:
-        super().__init__(workload)
-        self._caches: dict[tuple[str, int, int], Any] = {}
-
-    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int, cache: str, max_cache_len: int) -> Run:
-        from torch_cache.cache import make_cache
-        from torch_cache.generate import generate
-
-        model = self.workload.torch_model()
-        key = (cache, len(prompts), max_cache_len)
-        if key not in self._caches:  # reused across runs: fixed addresses, as a server would keep them
-            self._caches[key] = make_cache(cache, model.config, len(prompts), max_cache_len, self.workload.torch_dtype,
-                                           self.workload.device)
-        times: list[float] = []
-        _torch_sync(self.workload.device)
-        start = time.perf_counter()
-        # generate copies each step's tokens to the host before on_token, so these stamps follow the device.
-        result = generate(model, prompts, new_tokens, cache=self._caches[key], compile=self.compiled,
-                          on_token=lambda _: times.append(time.perf_counter()))
-        return Run.from_result(result, time.perf_counter() - start, times)
-
-    def note(self, cache: str) -> str:
-        mode = ("decode step under torch.compile(mode='reduce-overhead', fullgraph=True)" if self.compiled
-                else "eager decode step")
-        reads = "all max_cache_len slots" if cache == "static" else "a ring of W slots, one slot written per step"
-        return f"torch_cache generate, eager prefill, {mode}; attention reads {reads}"
-
-    def release(self) -> None:
-        self._caches.clear()
-
-    def compile_count(self) -> int | None:
-        return torch_graph_count()
-
-
-class TorchEager(_TorchCacheImpl):
-    name = "torch_eager"
-    compiled = False
-
-
-class TorchCompiled(_TorchCacheImpl):
-    name = "torch_compiled"
-    compiled = True
-
-
-class _JaxCacheImpl(Impl):
-    framework = "jax"
-    compiled = True
-    fused: ClassVar[bool]
-
-    @classmethod
-    def unavailable(cls) -> str | None:
-        try:
-            import jax_cache.generate  # noqa: F401
-            import jax_cache.model  # noqa: F401
-        except Exception as err:  # noqa: BLE001 - any import failure means: not available yet
-            return f"jax_cache not available ({type(err).__name__}: {err})"
-        return None
-
-    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int, cache: str, max_cache_len: int) -> Run:
-        from jax_cache.generate import generate
-
-        times: list[float] = []
-        start = time.perf_counter()
-        # on_token needs each token on the host, which would break the fused loop into steps: only the step mode
-        # gets per-step timestamps.
-        on_token = None if self.fused else (lambda _: times.append(time.perf_counter()))
-        result = generate(self.workload.jax_model(), prompts, new_tokens, cache=cache, max_cache_len=max_cache_len,
-                          fused=self.fused, on_token=on_token)
-        return Run.from_result(result, time.perf_counter() - start, times)
-
-    def note(self, cache: str) -> str:
-        mode = "whole decode loop in one jitted lax.while_loop" if self.fused else "one jitted, donated step per token"
-        return f"jax_cache generate, jitted prefill, {mode}"
-
-    def compile_count(self) -> int | None:
-        """Compiled variants held by jax_cache.generate: each jitted function's cache entries plus the fused loop's
-        ahead-of-time executables. Each entry is one trace + compile."""
-        import sys
-
-        module = sys.modules.get("jax_cache.generate")
-        if module is None:
-            return None
-        total = len(getattr(module, "_fused_executables", {}))
-        for value in vars(module).values():
-            cache_size = getattr(value, "_cache_size", None)
-            if callable(cache_size) and hasattr(value, "lower"):  # a jax.jit-wrapped function
-                total += int(cache_size())
-        return total
-
-
-class JaxStep(_JaxCacheImpl):
-    name = "jax_step"
-    fused = False
-
-
-class JaxFused(_JaxCacheImpl):
-    name = "jax_fused"
-    fused = True
-    per_step_timing = False
-
-
 class _TransformersImpl(Impl):
     """transformers' own `generate` on MistralForCausalLM: static cache, greedy, a fixed number of new tokens."""
 
     framework = "torch"
+    compiled: ClassVar[bool]
 
     def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int, cache: str, max_cache_len: int) -> Run:
         import torch
@@ -294,6 +191,12 @@ class TransformersEager(_TransformersImpl):
     compiled = False
 
 
-IMPLS: dict[str, type[Impl]] = {cls.name: cls for cls in (TorchEager, TorchCompiled, JaxStep, JaxFused, Transformers,
-                                                           TransformersEager)}
+def impl_registry() -> dict[str, type[Impl]]:
+    """Every implementation by name: each backend in each of its decode modes (through the app layer,
+    twincache_app.bench_adapters), then transformers' own generate."""
+    from twincache_app.bench_adapters import backend_impls
+
+    return {**backend_impls(), **{cls.name: cls for cls in (Transformers, TransformersEager)}}
+
+
 REFERENCE_IMPLS = ("transformers", "transformers_eager")  # ratios are taken against the first one measured

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import metrics, probes, report
-from bench.impls import IMPLS, REFERENCE_IMPLS, Impl, Run
+from bench.impls import REFERENCE_IMPLS, Impl, Run, impl_registry
 from bench.presets import Preset
 from bench.workload import Workload
 from twincache.generation import CACHE_KINDS
@@ -223,8 +223,9 @@ class Bench:
                              **{k: v for k, v in p.items() if k not in ("probe", "error")})
 
     def _load_impls(self) -> None:
+        registry = impl_registry()
         for name in self.opts.impls:
-            cls = IMPLS[name]
+            cls = registry[name]
             reason = cls.unavailable()
             if reason is None:
                 self.impls[name] = cls(self.workload)

@@ -77,7 +77,9 @@ def hf_config(config: MistralConfig, sliding: bool) -> Any:
 
 
 class Workload:
-    """Lazily built models over one set of weights, plus the prompts; shared by every implementation adapter."""
+    """One set of weights (a checkpoint directory, or tensors built on the device), the models built from it, and the
+    prompts; shared by every implementation adapter. The backends' models are built by twincache_app.bench_adapters
+    and kept in `models`, one per backend, shared by its modes."""
 
     def __init__(self, preset: Preset, device: str, cache_dir: Path | None = None) -> None:
         self.preset = preset
@@ -85,9 +87,9 @@ class Workload:
         self.dtype_name = preset.dtype
         self.device = device
         self.model_dir = None if preset.weights_on_device else checkpoint_dir(preset.config, preset.seed, cache_dir)
-        self._torch_model: Any = None
+        self.models: dict[str, Any] = {}
+        self._weights: dict[str, Any] | None = None
         self._hf_models: dict[bool, Any] = {}
-        self._jax_model: Any = None
 
     @property
     def torch_dtype(self) -> Any:
@@ -104,21 +106,11 @@ class Workload:
         rng = np.random.default_rng([self.preset.seed, salt, batch, length])
         return rng.integers(3, self.config.vocab_size, size=(batch, length)).tolist()
 
-    def torch_model(self) -> Any:
-        if self._torch_model is None:
-            import torch
-
-            from torch_cache.model import Mistral
-
-            if self.model_dir is not None:
-                self._torch_model = Mistral.from_pretrained(self.model_dir, self.torch_dtype, self.device)
-            else:
-                with torch.device("meta"):
-                    model = Mistral(self.config)
-                state = device_weights(self.config, self.preset.seed, self.torch_dtype, self.device)
-                model.load_state_dict(state, strict=True, assign=True)
-                self._torch_model = model.eval().requires_grad_(False)
-        return self._torch_model
+    def weights(self) -> dict[str, Any]:
+        """The weights built on the device (presets with weights_on_device), once: HF-named torch tensors."""
+        if self._weights is None:
+            self._weights = device_weights(self.config, self.preset.seed, self.torch_dtype, self.device)
+        return self._weights
 
     def hf_model(self, sliding: bool) -> Any:
         """MistralForCausalLM with config.sliding_window = W (sliding) or None. Both share one set of weight tensors."""
@@ -130,24 +122,10 @@ class Workload:
             if self.model_dir is not None and not self._hf_models:
                 model = MistralForCausalLM.from_pretrained(self.model_dir, config=config, dtype=self.torch_dtype)
                 model = model.to(self.device)
-            else:  # share the tensors already loaded (transformers' or, for 7b, torch_cache's own)
-                source = next(iter(self._hf_models.values())) if self._hf_models else self.torch_model()
+            else:  # share the tensors already loaded (transformers' own or, for 7b, the device weights)
+                state = next(iter(self._hf_models.values())).state_dict() if self._hf_models else self.weights()
                 with torch.device(self.device):  # its random init is replaced (and freed) by the assign below
                     model = MistralForCausalLM._from_config(config, dtype=self.torch_dtype)
-                model.load_state_dict(source.state_dict(), strict=True, assign=True)
+                model.load_state_dict(state, strict=True, assign=True)
             self._hf_models[sliding] = model.eval().requires_grad_(False)
         return self._hf_models[sliding]
-
-    def jax_model(self) -> Any:
-        if self._jax_model is None:
-            import jax.numpy as jnp
-
-            from jax_cache.model import Mistral
-
-            if self.model_dir is not None:
-                self._jax_model = Mistral.from_pretrained(self.model_dir, jnp.dtype(self.dtype_name))
-            else:  # torch -> JAX handoff: zero-copy through DLPack on the same device
-                from twincache_app.handoff import from_torch
-
-                self._jax_model = from_torch(self.torch_model())
-        return self._jax_model

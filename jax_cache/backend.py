@@ -91,4 +91,10 @@ def compiled_variants() -> int:
     return sum(int(fn._cache_size()) for fn in jitted) + len(_fused_executables)
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants"]
+def device_memory_mb() -> float | None:
+    """Device memory JAX holds now on its default device, in MiB; None where the device does not report it (CPU)."""
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return stats["bytes_in_use"] / 2**20 if stats else None
+
+
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]

@@ -58,7 +58,7 @@ def build_implementations(config: MistralConfig, dtype: torch.dtype, seed: int =
         torch.set_default_dtype(default_dtype)
     reference.load_state_dict(model.state_dict(), strict=True)
     reference.eval()
-    return Implementations(torch=model, jax=from_torch(model), transformers=reference)
+    return Implementations({"torch": model, "jax": from_torch(model)}, transformers=reference)
 
 
 def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, steps: int, out: Path) -> list[dict]:

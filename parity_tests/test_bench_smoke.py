@@ -57,7 +57,7 @@ def test_decode_records_cover_every_impl_and_cache(tiny_run):
         expected = "ok" if jax_ok or not r["impl"].startswith("jax") else "unavailable"
         assert r["status"] == expected, (r["impl"], r["cache"], r["status"], r.get("note"))
         if r["status"] != "ok":
-            assert "jax_cache not available" in r["note"]
+            assert "the jax backend is unavailable" in r["note"]
             continue
         for key in MEASURED:
             assert isinstance(r[key], (int, float)) and r[key] >= 0, (r["impl"], r["cache"], key, r[key])
@@ -110,6 +110,15 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys):
     assert capsys.readouterr().err.count("\n") == 1
     assert main(["bench", "--repeats", "0"]) == 2
     assert "--repeats=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    assert main(["bench", "--preset", "tiny", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unexpected" not in err
+    assert "matplotlib, which is not installed: pip install 'twincache[bench]'" in err
+    assert not (tmp_path / "out").exists(), "refused before running anything"
 
 
 def test_7b_preset_needs_a_gpu(capsys):

@@ -1,7 +1,7 @@
 """`twincache generate` end to end, in a real subprocess: text and --json, on the embedded default model (built into
 a fresh TWINCACHE_HOME) and on transformers-written checkpoints (which have no tokenizer.json, so --prompt-ids).
 
-The tokens the CLI prints must equal those of the Python API on the same model. Most runs pass --no-compile; one
+The tokens the CLI prints must equal those of the Python API on the same model. Most runs pass --mode eager; one
 run takes the default compiled decode path.
 """
 
@@ -22,7 +22,7 @@ from twincache_app.generate_cmd import DEFAULT_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [5, 17, 42, 99, 3]
-JSON_KEYS = {"backend", "cache", "prompt_ids", "token_ids", "text", "prefill_s", "decode_tok_s"}
+JSON_KEYS = {"backend", "mode", "cache", "prompt_ids", "token_ids", "text", "prefill_s", "decode_tok_s"}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +77,13 @@ def default_expected(default_model_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def default_json(cli_home: Path) -> dict:
-    stdout, _ = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--no-compile", "--json"))
+    stdout, _ = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--mode", "eager", "--json"))
     return parse_json(stdout)
 
 
 def test_default_model_json(default_json, default_expected, cli_home):
     assert default_json["cache"] == "sliding_window", "the default model has a window, so the default cache slides"
+    assert default_json["mode"] == "eager"
     assert default_json["prompt_ids"] == default_expected["prompt_ids"]
     assert default_json["token_ids"] == default_expected["token_ids"]
     assert default_json["text"] == default_expected["text"]
@@ -92,7 +93,7 @@ def test_default_model_json(default_json, default_expected, cli_home):
 
 
 def test_default_model_text_streams_the_same_tokens(cli_home, default_json):
-    stdout, stderr = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--no-compile"))
+    stdout, stderr = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--mode", "eager"))
     assert stdout == default_json["text"] + "\n"
     summary = stderr.strip().splitlines()
     assert len(summary) == 1 and summary[0].startswith("[torch sliding_window cache:"), stderr
@@ -108,7 +109,7 @@ def test_default_model_text_streams_the_same_tokens(cli_home, default_json):
 ])
 def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag, expected_cache):
     args = ["--model", str(checkpoints[name]), "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
-            "--max-new-tokens", "20", "--no-compile", "--json"]
+            "--max-new-tokens", "20", "--mode", "eager", "--json"]
     if cache_flag:
         args += ["--cache", cache_flag]
     record = parse_json(succeeded(twincache(cli_home, *args))[0])
@@ -121,7 +122,7 @@ def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag
 
 def test_checkpoint_text_mode_prints_the_ids(checkpoints, cli_home):
     stdout, stderr = succeeded(twincache(cli_home, "--model", str(checkpoints["sharded"]), "--prompt-ids",
-                                         ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--no-compile"))
+                                         ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--mode", "eager"))
     assert [int(t) for t in stdout.split()] == api_tokens(checkpoints["sharded"], PROMPT_IDS, 20)
     assert "[torch sliding_window cache:" in stderr
 
@@ -130,6 +131,7 @@ def test_compiled_decode_through_the_cli(checkpoints, cli_home):
     """The default path (torch.compile on) gives the eager API's tokens; 24 new tokens wrap the window 8 thrice."""
     record = parse_json(succeeded(twincache(cli_home, "--model", str(checkpoints["gqa"]), "--prompt-ids",
                                             ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "24", "--json"))[0])
+    assert record["mode"] == "compiled", "torch's default mode, as the decode path reports it"
     assert record["token_ids"] == api_tokens(checkpoints["gqa"], PROMPT_IDS, 24)
     assert record["decode_steps"] == 23
 
@@ -157,7 +159,7 @@ ERROR_CASES = {
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
 def test_errors_are_one_line_exit_2_without_traceback(checkpoints, cli_home, tmp_path, case):
     make_args, fragments = ERROR_CASES[case]
-    proc = twincache(cli_home, *make_args(checkpoints, tmp_path), "--no-compile")
+    proc = twincache(cli_home, *make_args(checkpoints, tmp_path), "--mode", "eager")
     stdout, stderr = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
     assert proc.returncode == 2, f"{case}: exit {proc.returncode}; stderr: {stderr}"
     assert "Traceback" not in stderr + stdout

@@ -234,8 +234,11 @@ def bad_checkpoints(checkpoints, tmp_path_factory) -> dict[str, Path]:
     return _build_checkpoints(root, checkpoints["gqa"], checkpoints["no_window"], checkpoints["sharded"])
 
 
+FAST_MODE = {"torch": ["--mode", "eager"], "jax": []}  # no torch.compile per case; JAX's default (fused) mode
+
+
 def argv_for(backend: str, model_dir: Path, extra: list[str]) -> list[str]:
-    argv = ["generate", "--backend", backend, "--model", str(model_dir), "--no-compile", "--max-new-tokens", "3"]
+    argv = ["generate", "--backend", backend, "--model", str(model_dir), *FAST_MODE[backend], "--max-new-tokens", "3"]
     if not any(arg.startswith(("--prompt", "--prompt-ids")) for arg in extra):
         argv += ["--prompt-ids", "1,5,9"]
     return argv + extra  # later flags win over the defaults above
@@ -284,8 +287,19 @@ def test_good_input_through_the_same_helper_succeeds(bad_checkpoints, capsys, ba
     assert all(0 <= t < VOCAB for t in record["token_ids"]) and not math.isnan(record["prefill_s"])
 
 
+@pytest.mark.parametrize(("backend", "mode"), [("torch", "fused"), ("torch", "step"), ("jax", "eager"),
+                                             ("jax", "compiled"), ("jax", "turbo")])
+def test_a_mode_of_another_backend_is_one_line_exit_2(bad_checkpoints, capsys, backend: str, mode: str):
+    """Refused before anything loads, naming the backend's own modes (docs/design.md §5)."""
+    argv = argv_for(backend, bad_checkpoints["good"], ["--mode", mode])
+    code, out, err = run_in_process(argv, capsys)
+    modes = {"torch": "compiled or eager (default compiled)", "jax": "fused or step (default fused)"}[backend]
+    line = assert_one_line_error(code, err, f"--mode {mode} is not a {backend} mode; --backend {backend} takes {modes}")
+    assert out == "" and "Traceback" not in line
+
+
 def _entry_point() -> list[str]:
-    """The installed `twincache` script next to this interpreter; `python -m twincache_app.cli` where there is none."""
+    """The installed `twincache` script next to this interpreter, else `python -m twincache_app.cli`."""
     script = Path(sys.executable).with_name("twincache")
     return [str(script)] if script.is_file() else [sys.executable, "-m", "twincache_app.cli"]
 

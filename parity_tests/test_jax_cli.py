@@ -1,5 +1,5 @@
 """`twincache generate --backend jax` end to end, in real subprocesses: text and --json, fused (the default) and
---stream, on the embedded default model (built into a fresh TWINCACHE_HOME) and on a transformers-written checkpoint
+--mode step, on the embedded default model (built into a fresh TWINCACHE_HOME) and on a transformers-written checkpoint
 (no tokenizer.json, so --prompt-ids). Its JSON has the torch backend's keys, and its greedy tokens equal torch's.
 
 The runs are independent, so the module fixture starts them all at once and collects them (each mostly waits on
@@ -29,9 +29,10 @@ NEW_TOKENS = 30  # window 8 on the checkpoint: decoding writes ring slot 0 again
 
 RUNS: dict[str, list[str]] = {
     "default jax json": ["--backend", "jax", "--json"],
-    "default torch json": ["--backend", "torch", "--json", "--no-compile"],
+    "default torch json": ["--backend", "torch", "--json", "--mode", "eager"],
+    "default jax step json": ["--backend", "jax", "--json", "--mode", "step"],
     "default jax text": ["--backend", "jax"],
-    "default jax stream": ["--backend", "jax", "--stream"],
+    "default jax stream": ["--backend", "jax", "--mode", "step"],
     "checkpoint jax json": ["--backend", "jax", "--json", "--max-new-tokens", str(NEW_TOKENS)],
     "checkpoint jax text": ["--backend", "jax", "--max-new-tokens", str(NEW_TOKENS)],
 }
@@ -87,6 +88,19 @@ def test_jax_json_has_the_torch_keys_and_the_torch_tokens(runs):
     assert ours["decode_steps"] == theirs["decode_steps"] == len(ours["token_ids"]) - 1
     assert isinstance(ours["decode_tok_s"], float) and ours["decode_tok_s"] > 0
     assert isinstance(ours["prefill_s"], float) and ours["prefill_s"] > 0
+    assert (ours["mode"], theirs["mode"]) == ("fused", "eager")
+    # The same call reports the same capacity: prompt + new tokens, whatever padding JAX's prompt bucket adds.
+    assert ours["max_cache_len"] == theirs["max_cache_len"] == len(ours["prompt_ids"]) + 64
+
+
+def test_json_with_a_streaming_mode_decodes_in_that_mode(runs):
+    """--json prints nothing until the end, but the mode still decides the decode path: the step mode runs (and says
+    so), one jitted step per token, with the fused mode's tokens."""
+    step = parse_json(runs["default jax step json"][0], "default jax step json")
+    fused = parse_json(runs["default jax json"][0], "default jax json")
+    assert step["mode"] == "step" and fused["mode"] == "fused"
+    assert step["token_ids"] == fused["token_ids"] and step["decode_steps"] == fused["decode_steps"]
+    assert step.keys() == fused.keys()
 
 
 def test_checkpoint_json_has_the_torch_keys_and_the_torch_api_tokens(runs, checkpoints):
@@ -129,7 +143,8 @@ def test_default_model_text_modes_print_the_json_text(runs, mode):
     text = parse_json(runs["default jax json"][0], "default jax json")["text"]
     stdout, stderr = runs[f"default jax {mode}"]
     assert stdout == text + "\n", f"{mode}: stdout {stdout!r} != the --json text {text!r}"
-    assert "[jax sliding_window cache: prefill" in stderr and "tok/s" in stderr
+    assert f"[jax sliding_window cache: {'step' if mode == 'stream' else 'fused'} mode, prefill" in stderr
+    assert "tok/s" in stderr
 
 
 def test_checkpoint_without_tokenizer_prints_token_ids(runs):

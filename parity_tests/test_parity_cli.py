@@ -86,6 +86,19 @@ def test_parity_without_window_compares_static_only(checkpoints, capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and not report["transformers_compared"]
     assert [(p["cache"], p["reference"], p["candidate"]) for p in report["pairs"]] == [("static", "torch", "jax")]
+    assert report["modes"] == {"torch": "compiled", "jax": "fused"}, "each backend's default decode path"
+
+
+def test_parity_of_every_mode_of_every_backend(checkpoints, capsys):
+    code = cli.main(["parity", "--model", str(checkpoints["no_window"]), "--prompt-ids", "1,2,3,4,5", "--json",
+                     "--max-new-tokens", "8", "--no-transformers", "--modes", "all"])
+    report = json.loads(capsys.readouterr().out)
+    runs = ["torch:compiled", "torch:eager", "jax:fused", "jax:step"]
+    assert code == 0 and report["passed"]
+    assert report["modes"] == {run: run.split(":")[1] for run in runs}
+    assert [(p["reference"], p["candidate"]) for p in report["pairs"]] == [
+        (ref, cand) for i, ref in enumerate(runs) for cand in runs[i + 1:]]
+    assert all(p["steps"] == 8 and p["max_abs_logit_diff"] <= 1e-5 for p in report["pairs"])
 
 
 def test_parity_exits_1_when_a_pair_is_out_of_bounds(checkpoints, capsys, monkeypatch):

@@ -63,4 +63,9 @@ def compiled_variants() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants"]
+def device_memory_mb() -> float | None:
+    """Device memory torch holds now, in MiB; None on CPU."""
+    return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]

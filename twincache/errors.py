@@ -38,3 +38,7 @@ class ResourceError(TwincacheError):
 
 class StorageError(TwincacheError):
     """A directory twincache must write to (TWINCACHE_HOME, bench --out) is not a writable directory."""
+
+
+class UnavailableError(TwincacheError):
+    """A backend or an optional dependency that the command needs is not installed."""

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
+import bench.cli
 from twincache.errors import TwincacheError
+from twincache_app import generate_cmd, parity, soak
 
-# Modules that contribute a subcommand: each has add_parser(subparsers) and run(args) -> int.
-SUBCOMMAND_MODULES = ["twincache_app.generate_cmd", "twincache_app.parity", "twincache_app.soak", "bench.cli"]
+# The modules that contribute a subcommand: each has add_parser(subparsers), which sets args.run(args) -> int.
+SUBCOMMANDS = (generate_cmd, parity, soak, bench.cli)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="twincache", description="One KV-cache design for Mistral decoding, built twice: "
                             "torch_cache (PyTorch) and jax_cache (JAX/Flax).")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
-    for module_name in SUBCOMMAND_MODULES:
-        importlib.import_module(module_name).add_parser(subparsers)
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
     return parser
 
 
@@ -53,10 +53,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"twincache: error: unexpected {type(err).__name__}: {err} (set TWINCACHE_DEBUG=1 for a traceback)",
               file=sys.stderr)
     return 2
-
-
-def print_json(record: dict) -> None:
-    print(json.dumps(record))
 
 
 if __name__ == "__main__":

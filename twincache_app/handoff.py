@@ -46,23 +46,24 @@ def _torch_dtype(dtype: jnp.dtype) -> torch.dtype:
     return getattr(torch, jnp.dtype(dtype).name)
 
 
+def weights_from_torch(weights: dict[str, torch.Tensor], backend: str) -> dict[str, object]:
+    """HF-named torch tensors as `backend`'s arrays: the tensors themselves for torch, zero-copy views for JAX."""
+    convert = {"torch": lambda tensor: tensor, "jax": _to_jax}[backend]
+    return {name: convert(tensor) for name, tensor in weights.items()}
+
+
 def from_torch(model: torch_model.Mistral) -> Mistral:
     """The jax_cache model with a torch_cache model's weights (same names, same [out, in] layout)."""
-    weights = {name: _to_jax(param) for name, param in model.state_dict().items()}
-    return Mistral.from_weights(model.config, weights)
+    return Mistral.from_weights(model.config, weights_from_torch(model.state_dict(), "jax"))
 
 
 def to_torch(model: Mistral, device: str | torch.device = "cpu") -> torch_model.Mistral:
     """The torch_cache model with a jax_cache model's weights (copied)."""
-    with torch.device("meta"):
-        torch_version = torch_model.Mistral(model.config)
-    state = {}
     from flax import nnx
 
-    for path, variable in nnx.to_flat_state(nnx.state(model)):
-        state[".".join(map(str, path))] = _to_torch(variable.get_value(), torch.device(device))
-    torch_version.load_state_dict(state, strict=True, assign=True)
-    return torch_version.eval().requires_grad_(False)
+    state = {".".join(map(str, path)): _to_torch(variable.get_value(), torch.device(device))
+             for path, variable in nnx.to_flat_state(nnx.state(model))}
+    return torch_model.Mistral.from_weights(model.config, state)
 
 
 def _check_handoff(cache: object, own_type: type, config: MistralConfig, where: str) -> None:

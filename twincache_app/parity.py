@@ -1,8 +1,9 @@
 """`twincache parity`: teacher-forced logit parity of transformers, torch_cache and jax_cache on any checkpoint.
 
 Every implementation is fed the same token sequence (the prompt, then a greedy continuation made once by
-torch_cache), step by step through its own cache; step i's logits predict continuation token i. Each pair is judged
-against the bounds of docs/design.md §4 for the dtype. Backends are imported lazily.
+torch_cache), step by step through its own cache and the decode path of its mode (compiled or eager torch, fused or
+step JAX); step i's logits predict continuation token i. Each pair is judged against the bounds of docs/design.md §4
+for the dtype. Backends come from the registry and are imported when a run needs them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from twincache.checkpoint import load_config
 from twincache.default_model import default_model_dir
 from twincache.errors import InputError
 from twincache.generation import CACHE_KINDS, validate_prompts
+from twincache_app.backends import BACKENDS, modes_help
+from twincache_app.generate_cmd import add_model_arguments, resolve_prompt
 
 # The promise (docs/design.md §4): fp32 logits within 1e-5 and the same greedy token wherever the reference's top-1
 # margin exceeds 1e-4; half precision within a mean KL of 1e-3 with >= 99% top-1 agreement. Random-weight models have
@@ -90,41 +93,7 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
 
 
 # --- teacher-forced runners: sequence [L] ids, prompt_len P -> logits [L - P, V] float32 -----------------------------
-
-def torch_step_logits(model: Any, sequence: Sequence[int], prompt_len: int, cache_kind: str,
-                      compile: bool = False) -> np.ndarray:
-    import torch
-
-    from torch_cache.cache import make_cache
-    from torch_cache.generate import decode_step_fn
-
-    weight = model.model.embed_tokens.weight
-    ids = torch.tensor([list(sequence)], device=weight.device)  # [1, L]
-    cache = make_cache(cache_kind, model.config, 1, len(sequence), weight.dtype, weight.device)
-    step = decode_step_fn(model, compile)
-    with torch.inference_mode():
-        logits = [model(ids[:, :prompt_len], torch.arange(prompt_len, device=weight.device)[None], cache)[:, -1]]
-        for pos in range(prompt_len, len(sequence) - 1):
-            logits.append(step(ids[:, pos:pos + 1], torch.tensor([[pos]], device=weight.device), cache))
-        return torch.cat(logits).float().cpu().numpy()
-
-
-def jax_step_logits(model: Any, sequence: Sequence[int], prompt_len: int, cache_kind: str) -> np.ndarray:
-    import jax.numpy as jnp
-
-    from jax_cache.cache import make_cache
-    from jax_cache.generate import decode_step_fn, prefill
-
-    ids = jnp.asarray([list(sequence)], jnp.int32)  # [1, L]
-    cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype)
-    first, cache = prefill(model, ids[:, :prompt_len], jnp.ones((1, prompt_len), jnp.int32), cache)
-    step = decode_step_fn(model)
-    logits = [first]
-    for pos in range(prompt_len, len(sequence) - 1):
-        step_logits, cache = step(ids[:, pos:pos + 1], jnp.asarray([[pos]], jnp.int32), cache)
-        logits.append(step_logits)
-    return np.asarray(jnp.concatenate(logits).astype(jnp.float32))
-
+# Each backend's own `step_logits` feeds the sequence through the decode path of a mode (docs/design.md §5).
 
 def transformers_step_logits(hf_model: Any, sequence: Sequence[int], prompt_len: int) -> np.ndarray:
     """One uncached full forward: transformers' own mask applies the sliding window over the whole sequence."""
@@ -138,65 +107,68 @@ def transformers_step_logits(hf_model: Any, sequence: Sequence[int], prompt_len:
 
 @dataclasses.dataclass
 class Implementations:
-    """Loaded models, any of which may be absent: torch_cache's, jax_cache's and transformers'."""
+    """Loaded models by backend name, and transformers' MistralForCausalLM as the reference (None: not compared)."""
 
-    torch: Any = None
-    jax: Any = None
+    models: dict[str, Any]
     transformers: Any = None
 
 
 def load_implementations(model_dir: Path, dtype: str, with_transformers: bool = True) -> Implementations:
-    import jax.numpy as jnp
-    import torch
-
-    from jax_cache.model import Mistral as JaxMistral
-    from torch_cache.model import Mistral as TorchMistral
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    impls = Implementations(TorchMistral.from_pretrained(model_dir, getattr(torch, dtype), device),
-                            JaxMistral.from_pretrained(model_dir, getattr(jnp, dtype)))
+    impls = Implementations({name: backend.module().load(model_dir, dtype) for name, backend in BACKENDS.items()})
     if with_transformers:
         try:
+            import torch
             from transformers import MistralForCausalLM
             from transformers.utils import logging as hf_logging
-        except ImportError:  # transformers is optional: compare the two backends alone
+        except ImportError:  # transformers is optional: compare the backends alone
             return impls
         hf_logging.disable_progress_bar()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         impls.transformers = MistralForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
         impls.transformers.eval()
     return impls
 
 
-def greedy_sequence(torch_model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Prompt + a greedy continuation by torch_cache, ignoring EOS so every run has max_new_tokens steps."""
-    from torch_cache.generate import generate
-
-    config = torch_model.config
-    torch_model.config = dataclasses.replace(config, eos_token_id=None)
+def greedy_sequence(impls: Implementations, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Prompt + a greedy continuation by the first backend (torch_cache) in its default mode, ignoring EOS so every
+    run has max_new_tokens steps."""
+    name, model = next(iter(impls.models.items()))
+    config = model.config
+    model.config = dataclasses.replace(config, eos_token_id=None)
     try:
-        result = generate(torch_model, [prompt_ids], max_new_tokens, cache="static", compile=False)
+        result = BACKENDS[name].module().generate(model, [prompt_ids], max_new_tokens, cache="static")
     finally:
-        torch_model.config = config
+        model.config = config
     return prompt_ids + result.token_ids[0]
 
 
+def run_names(impls: Implementations, all_modes: bool) -> dict[str, tuple[str, str]]:
+    """label -> (backend, mode) of every run: each backend in its default mode (labelled by the backend), or in
+    every mode (labelled backend:mode)."""
+    runs = {}
+    for name in impls.models:
+        backend = BACKENDS[name]
+        for mode in backend.modes if all_modes else [backend.default_mode]:
+            runs[f"{name}:{mode}" if all_modes else name] = (name, mode)
+    return runs
+
+
 def parity_reports(impls: Implementations, prompt_ids: list[int], max_new_tokens: int, dtype: str,
-                   caches: Sequence[str]) -> list[PairReport]:
+                   caches: Sequence[str], all_modes: bool = False) -> list[PairReport]:
     """Teacher-forced comparison of every pair of loaded implementations, for each cache kind."""
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens={max_new_tokens} must be >= 1 for a parity run")
-    config = impls.torch.config
+    config = next(iter(impls.models.values())).config
     validate_prompts([prompt_ids], config)
-    sequence = greedy_sequence(impls.torch, prompt_ids, max_new_tokens)
+    sequence = greedy_sequence(impls, prompt_ids, max_new_tokens)
     prompt_len = len(prompt_ids)
     reference = transformers_step_logits(impls.transformers, sequence, prompt_len) if impls.transformers else None
     reports = []
     for cache in caches:
-        runs = {"torch": torch_step_logits(impls.torch, sequence, prompt_len, cache)}
-        if impls.jax is not None:
-            runs["jax"] = jax_step_logits(impls.jax, sequence, prompt_len, cache)
-        if reference is not None:
-            runs = {"transformers": reference, **runs}
+        runs = {"transformers": reference} if reference is not None else {}
+        for label, (name, mode) in run_names(impls, all_modes).items():
+            tower = BACKENDS[name].module()
+            runs[label] = tower.step_logits(impls.models[name], sequence, prompt_len, cache, mode)
         names = list(runs)
         for i, ref_name in enumerate(names):
             for cand_name in names[i + 1:]:
@@ -206,12 +178,13 @@ def parity_reports(impls: Implementations, prompt_ids: list[int], max_new_tokens
 
 
 def format_table(reports: Sequence[PairReport]) -> str:
-    header = (f"{'cache':<15} {'pair':<22} {'steps':>5} {'max_abs_logit_diff':>19} {'mean_kl':>10} "
+    width = max([22] + [len(r.reference + " vs " + r.candidate) for r in reports])
+    header = (f"{'cache':<15} {'pair':<{width}} {'steps':>5} {'max_abs_logit_diff':>19} {'mean_kl':>10} "
               f"{'top1_agree':>10} {'decisive':>15} {'diverges_at':>11}  verdict")
     lines = [header, "-" * len(header)]
     for r in reports:
         diverges = "-" if r.first_greedy_divergence_step is None else str(r.first_greedy_divergence_step)
-        lines.append(f"{r.cache:<15} {r.reference + ' vs ' + r.candidate:<22} {r.steps:>5} "
+        lines.append(f"{r.cache:<15} {r.reference + ' vs ' + r.candidate:<{width}} {r.steps:>5} "
                      f"{r.max_abs_logit_diff:>19.3e} {r.mean_kl:>10.2e} {r.top1_agreement:>10.2%} "
                      f"{f'{r.top1_agreement_decisive:.2%} of {r.decisive_steps}':>15} {diverges:>11}  "
                      f"{'ok' if r.within_bounds else 'OUT OF BOUNDS'}")
@@ -219,7 +192,6 @@ def format_table(reports: Sequence[PairReport]) -> str:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from twincache_app.generate_cmd import add_model_arguments
 
     parser = subparsers.add_parser(
         "parity", help="check transformers, torch_cache and jax_cache agree on a checkpoint",
@@ -229,13 +201,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "decisive steps, whose reference top-1 margin exceeds 4 ulps), 1 when one is not, 2 on bad input.")
     add_model_arguments(parser)
     parser.add_argument("--cache", choices=(*CACHE_KINDS, "both"), default="both")
-    parser.add_argument("--no-transformers", action="store_true", help="compare the two backends only")
+    parser.add_argument("--modes", choices=("default", "all"), default="default",
+                        help=f"run each backend in its default mode (what generate runs), or in all of its modes "
+                             f"({modes_help()})")
+    parser.add_argument("--no-transformers", action="store_true", help="compare the backends only")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from twincache_app.generate_cmd import resolve_prompt
 
     model_dir = args.model if args.model is not None else default_model_dir()
     config = load_config(model_dir)
@@ -245,11 +219,13 @@ def run(args: argparse.Namespace) -> int:
     else:  # sliding_window on a window-less config is refused by the cache itself, with its clear error
         caches = [args.cache]
     impls = load_implementations(model_dir, args.dtype, with_transformers=not args.no_transformers)
-    reports = parity_reports(impls, prompt_ids, args.max_new_tokens, args.dtype, caches)
+    all_modes = args.modes == "all"
+    reports = parity_reports(impls, prompt_ids, args.max_new_tokens, args.dtype, caches, all_modes)
     passed = all(r.within_bounds for r in reports)
     if args.json:
         print(json.dumps({"model": str(model_dir), "dtype": args.dtype, "prompt_len": len(prompt_ids),
                           "transformers_compared": impls.transformers is not None, "passed": passed,
+                          "modes": {label: mode for label, (_, mode) in run_names(impls, all_modes).items()},
                           "pairs": [dataclasses.asdict(r) for r in reports]}))
     else:
         print(format_table(reports))

@@ -1,0 +1,96 @@
+"""The backend surface (docs/design.md §5) and its registry: each tower's `backend` module runs each decode mode on
+that mode's real path, teacher-forced `step_logits` agree with what `generate` computes along its own greedy path,
+and a mode is checked before anything runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_cache.generate as jg
+from twincache.errors import InputError, UnavailableError
+from twincache_app.backends import BACKENDS, Backend, modes_help
+
+PROMPT = [5, 17, 42, 99, 3, 8, 61]
+NEW_TOKENS = 12  # window 8: the decode steps wrap the ring
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints: dict[str, Path]) -> dict[str, object]:
+    return {name: backend.module().load(checkpoints["gqa"]) for name, backend in BACKENDS.items()}
+
+
+def test_registry_lists_each_tower_with_its_modes_default_first():
+    assert {name: list(b.modes) for name, b in BACKENDS.items()} == {"torch": ["compiled", "eager"],
+                                                                   "jax": ["fused", "step"]}
+    assert {name: b.default_mode for name, b in BACKENDS.items()} == {"torch": "compiled", "jax": "fused"}
+    assert modes_help() == "torch: compiled (default), eager; jax: fused (default), step"
+    assert BACKENDS["jax"].check_mode(None) == "fused" and BACKENDS["torch"].check_mode("eager") == "eager"
+    with pytest.raises(InputError, match="--mode fused is not a torch mode; --backend torch takes compiled or eager"):
+        BACKENDS["torch"].check_mode("fused")
+
+
+def test_an_unimportable_backend_is_one_clear_error():
+    def missing() -> None:
+        raise ImportError("No module named 'jax'")
+
+    ghost = Backend("jax", "jax_cache", {"fused": ""}, (), missing)
+    with pytest.raises(UnavailableError, match=r"the jax backend is unavailable: cannot import jax_cache.backend "
+                                               r"\(No module named 'jax'\); install its framework, or use --backend"):
+        ghost.module()
+
+
+@pytest.mark.parametrize(("name", "mode"), [(n, m) for n, b in BACKENDS.items() for m in b.modes])
+def test_step_logits_equal_generate_logits_along_its_own_greedy_path(models, name, mode):
+    """Teacher-forced on the tokens generate chose, a mode's step_logits are the logits generate saw in that mode."""
+    tower = BACKENDS[name].module()
+    result = tower.generate(models[name], [PROMPT], NEW_TOKENS, mode=mode, cache="sliding_window",
+                            return_logits=True)
+    assert result.mode == mode
+    sequence = PROMPT + result.token_ids[0]
+    forced = tower.step_logits(models[name], sequence, len(PROMPT), "sliding_window", mode)
+    assert forced.shape == (NEW_TOKENS, models[name].config.vocab_size) and forced.dtype == np.float32
+    np.testing.assert_allclose(forced, np.asarray(result.step_logits[0], np.float32), rtol=0, atol=1e-5)
+
+
+def test_step_logits_run_each_jax_mode_on_its_own_loop(models):
+    """fused: one ahead-of-time while_loop executable; step: the streaming step, once per shape."""
+    jax_backend = BACKENDS["jax"].module()
+    sequence = list(range(3, 3 + 29))  # a length no other test uses: its executables are compiled here
+    fused_before, step_before = len(jg._fused_executables), jg._sampled_step._cache_size()
+    jax_backend.step_logits(models["jax"], sequence, 9, "static", "fused")
+    assert (len(jg._fused_executables), jg._sampled_step._cache_size()) == (fused_before + 1, step_before)
+    jax_backend.step_logits(models["jax"], sequence, 9, "static", "step")
+    assert (len(jg._fused_executables), jg._sampled_step._cache_size()) == (fused_before + 1, step_before + 1)
+
+
+def test_step_logits_run_torch_compiled_under_torch_compile_and_eager_without(checkpoints):
+    torch_backend = BACKENDS["torch"].module()
+    model = torch_backend.load(checkpoints["gqa"])  # a model of its own: its compiled step is new to dynamo
+    sequence = list(range(3, 3 + 20))
+    before = torch_backend.compiled_variants()
+    torch_backend.step_logits(model, sequence, 7, "static", "eager")
+    assert torch_backend.compiled_variants() == before
+    torch_backend.step_logits(model, sequence, 7, "static", "compiled")
+    assert torch_backend.compiled_variants() == before + 1
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_backend_generate_refuses_a_foreign_mode_and_a_callback_it_cannot_stream(models, name):
+    tower, backend = BACKENDS[name].module(), BACKENDS[name]
+    foreign = next(m for other in BACKENDS.values() if other is not backend for m in other.modes)
+    with pytest.raises(InputError, match=f"mode '{foreign}' is not a {name} mode"):
+        tower.generate(models[name], [PROMPT], 2, mode=foreign)
+    for mode in set(backend.modes) - set(backend.streaming_modes):
+        with pytest.raises(InputError, match="does not stream tokens"):
+            tower.generate(models[name], [PROMPT], 2, mode=mode, on_token=lambda _: None)
+
+
+def test_torch_model_reports_its_dtype_and_device(models):
+    import torch
+
+    assert models["torch"].dtype == torch.float32 and models["torch"].device == torch.device("cpu")
+    assert models["jax"].dtype == np.float32

@@ -1,0 +1,74 @@
+"""The backend registry: every tower the app layer drives, by name (docs/design.md §5).
+
+An entry reads its tower's name and decode modes from the tower's package, which imports no framework, and imports
+the tower's `backend` module only when a command needs it: `--help` imports neither torch nor jax, and
+`--backend jax` never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import ModuleType
+
+import jax_cache
+import torch_cache
+from twincache.errors import InputError, UnavailableError
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    package: str
+    modes: Mapping[str, str]  # mode -> what it runs; the first is the default
+    streaming_modes: tuple[str, ...]  # modes that hand each step's tokens to on_token as they are decoded
+    importer: Callable[[], ModuleType]
+
+    @property
+    def default_mode(self) -> str:
+        return next(iter(self.modes))
+
+    def check_mode(self, mode: str | None) -> str:
+        """The mode to run: `mode`, or the default when None; a mode of another backend is refused in one line."""
+        if mode is None:
+            return self.default_mode
+        if mode not in self.modes:
+            raise InputError(f"--mode {mode} is not a {self.name} mode; --backend {self.name} takes "
+                             f"{' or '.join(self.modes)} (default {self.default_mode})")
+        return mode
+
+    def module(self) -> ModuleType:
+        """The tower's backend module (load, generate, step_logits, compiled_variants), imported now."""
+        try:
+            return self.importer()
+        except ImportError as err:
+            others = ", ".join(name for name in BACKENDS if name != self.name)
+            raise UnavailableError(f"the {self.name} backend is unavailable: cannot import {self.package}.backend "
+                                   f"({err}); install its framework, or use --backend {others}") from None
+
+
+def _torch_backend() -> ModuleType:
+    import torch_cache.backend
+
+    return torch_cache.backend
+
+
+def _jax_backend() -> ModuleType:
+    import jax_cache.backend
+
+    return jax_cache.backend
+
+
+BACKENDS: dict[str, Backend] = {
+    package.NAME: Backend(package.NAME, package.__name__, package.MODES, package.STREAMING_MODES, importer)
+    for package, importer in ((torch_cache, _torch_backend), (jax_cache, _jax_backend))
+}
+
+
+def modes_help() -> str:
+    """Every backend's modes for --help, the default first: 'torch: compiled (default), eager; jax: ...'."""
+    return "; ".join(f"{b.name}: {', '.join(m + (' (default)' if m == b.default_mode else '') for m in b.modes)}"
+                     for b in BACKENDS.values())
+
+
+__all__ = ["Backend", "BACKENDS", "modes_help"]

@@ -1,0 +1,88 @@
+"""The bench's adapters for the towers: each backend in each of its decode modes is one implementation
+(`torch_compiled`, `torch_eager`, `jax_fused`, `jax_step`), driven through the backend surface
+(docs/design.md §5). bench/ reaches the towers only through this module.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from bench.impls import Impl, Run
+from bench.workload import Workload
+from twincache.errors import UnavailableError
+from twincache_app.backends import BACKENDS, Backend
+
+
+def bench_model(workload: Workload, backend: Backend) -> Any:
+    """The workload's weights as `backend`'s model, built once per workload and shared by the backend's modes."""
+    if backend.name not in workload.models:
+        tower = backend.module()
+        if workload.model_dir is not None:
+            model = tower.load(workload.model_dir, workload.dtype_name, workload.device)
+        else:  # weights built on the device (7b): every backend takes the same tensors, zero-copy where it can
+            from twincache_app.handoff import weights_from_torch
+
+            model = tower.from_weights(workload.config, weights_from_torch(workload.weights(), backend.name))
+        workload.models[backend.name] = model
+    return workload.models[backend.name]
+
+
+class BackendImpl(Impl):
+    """One backend in one decode mode. Caches are built once per shape and passed back in (a server keeps them):
+    torch writes them in place at fixed addresses; JAX's reset() gives the donated cache fresh buffers each run."""
+
+    backend: ClassVar[Backend]
+    mode: ClassVar[str]
+
+    def __init__(self, workload: Workload) -> None:
+        super().__init__(workload)
+        self._caches: dict[tuple[str, int, int], Any] = {}
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        try:
+            cls.backend.module()
+        except UnavailableError as err:
+            return str(err)
+        return None
+
+    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int, cache: str, max_cache_len: int) -> Run:
+        tower, model = self.backend.module(), bench_model(self.workload, self.backend)
+        key = (cache, len(prompts), max_cache_len)
+        times: list[float] = []
+        # Streaming modes copy each step's tokens to the host before on_token, so these stamps follow the device; a
+        # fused loop has no steps to stamp.
+        on_token = (lambda _: times.append(time.perf_counter())) if self.per_step_timing else None
+        start = time.perf_counter()
+        result = tower.generate(model, prompts, new_tokens, mode=self.mode, cache=self._caches.get(key, cache),
+                                max_cache_len=max_cache_len, on_token=on_token)
+        wall_s = time.perf_counter() - start
+        self._caches[key] = result.cache
+        return Run.from_result(result, wall_s, times)
+
+    def note(self, cache: str) -> str:
+        reads = "all max_cache_len slots" if cache == "static" else "a ring of W slots, one slot written per step"
+        return f"{self.backend.package} generate, {self.mode}: {self.backend.modes[self.mode]}; attention reads {reads}"
+
+    def release(self) -> None:
+        self._caches.clear()
+
+    def compile_count(self) -> int | None:
+        return self.backend.module().compiled_variants()
+
+
+def backend_impls() -> dict[str, type[Impl]]:
+    """name -> adapter class for every backend x mode in the registry, named backend_mode."""
+    impls: dict[str, type[Impl]] = {}
+    for backend in BACKENDS.values():
+        for mode in backend.modes:
+            name = f"{backend.name}_{mode}"
+            impls[name] = type(name, (BackendImpl,), {
+                "name": name, "framework": backend.name, "backend": backend, "mode": mode,
+                "per_step_timing": mode in backend.streaming_modes})
+    return impls
+
+
+__all__ = ["bench_model", "BackendImpl", "backend_impls"]
