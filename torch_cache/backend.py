@@ -46,13 +46,15 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
     token through the decode step `generate` runs in `mode`. Row i predicts sequence[prompt_len + i]."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, False)
     ids = torch.tensor([list(sequence)], dtype=torch.long, device=model.device)  # [1, L]
-    cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype, model.device)
     step = decode_step_fn(model, compile=mode == "compiled")
-    with torch.inference_mode():
+    with torch.inference_mode():  # the cache too, as in generate: an inference tensor is a different graph input
+        cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype, model.device)
         logits = [prefill(model, ids[:, :prompt_len], torch.ones_like(ids[:, :prompt_len]), cache)]  # [1, V]
         for pos in range(prompt_len, len(sequence) - 1):
-            positions = torch.tensor([[pos]], device=model.device)  # [1, 1]
-            logits.append(step(ids[:, pos:pos + 1], positions, cache).float().clone())  # cudagraphs reuse outputs
+            # Fresh [1, 1] tensors, laid out as generate's are, so the step generate compiled serves here too.
+            token = torch.tensor([[sequence[pos]]], dtype=torch.long, device=model.device)  # [1, 1]
+            positions = torch.tensor([[pos]], dtype=torch.long, device=model.device)  # [1, 1]
+            logits.append(step(token, positions, cache).float().clone())  # cudagraphs reuse their outputs
         return torch.cat(logits).float().cpu().numpy()
 
 
