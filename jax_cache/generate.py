@@ -43,7 +43,7 @@ from twincache.generation import (
 
 MIN_PROMPT_BUCKET = 16
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
-               "jax_cache.interop.cache_from_torch), or a kind name")
+               "twincache_app.handoff.cache_from_torch), or a kind name")
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 DecodeStep = Callable[[jax.Array, jax.Array, StaticCache], tuple[jax.Array, StaticCache]]
 

@@ -27,7 +27,6 @@ import jax_cache.cache as jc
 import jax_cache.generate as jg
 import torch_cache.cache as tc
 import torch_cache.generate as tg
-from jax_cache import interop
 from jax_cache.model import Mistral as JaxMistral
 from parity_tests.conftest import WINDOW
 from parity_tests.test_cli_bad_inputs import copy_checkpoint, edit_config, rewrite_tensors
@@ -45,6 +44,7 @@ from twincache.errors import (
     TwincacheError,
 )
 from twincache.generation import INT32_MAX, SamplingParams
+from twincache_app import handoff
 
 VOCAB = 128
 PROMPT = [5, 17, 42, 99]
@@ -245,7 +245,7 @@ print("ok")
 @pytest.fixture(scope="module")
 def pair(checkpoints) -> tuple[TorchMistral, JaxMistral]:
     torch_model = TorchMistral.from_pretrained(checkpoints["gqa"])
-    return torch_model, interop.from_torch(torch_model)
+    return torch_model, handoff.from_torch(torch_model)
 
 
 @pytest.mark.parametrize(("field", "value", "fragment"), [
@@ -260,10 +260,10 @@ def test_item2_handoff_with_a_wrong_config_is_refused_both_ways(pair, field, val
     wrong = dataclasses.replace(torch_model.config, **{field: value})
     torch_side = TorchSide.fill(tc.make_cache("sliding_window", torch_model.config, 1, 32), 5)
     with refused(CacheError, fragment):
-        interop.cache_from_torch(torch_side, wrong)
+        handoff.cache_from_torch(torch_side, wrong)
     jax_side = JaxSide.fill(jc.make_cache("sliding_window", jax_model.config, 1, 32), 5)
     with refused(CacheError, fragment):
-        interop.cache_to_torch(jax_side, wrong)
+        handoff.cache_to_torch(jax_side, wrong)
     assert not jax_side.keys[0].is_deleted()
 
 
@@ -272,20 +272,20 @@ def test_item2_handoff_of_arrays_that_disagree_with_their_cache_is_refused(pair)
     torch_side = tc.make_cache("sliding_window", torch_model.config, 1, 32)
     torch_side.keys[1] = torch.zeros(1, 2, 12, 16)  # tampered: 12 slots where the ring says 8
     with refused(CacheError, "cache_from_torch", "keys[1] has shape [1, 2, 12, 16]", "[1, 2, 8, 16]"):
-        interop.cache_from_torch(torch_side, torch_model.config)
+        handoff.cache_from_torch(torch_side, torch_model.config)
     jax_side = jc.make_cache("static", jax_model.config, 1, 16)
     jax_side = jax_side.replace(slot_positions=jnp.zeros((1, 20), jnp.int32))
     with refused(CacheError, "cache_to_torch", "slot_positions has shape [1, 20]", "[1, 16]"):
-        interop.cache_to_torch(jax_side, jax_model.config)
+        handoff.cache_to_torch(jax_side, jax_model.config)
 
 
 def test_item2_handoff_of_the_wrong_backend_is_refused(pair):
     torch_model, jax_model = pair
     jax_side = jc.make_cache("static", jax_model.config, 1, 16)
     with refused(CacheError, "jax_cache.cache.StaticCache", "not a torch_cache cache", "cache_from_torch"):
-        interop.cache_from_torch(jax_side, torch_model.config)
+        handoff.cache_from_torch(jax_side, torch_model.config)
     with refused(CacheError, "torch_cache.cache.StaticCache", "not a jax_cache cache", "cache_to_torch"):
-        interop.cache_to_torch(tc.make_cache("static", torch_model.config, 1, 16), jax_model.config)
+        handoff.cache_to_torch(tc.make_cache("static", torch_model.config, 1, 16), jax_model.config)
 
 
 # --- 3. tiny temperatures sample the greedy tokens --------------------------------------------------------------------
@@ -591,7 +591,7 @@ def test_item12_a_cache_of_the_other_backend_is_named(side, pair):
     other = "jax_cache" if side.name == "torch" else "torch_cache"
     for call in (lambda: side.continue_(foreign, [5], 2), lambda: side.generate([PROMPT], 2, cache=foreign)):
         with refused(CacheError, f"cache is a {other}.cache.SlidingWindowCache", f"not a {side.name}_cache cache",
-                     "jax_cache.interop.cache_"):
+                     "twincache_app.handoff.cache_"):
             call()
 
 

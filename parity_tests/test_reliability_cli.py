@@ -2,7 +2,7 @@
 reach ends with exit 2 and one line naming its cause (never "unexpected ..."), in both backends; a reader that goes
 away ends the run quietly; a tiny temperature prints the greedy tokens.
 
-Most cases run in this process through `twincache.cli.main` (helpers shared with test_cli_bad_inputs.py); the
+Most cases run in this process through `twincache_app.cli.main` (helpers shared with test_cli_bad_inputs.py); the
 broken-pipe cases need a real pipe, so they run the entry point in a subprocess.
 """
 
@@ -156,7 +156,7 @@ def test_a_tiny_temperature_prints_the_greedy_tokens(broken, capsys, backend):
     assert records[0] == records[1]
 
 
-@pytest.mark.parametrize(("backend", "flags"), [("torch", ["--no-compile"]), ("jax", [])],
+@pytest.mark.parametrize(("backend", "flags"), [("torch", ["--mode", "eager"]), ("jax", [])],
                          ids=["torch_streaming", "jax_fused"])
 def test_a_closed_pipe_ends_quietly(default_model_dir, tmp_path, backend, flags):
     """`twincache generate | head -c 0`: the reader is gone before the first write. Exit 141 (128 + SIGPIPE, what a

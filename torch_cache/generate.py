@@ -35,7 +35,7 @@ from twincache.generation import (
 
 MAX_DECODE_VARIANTS = 64
 _CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy a jax_cache one with "
-               "jax_cache.interop.cache_to_torch), or a kind name")
+               "twincache_app.handoff.cache_to_torch), or a kind name")
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache], torch.Tensor]
 _compiled_steps: weakref.WeakKeyDictionary[Mistral, DecodeStep] = weakref.WeakKeyDictionary()
