@@ -437,4 +437,4 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
 
 __all__ = ["MIN_PROMPT_BUCKET", "DecodeStep", "sample", "ModelGraph", "split_model", "DecodeState", "initial_state",
            "decode_body", "FusedCarry", "fused_executable", "decode_step_fn", "prompt_bucket", "prefill", "generate",
-           "continue_generation"]
+           "continue_generation", "MIN_TEMPERATURE", "filter_logits"]

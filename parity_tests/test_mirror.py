@@ -19,7 +19,6 @@ MODULES = ("", "cache", "model", "generate", "backend")  # "" is the package its
 # Public names only one tower has (module.name or module.Class.member) -> why.
 TORCH_ONLY = {
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
-    "model.Mistral.device": "a torch model lives on one device; JAX arrays carry their own placement",
 }
 JAX_ONLY = {
     "model.Embedding": "torch uses nn.Embedding; NNX builds the HF [vocab, hidden] table itself",
@@ -27,6 +26,10 @@ JAX_ONLY = {
                                           "by multiply-and-sum on XLA-CPU, docs/design.md §7.2)",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
     "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
+    "cache.StaticCache.device": "a JAX cache reads its placement off its arrays (a label); a torch cache stores the "
+                                "torch.device it was built on",
+    "cache.default_device": "a torch cache takes a device argument; JAX places new arrays on its default device",
+    "cache.device_label": "a JAX array may span several devices, so placements are compared as labels",
     "cache.StaticCache.tree_flatten": "the pytree protocol",
     "cache.StaticCache.tree_unflatten": "the pytree protocol",
     "generate.MIN_PROMPT_BUCKET": "XLA compiles one prefill per shape, so prompts are padded to buckets; torch "
@@ -45,8 +48,6 @@ TORCH_ONLY_PARAMS = {
     "cache.StaticCache.__init__": ("device",),  # torch allocates on a device; JAX on its default one
     "cache.SlidingWindowCache.__init__": ("device",),
     "cache.make_cache": ("device",),
-    "cache.StaticCache.check_compatible": ("model_device",),
-    "cache.StaticCache.check_forward": ("model_device",),
     "model.Mistral.from_pretrained": ("device",),
     "generate.decode_step_fn": ("compile",),  # torch.compile or eager; JAX's step is always jitted
     "generate.generate": ("compile",),  # the tower's own decode knob; backend.generate(mode=...) is the neutral one

@@ -211,4 +211,4 @@ def cache_fields(cache: StaticCache) -> dict[str, object]:
     return {k: v for k, v in vars(cache).items() if k not in cache.ARRAY_FIELDS}
 
 
-__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields"]
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "memory_label"]

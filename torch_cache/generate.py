@@ -235,4 +235,4 @@ def _pick(logits: torch.Tensor, finished: torch.Tensor, sampling: SamplingParams
 
 
 __all__ = ["MAX_DECODE_VARIANTS", "DecodeStep", "sample", "decode_step_fn", "prefill", "generate",
-           "continue_generation"]
+           "continue_generation", "MIN_TEMPERATURE", "filter_logits"]
