@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.impls import impl_registry
-from bench.presets import PRESETS
+from bench.presets import PRESETS, resolve
 from twincache.errors import InputError, UnavailableError
 from twincache.generation import CACHE_KINDS
 from twincache.storage import writable_directory
@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
                         help="tiny: seconds, smoke test; small: ~57M params fp32 on CPU (minutes); 7b: Mistral-7B "
-                             "shape bf16, GPU only")
+                             "shape bf16, GPU only; trained / trained-bf16: the trained default model (SmolLM2-135M, "
+                             "window 64) in fp32 / bf16 on CPU")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: bench_out/<preset>)")
     names = list(impl_registry())
     parser.add_argument("--impls", type=_list(names), default=None,
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                                "pip install 'twincache[bench]'") from None
     from bench.runner import Options, run_bench
 
-    preset = PRESETS[args.preset]
+    preset = resolve(PRESETS[args.preset])
     if args.repeats is not None and args.repeats < 1:
         raise InputError(f"--repeats={args.repeats} must be >= 1")
     if preset.device == "cuda":

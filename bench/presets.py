@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from twincache.config import MistralConfig
 
@@ -10,7 +11,7 @@ from twincache.config import MistralConfig
 @dataclasses.dataclass(frozen=True)
 class Preset:
     name: str
-    config: MistralConfig
+    config: MistralConfig | None  # None: the trained default model's, filled in by `resolve`
     dtype: str  # "float32" or "bfloat16", for every implementation
     device: str  # "cpu" or "cuda"
     prompt_len: int
@@ -27,6 +28,21 @@ class Preset:
     probe_bytes: int  # bandwidth-probe array size; several times the last-level cache
     weights_on_device: bool = False  # build weights in memory on the device instead of a checkpoint dir
     seed: int = 0
+    trained: bool = False  # run the trained default model (its checkpoint dir) instead of random weights
+    model_dir: Path | None = None  # set by `resolve` for trained presets
+
+
+def resolve(preset: Preset) -> Preset:
+    """A trained preset with its model dir and config (built first if absent); EOS is off so every run decodes its
+    full budget on random prompts, as on random weights. Other presets are returned as they are."""
+    if not preset.trained:
+        return preset
+    from twincache.checkpoint import load_config
+    from twincache.default_model import default_model_dir
+
+    model_dir = default_model_dir()
+    config = dataclasses.replace(load_config(model_dir), eos_token_id=None)
+    return dataclasses.replace(preset, config=config, model_dir=model_dir)
 
 
 def _contexts(window: int, longest_multiple: int) -> tuple[int, ...]:
@@ -50,6 +66,17 @@ _SMALL = _mistral(vocab_size=32000, hidden_size=512, intermediate_size=1536, num
 _MISTRAL_7B = _mistral(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=4096,
                        rope_theta=10000.0)
+
+def _trained(name: str, dtype: str) -> Preset:
+    """The trained default model (SmolLM2-135M-Instruct, 30 layers, window 64) on CPU: prompts past the window."""
+    return Preset(
+        name=name, config=None, dtype=dtype, device="cpu", prompt_len=100, new_tokens=128, repeats=3,
+        impls=("torch_eager", "torch_compiled", "jax_step", "jax_fused", "transformers", "transformers_eager"),
+        curve_impls=("torch_eager", "torch_compiled", "jax_step", "transformers", "transformers_eager"),
+        curve_contexts=_contexts(64, 8), curve_steps=16,
+        batch_impls=("torch_eager", "torch_compiled", "jax_fused", "transformers_eager"),
+        batch_sizes=(1, 2, 4, 8), batch_prompt_len=64, batch_new_tokens=32, probe_bytes=1 << 30, trained=True)
+
 
 # tiny is the CI smoke test (< 40 s on a 2-core CPU): it leaves out the compiled torch implementations (a cold
 # torch.compile costs ~30 s there; ask with --impls) and keeps JAX out of the curves, where every new prompt bucket and
@@ -77,4 +104,6 @@ PRESETS: dict[str, Preset] = {
         curve_steps=16, batch_impls=("torch_compiled", "transformers", "jax_fused"),
         batch_sizes=(1, 2, 4, 8, 16, 32), batch_prompt_len=128, batch_new_tokens=32, probe_bytes=4 << 30,
         weights_on_device=True),
+    "trained": _trained("trained", "float32"),
+    "trained-bf16": _trained("trained-bf16", "bfloat16"),
 }

@@ -3,7 +3,7 @@
 CPU presets write a seeded random checkpoint directory once (cached under $TWINCACHE_HOME/bench) that torch_cache,
 transformers and jax_cache each load with their own loader. The 7b preset builds its bf16 weights on the GPU from a
 seeded torch generator and hands the same tensors to transformers (shared storage) and to JAX (DLPack), so 14 GB
-never touch the disk.
+never touch the disk. The trained presets load the trained default model's checkpoint directory instead.
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ class Workload:
         self.config = preset.config
         self.dtype_name = preset.dtype
         self.device = device
-        self.model_dir = None if preset.weights_on_device else checkpoint_dir(preset.config, preset.seed, cache_dir)
+        if preset.model_dir is not None:  # a trained preset: its own checkpoint
+            self.model_dir = preset.model_dir
+        else:
+            self.model_dir = None if preset.weights_on_device else checkpoint_dir(preset.config, preset.seed, cache_dir)
         self.models: dict[str, Any] = {}
         self._weights: dict[str, Any] | None = None
         self._hf_models: dict[bool, Any] = {}

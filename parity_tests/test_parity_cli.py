@@ -57,8 +57,8 @@ def test_half_precision_top1_counts_only_decisive_steps():
     assert report["top1_agreement_decisive"] == 0.5 and not report["within_bounds"]
 
 
-def test_parity_json_on_default_model_passes(tmp_path):
-    proc = run_cli("parity", "--json", "--max-new-tokens", "40", home=str(tmp_path))
+def test_parity_json_on_tiny_model_passes(tiny_model_dir, tmp_path):
+    proc = run_cli("parity", "--model", str(tiny_model_dir), "--json", "--max-new-tokens", "40", home=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["passed"] and report["transformers_compared"] and report["dtype"] == "float32"
@@ -111,7 +111,7 @@ def test_parity_exits_1_when_a_pair_is_out_of_bounds(checkpoints, capsys, monkey
 
 @pytest.mark.parametrize("argv", [["--model", "/nonexistent/dir"], ["--max-new-tokens", "0"],
                                   ["--prompt-ids", "1,99999"]])
-def test_parity_bad_input_is_one_line_exit_2(default_model_dir, capsys, argv):
+def test_parity_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, argv):
     code = cli.main(["parity", *argv])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("twincache: error:")

@@ -158,14 +158,15 @@ def test_a_tiny_temperature_prints_the_greedy_tokens(broken, capsys, backend):
 
 @pytest.mark.parametrize(("backend", "flags"), [("torch", ["--mode", "eager"]), ("jax", [])],
                          ids=["torch_streaming", "jax_fused"])
-def test_a_closed_pipe_ends_quietly(default_model_dir, tmp_path, backend, flags):
+def test_a_closed_pipe_ends_quietly(tiny_model_dir, tmp_path, backend, flags):
     """`twincache generate | head -c 0`: the reader is gone before the first write. Exit 141 (128 + SIGPIPE, what a
     shell reports for a tool SIGPIPE ended) with nothing on stderr, never a BrokenPipeError traceback."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # no reader: every write fails with EPIPE
-    env = dict(os.environ, TWINCACHE_HOME=str(default_model_dir.parent), PYTHONPATH=str(REPO))
+    env = dict(os.environ, TWINCACHE_HOME=str(tiny_model_dir.parent), PYTHONPATH=str(REPO))
     try:
-        proc = subprocess.run(_entry_point() + ["generate", "--backend", backend, "--max-new-tokens", "40", *flags],
+        proc = subprocess.run(_entry_point() + ["generate", "--backend", backend, "--model", str(tiny_model_dir),
+                                                "--max-new-tokens", "40", *flags],
                               stdout=write_end, stderr=subprocess.PIPE, text=True, env=env, timeout=300, cwd=REPO)
     finally:
         os.close(write_end)

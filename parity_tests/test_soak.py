@@ -1,4 +1,4 @@
-"""A shortened `twincache soak`: several hundred compiled decode steps through many ring wraps on the default model.
+"""A shortened `twincache soak`: several hundred compiled decode steps through many ring wraps on the tiny model.
 
 It asserts the counts, never the time: no recompile after the first step, finite logits, the ring holding exactly the
 last W positions, and RSS that does not grow (bounded loosely: allocator noise is a few MB, a per-step leak over
@@ -16,7 +16,7 @@ from twincache_app.cli import main
 from twincache_app.soak import soak
 
 MODES = [("torch", "compiled"), ("jax", "step")]  # each backend's streaming mode that compiles its decode step
-STEPS = 320  # the default window is 32: about ten wraps
+STEPS = 320  # the tiny model's window is 32: about ten wraps
 RSS_GROWTH_LIMIT_MB = 50.0
 
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(("backend", "mode"), MODES)
-def test_short_compiled_soak_has_no_recompiles_finite_logits_and_flat_rss(default_model_dir, backend: str, mode: str):
-    record = soak(backend, steps=STEPS, model_dir=default_model_dir, prompt_len=16, mode=mode)
+def test_short_compiled_soak_has_no_recompiles_finite_logits_and_flat_rss(tiny_model_dir, backend: str, mode: str):
+    record = soak(backend, steps=STEPS, model_dir=tiny_model_dir, prompt_len=16, mode=mode)
     assert record["steps"] == STEPS and record["mode"] == mode
     assert record["length"] == 16 + STEPS, "prompt + one column per decode step (16 is a whole JAX prompt bucket)"
     assert record["ring_wraps"] >= 10 and record["cache_len"] == record["window"] == 32
@@ -48,17 +48,17 @@ def _one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str,
     return code, out, err
 
 
-def test_soak_subcommand_prints_one_json_record(default_model_dir, capsys):
+def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     """Through the CLI: eager torch for the record's shape (nothing compiles there, so its recompile count says
     nothing), then JAX, whose jitted step really is traced, for the counts."""
-    code, out, err = _one_line(capsys, ["soak", "--steps", "80", "--mode", "eager", "--model", str(default_model_dir)])
+    code, out, err = _one_line(capsys, ["soak", "--steps", "80", "--mode", "eager", "--model", str(tiny_model_dir)])
     assert code == 0, err
     record = json.loads(out)
     assert record["backend"] == "torch" and record["steps"] == 80 and record["mode"] == "eager"
     assert record["finite"] and record["cache_ok"] and record["ok"]
     assert set(record) >= {"rss_start_mb", "rss_end_mb", "rss_growth_mb", "first_step_s", "decode_tok_s",
                            "recompiles_after_first"}
-    code, out, err = _one_line(capsys, ["soak", "--backend", "jax", "--steps", "80", "--model", str(default_model_dir)])
+    code, out, err = _one_line(capsys, ["soak", "--backend", "jax", "--steps", "80", "--model", str(tiny_model_dir)])
     assert code == 0, err
     record = json.loads(out)
     assert record["backend"] == "jax" and record["steps"] == 80 and record["mode"] == "step"
@@ -73,8 +73,8 @@ def test_soak_subcommand_prints_one_json_record(default_model_dir, capsys):
     (["--backend", "jax", "--mode", "fused"], "needs a streaming mode; jax mode fused decodes without handing steps"),
     (["--backend", "torch", "--mode", "step"], "--mode step is not a torch mode"),
 ])
-def test_soak_refusals_are_one_line_exit_2(default_model_dir, checkpoints, capsys, monkeypatch, argv, expected):
-    model = checkpoints["no_window"] if "--no-window" in argv else default_model_dir
+def test_soak_refusals_are_one_line_exit_2(tiny_model_dir, checkpoints, capsys, monkeypatch, argv, expected):
+    model = checkpoints["no_window"] if "--no-window" in argv else tiny_model_dir
     if "--jax-missing" in argv:
         monkeypatch.setitem(sys.modules, "jax_cache", None)  # `import jax_cache...` now raises ImportError
     argv = [a for a in argv if a not in ("--no-window", "--jax-missing")]

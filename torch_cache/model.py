@@ -18,6 +18,7 @@ from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
 from twincache.generation import INT32_MAX
+from twincache.gguf_checkpoint import is_gguf_file, open_gguf
 
 # Most rows a compiled CPU projection writes as multiply-and-sum, by dtype (else 1). Measured on a 2-core EPYC, torch
 # 2.13, [1536, 512] weights: fp32 1 row 40 GB/s vs 15 with F.linear, 4 rows 17 vs 9.5, 8 rows slower; bf16 wins at 1.
@@ -218,21 +219,35 @@ class Mistral(nn.Module):
         return model.eval().requires_grad_(False)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> Mistral:
-        """Load an HF Mistral checkpoint directory (safetensors only), converting to `dtype` on `device`."""
-        config, files = open_checkpoint(model_dir)
+        """Load an HF Mistral checkpoint directory (safetensors only) or a GGUF file, converting to `dtype` on
+        `device`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted."""
+        if is_gguf_file(path):
+            checkpoint = open_gguf(path)
+            config = checkpoint.config
+            state = {name: _aligned(torch.from_numpy(array).to(device=device, dtype=dtype))
+                     for name, array in checkpoint.arrays()}
+            return cls.from_weights(config, state)
+        config, files = open_checkpoint(path)
         wanted = expected_tensor_shapes(config)
         state = {}
-        for path in sorted(set(files.values())):
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
+        for file in sorted(set(files.values())):
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     if name in wanted:
-                        tensor = f.get_tensor(name).to(dtype)
-                        # safetensors' CPU tensors sit 32 bytes into a Python bytes object; XLA-CPU copies anything
-                        # not 64-byte aligned, so an own copy lets the handoff share them zero-copy (design.md §7.10).
-                        state[name] = tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
+                        state[name] = _aligned(f.get_tensor(name).to(dtype))
         return cls.from_weights(config, state)
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor, or an own copy when its CPU data is not 64-byte aligned.
+
+    safetensors' CPU tensors sit 32 bytes into a Python bytes object (and large numpy arrays 16 bytes into their
+    allocation); XLA-CPU copies anything not 64-byte aligned, so an own copy lets the handoff share the weights
+    zero-copy (design.md §7.10).
+    """
+    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
 __all__ = ["project", "Linear", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility", "Attention", "MLP",

@@ -24,17 +24,36 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def load_config(model_dir: str | Path) -> MistralConfig:
-    """The config of a checkpoint directory, after checking that the directory exists."""
-    model_dir = Path(model_dir)
-    if not model_dir.exists():
-        raise CheckpointError(f"checkpoint directory {model_dir} does not exist")
-    if not model_dir.is_dir():
-        raise CheckpointError(f"checkpoint path {model_dir} is a file, not a directory; give the HF checkpoint "
-                              "directory that holds config.json and the safetensors files")
-    if not (model_dir / "config.json").is_file():
-        raise CheckpointError(f"checkpoint directory {model_dir} has no config.json")
-    return MistralConfig.from_json(model_dir / "config.json")
+def load_config(path: str | Path) -> MistralConfig:
+    """The config of a checkpoint directory or a GGUF file, after checking that the path is one of them."""
+    path = Path(path)
+    if path.is_file():
+        from twincache.gguf_checkpoint import is_gguf_file, open_gguf
+
+        if is_gguf_file(path):
+            return open_gguf(path).config
+        raise CheckpointError(not_a_checkpoint(path))
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; give an HF Mistral checkpoint directory or a "
+                              ".gguf file")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"checkpoint directory {path} has no config.json")
+    return MistralConfig.from_json(path / "config.json")
+
+
+def not_a_checkpoint(path: Path) -> str:
+    """Why a file that is not a GGUF cannot be a checkpoint, naming what it seems to be."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    if path.suffix == ".safetensors":
+        what = "a safetensors weight file; give the directory that holds it and its config.json"
+    elif path.suffix in (".bin", ".pt", ".pth", ".pkl"):
+        what = "a pickled weight file, which twincache never unpickles; convert its checkpoint to safetensors"
+    elif path.name == "config.json":
+        what = "a config file; give the directory that holds it"
+    else:
+        what = f"not a GGUF file (it starts with {head[:4]!r}, not {b'GGUF'!r})"
+    return f"{path} is a file, {what}; a checkpoint is an HF Mistral checkpoint directory or a .gguf file"
 
 
 def _layer_shapes(config: MistralConfig) -> dict[str, tuple[int, ...]]:
@@ -198,7 +217,7 @@ def check_tensor_shapes(config: MistralConfig, stored: dict[str, tuple[int, ...]
 
 
 def open_checkpoint(model_dir: str | Path) -> tuple[MistralConfig, dict[str, Path]]:
-    """Config plus the validated name -> file map of a checkpoint; raises CheckpointError/ConfigError otherwise."""
+    """Config plus the validated name -> file map of a checkpoint directory; raises CheckpointError/ConfigError."""
     config = load_config(model_dir)
     files, shapes = tensor_files(model_dir)
     check_tensor_shapes(config, shapes, model_dir)

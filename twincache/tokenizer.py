@@ -1,39 +1,120 @@
-"""Tokenizer: a checkpoint's tokenizer.json through the `tokenizers` library."""
+"""Tokenizer: a checkpoint's tokenizer through the `tokenizers` library, with its chat template.
+
+A checkpoint directory gives `tokenizer.json` (and its chat template in `chat_template.jinja` or
+`tokenizer_config.json`); a GGUF file gives both in its metadata (see twincache.gguf_tokenizer).
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from twincache.errors import CheckpointError, InputError
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether a checkpoint directory or GGUF file carries a tokenizer."""
+    from twincache.gguf_checkpoint import is_gguf_file, open_gguf
+
+    path = Path(path)
+    if is_gguf_file(path):
+        return "tokenizer.ggml.model" in open_gguf(path).metadata
+    return (path / "tokenizer.json").is_file()
+
+
 class Tokenizer:
     """Encodes text to ids (with the checkpoint's own special-token template) and decodes ids to text."""
 
-    def __init__(self, path: str | Path) -> None:
-        path = Path(path)
-        try:
-            self._tokenizer = _HFTokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-            raise CheckpointError(f"{path} is not a readable tokenizer.json ({err})") from None
+    def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None, bos_token: str | None = None,
+                 eos_token: str | None = None) -> None:
+        self._tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
-        path = Path(model_dir) / "tokenizer.json"
+    def from_checkpoint(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a checkpoint directory (its tokenizer.json) or of a GGUF file (its metadata)."""
+        from twincache.gguf_checkpoint import is_gguf_file
+
+        path = Path(path)
+        return cls._from_gguf(path) if is_gguf_file(path) else cls._from_dir(path)
+
+    @classmethod
+    def _from_dir(cls, model_dir: Path) -> Tokenizer:
+        path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{model_dir} has no tokenizer.json; pass token ids with --prompt-ids instead")
-        return cls(path)
+        try:
+            tokenizer = _HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+            raise CheckpointError(f"{path} is not a readable tokenizer.json ({err})") from None
+        settings = _read_json(model_dir / "tokenizer_config.json")
+        template_file = model_dir / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(tokenizer, template, _token_text(settings.get("bos_token")), _token_text(settings.get("eos_token")))
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tokenizer.encode(text).ids
+    @classmethod
+    def _from_gguf(cls, path: Path) -> Tokenizer:
+        from twincache.gguf_checkpoint import TOKENIZER_ARRAYS, open_gguf
+        from twincache.gguf_tokenizer import tokenizer_from_gguf
+
+        checkpoint = open_gguf(path)
+        metadata = checkpoint.metadata
+        arrays = {key: checkpoint.metadata_array(key) for key in TOKENIZER_ARRAYS}
+        tokenizer = tokenizer_from_gguf(metadata, arrays, str(path))
+        bos, eos = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
+        return cls(tokenizer, metadata.get("tokenizer.chat_template"),
+                   None if bos is None else tokenizer.id_to_token(bos),
+                   None if eos is None else tokenizer.id_to_token(eos))
+
+    @property
+    def hf_tokenizer(self) -> _HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (e.g. to save as tokenizer.json)."""
+        return self._tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if not ids:
             raise InputError("the prompt encodes to zero tokens; give a non-empty prompt")
         return ids
 
+    def chat_prompt(self, prompt: str) -> str:
+        """`prompt` as one user message in the checkpoint's chat template, ready for the assistant's reply."""
+        from twincache.chat import render_chat
+
+        if self.chat_template is None:
+            raise CheckpointError("--chat needs the checkpoint's chat template, but it has none (no "
+                                  "chat_template.jinja, tokenizer_config.json chat_template or GGUF "
+                                  "tokenizer.chat_template); drop --chat")
+        return render_chat(self.chat_template, [{"role": "user", "content": prompt}], bos_token=self.bos_token,
+                           eos_token=self.eos_token)
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """Ids of `chat_prompt(prompt)`: the template writes any BOS itself, so none is added (as transformers)."""
+        return self.encode(self.chat_prompt(prompt), add_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with 'content'."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 class StreamDecoder:

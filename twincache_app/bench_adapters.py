@@ -21,6 +21,7 @@ def bench_model(workload: Workload, backend: Backend) -> Any:
         tower = backend.module()
         if workload.model_dir is not None:
             model = tower.load(workload.model_dir, workload.dtype_name, workload.device)
+            model.config = workload.config  # the preset's: a trained model's EOS is off
         else:  # weights built on the device (7b): every backend takes the same tensors, zero-copy where it can
             from twincache_app.handoff import weights_from_torch
 

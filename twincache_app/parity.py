@@ -118,15 +118,33 @@ def load_implementations(model_dir: Path, dtype: str, with_transformers: bool = 
     if with_transformers:
         try:
             import torch
-            from transformers import MistralForCausalLM
             from transformers.utils import logging as hf_logging
         except ImportError:  # transformers is optional: compare the backends alone
             return impls
         hf_logging.disable_progress_bar()
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        impls.transformers = MistralForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
+        config = next(iter(impls.models.values())).config
+        impls.transformers = transformers_model(model_dir, config, getattr(torch, dtype)).to(device)
         impls.transformers.eval()
     return impls
+
+
+def transformers_model(path: Path, config: Any, dtype: Any) -> Any:
+    """transformers' MistralForCausalLM of a checkpoint directory or GGUF file.
+
+    A GGUF goes through transformers' own GGUF loader (its dequantization and Q/K row order, not ours; it needs gguf
+    and accelerate), then into a MistralForCausalLM of the same config, so a sliding window applies there too.
+    """
+    from transformers import AutoModelForCausalLM, MistralForCausalLM
+    from transformers import MistralConfig as HFMistralConfig
+
+    from twincache.gguf_checkpoint import is_gguf_file
+
+    if not is_gguf_file(path):
+        return MistralForCausalLM.from_pretrained(path, dtype=dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(Path(path).parent, gguf_file=Path(path).name, dtype=dtype)
+    return MistralForCausalLM.from_pretrained(None, config=HFMistralConfig(**config.to_hf_dict()),
+                                              state_dict=loaded.state_dict(), dtype=dtype)
 
 
 def greedy_sequence(impls: Implementations, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -1,7 +1,8 @@
 """`twincache soak`: a long greedy decode with the sliding-window cache, watching what must stay flat.
 
-It decodes `--steps` tokens (default 10,000, about 300 ring wraps on the default model's window of 32) through the
-backend's own `generate` in a streaming mode, and never stops at EOS. After the first decode step (which compiles or
+It decodes `--steps` tokens (default 10,000, about 150 ring wraps on the default model's window of 64) through the
+backend's own `generate` in a streaming mode, and never stops at EOS. A model without a window (most GGUFs) runs with
+`--sliding-window N`, a window of our choosing. After the first decode step (which compiles or
 traces) it watches, from the per-token callback:
   recompiles  the backend's compiled_variants() (torch: graphs dynamo compiled; jax: jitted executables) after the
               first step. Expected 0 (transformers #44609 recompiled every step).
@@ -45,8 +46,12 @@ def soak_prompt(config: MistralConfig, prompt_len: int) -> list[int]:
 
 
 def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | None = None,
-         prompt_len: int = DEFAULT_PROMPT_LEN, dtype: str = "float32", mode: str | None = None) -> dict[str, Any]:
-    """Decode `steps` greedy tokens after a `prompt_len` prefill; returns the JSON record (see the module doc)."""
+         prompt_len: int = DEFAULT_PROMPT_LEN, dtype: str = "float32", mode: str | None = None,
+         sliding_window: int | None = None) -> dict[str, Any]:
+    """Decode `steps` greedy tokens after a `prompt_len` prefill; returns the JSON record (see the module doc).
+
+    `model_dir` is a checkpoint directory or GGUF file (default: the default model); `sliding_window` replaces its
+    window (or gives a window-less model one)."""
     if steps < 1 or prompt_len < 1:
         raise InputError(f"steps={steps} and prompt_len={prompt_len} must both be >= 1")
     if backend not in BACKENDS:
@@ -56,17 +61,23 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     if mode not in entry.streaming_modes:
         raise InputError(f"the soak watches every decode step, so it needs a streaming mode; {backend} mode {mode} "
                          f"decodes without handing steps back (use --mode {' or '.join(entry.streaming_modes)})")
+    if sliding_window is not None and sliding_window < 1:
+        raise InputError(f"--sliding-window={sliding_window} must be >= 1")
     if model_dir is None:
         from twincache.default_model import default_model_dir
 
         model_dir = default_model_dir()
     config = load_config(model_dir)
+    if sliding_window is not None:
+        config = dataclasses.replace(config, sliding_window=sliding_window)
     if config.sliding_window is None:
-        raise CacheError(f"the soak exercises the sliding-window ring, but {model_dir} has sliding_window=null")
+        raise CacheError(f"the soak exercises the sliding-window ring, but {model_dir} has sliding_window=null; "
+                         "give it one with --sliding-window N")
     rss_before_load = _rss_mb()
     tower = entry.module()
     model = tower.load(Path(model_dir), dtype)
-    model.config = dataclasses.replace(model.config, eos_token_id=None)  # never stop at EOS
+    # never stop at EOS; the checkpoint's window, or the one --sliding-window gave
+    model.config = dataclasses.replace(config, eos_token_id=None)
     total = prompt_len + steps  # positions 0 .. total-1 are written by the end
     watch: dict[str, Any] = {"tokens": 0, "rss_peak": 0.0}
     every = max(1, (steps - 1) // RSS_SAMPLES)
@@ -125,14 +136,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        + "; ".join(f"{b.name}: {b.streaming_modes[0]}" for b in BACKENDS.values())
                                        + ")")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"decode steps (default {DEFAULT_STEPS})")
-    parser.add_argument("--model", type=Path, help="HF Mistral checkpoint directory with a sliding window "
-                                                   "(default: the embedded tiny model)")
+    parser.add_argument("--model", type=Path, help="HF Mistral checkpoint directory or .gguf file (default: the "
+                                                   "default model, SmolLM2-135M-Instruct with a window of 64)")
+    parser.add_argument("--sliding-window", type=int, help="run with this sliding window instead of the model's "
+                                                           "(needed for a model without one, like most GGUFs)")
     parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    record = soak(args.backend, args.steps, args.model, args.prompt_len, args.dtype, args.mode)
+    record = soak(args.backend, args.steps, args.model, args.prompt_len, args.dtype, args.mode, args.sliding_window)
     print(json.dumps(record))
     return 0 if record["ok"] else 1

