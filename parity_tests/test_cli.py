@@ -180,3 +180,20 @@ def test_errors_are_one_line_exit_2_without_traceback(checkpoints, cli_home, tmp
     assert "unexpected" not in lines[0], f"{case}: a known bad input reached the catch-all: {lines[0]}"
     for fragment in fragments:
         assert fragment in lines[0], f"{case}: {fragment!r} missing from {lines[0]!r}"
+
+
+@pytest.mark.parametrize("backend, flags, notice", [
+    ("jax", [], "twincache: compiling the decode step with XLA (once per process)..."),
+    ("torch", ["--no-compile"], None),  # nothing compiles
+    ("jax", ["--json"], None),  # --json prints one object and nothing else
+])
+def test_compile_is_announced_before_it_starts(tiny_model_dir, capsys, backend, flags, notice):
+    """The line comes first on stderr, before the prefill and the compile's silence."""
+    from twincache import cli
+
+    code = cli.main(["generate", "--backend", backend, "--model", str(tiny_model_dir), "--max-new-tokens", "3",
+                     *flags])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    lines = err.splitlines()
+    assert (lines[0] == notice) if notice else not any("compiling" in line for line in lines), err
