@@ -184,12 +184,12 @@ def test_errors_are_one_line_exit_2_without_traceback(checkpoints, cli_home, tmp
 
 @pytest.mark.parametrize("backend, flags, notice", [
     ("jax", [], "twincache: compiling the decode step with XLA (once per process)..."),
-    ("torch", ["--no-compile"], None),  # nothing compiles
+    ("torch", ["--mode", "eager"], None),  # nothing compiles
     ("jax", ["--json"], None),  # --json prints one object and nothing else
 ])
 def test_compile_is_announced_before_it_starts(tiny_model_dir, capsys, backend, flags, notice):
     """The line comes first on stderr, before the prefill and the compile's silence."""
-    from twincache import cli
+    from twincache_app import cli
 
     code = cli.main(["generate", "--backend", backend, "--model", str(tiny_model_dir), "--max-new-tokens", "3",
                      *flags])

@@ -122,6 +122,8 @@ def test_default_model_without_the_right_wheel_says_how_to_get_it(tmp_path, monk
 def test_trained_bench_presets_load_the_default_model_without_eos(trained_model_dir):
     from bench.presets import PRESETS, resolve
     from bench.workload import Workload
+    from twincache_app.backends import BACKENDS
+    from twincache_app.bench_adapters import bench_model
 
     for name, dtype in (("trained", "float32"), ("trained-bf16", "bfloat16")):
         preset = resolve(PRESETS[name])
@@ -131,5 +133,6 @@ def test_trained_bench_presets_load_the_default_model_without_eos(trained_model_
         assert preset.prompt_len > preset.config.sliding_window, "the timed runs wrap the window"
     workload = Workload(resolve(PRESETS["trained"]), "cpu")
     assert workload.model_dir == trained_model_dir
-    assert workload.torch_model().config.eos_token_id is None
+    for backend in BACKENDS.values():
+        assert bench_model(workload, backend).config.eos_token_id is None, backend.name
     assert "transformers" in PRESETS["trained"].impls and "jax_fused" in PRESETS["trained"].impls

@@ -40,6 +40,8 @@ LLAMA_CPP_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn
                          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
                          "post_attention_layernorm": "ffn_norm"}
 PROMPT = [1, 17, 42, 99, 3, 64, 5, 120, 77, 31]
+FAST_MODE = {"torch": "eager", "jax": "fused"}  # no torch.compile: seconds, not tens of seconds
+STREAMING_MODE = {"torch": "eager", "jax": "step"}  # the soak watches every step
 
 
 def llama_cpp_name(name: str) -> str:
@@ -459,7 +461,7 @@ def test_generate_on_a_gguf_gives_the_api_tokens(tiny_ggufs, capsys, backend):
 
     path = tiny_ggufs["Q8_0"]
     code = cli.main(["generate", "--backend", backend, "--model", str(path), "--prompt-ids",
-                     ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--mode", "eager", "--json"])
+                     ",".join(map(str, PROMPT)), "--max-new-tokens", "12", "--mode", FAST_MODE[backend], "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     record = json.loads(out)
@@ -484,7 +486,7 @@ def test_parity_on_a_gguf_compares_transformers_gguf_loading(tiny_ggufs, capsys)
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_soak_on_a_gguf_with_our_window(tiny_ggufs, capsys, backend):
     argv = ["soak", "--backend", backend, "--model", str(tiny_ggufs["F16"]), "--steps", "40", "--prompt-len", "4",
-            "--mode", "eager"]
+            "--mode", STREAMING_MODE[backend]]
     assert cli.main(argv) == 2
     assert "sliding_window=null; give it one with --sliding-window N" in capsys.readouterr().err
     assert cli.main([*argv, "--sliding-window", "8"]) == 0
