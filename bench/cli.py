@@ -38,6 +38,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="tiny: seconds, smoke test; small: ~57M params fp32 on CPU (minutes); 7b: Mistral-7B "
                              "shape bf16, GPU only; trained / trained-bf16: the trained default model (SmolLM2-135M, "
                              "window 64) in fp32 / bf16 on CPU")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="run the preset's workload on this HF Mistral checkpoint directory or .gguf file instead "
+                             "of its own weights (EOS off, so every run decodes its full budget)")
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="run with this sliding window instead of the model's (a model without one, like most "
+                             "GGUFs, needs it for the sliding_window cache)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: bench_out/<preset>)")
     names = list(impl_registry())
     parser.add_argument("--impls", type=_list(names), default=None,
@@ -65,9 +71,14 @@ def run(args: argparse.Namespace) -> int:
                                "pip install 'twincache[bench]'") from None
     from bench.runner import Options, run_bench
 
-    preset = resolve(PRESETS[args.preset])
     if args.repeats is not None and args.repeats < 1:
         raise InputError(f"--repeats={args.repeats} must be >= 1")
+    if args.sliding_window is not None and args.sliding_window < 1:
+        raise InputError(f"--sliding-window={args.sliding_window} must be >= 1")
+    preset = resolve(PRESETS[args.preset], args.model, args.sliding_window)
+    if "sliding_window" in args.caches and preset.config.sliding_window is None:
+        raise InputError(f"{args.model} has no sliding window, so the sliding_window cache cannot run; give it one "
+                         "with --sliding-window N, or pass --caches static")
     if preset.device == "cuda":
         import torch
 

@@ -29,20 +29,26 @@ class Preset:
     weights_on_device: bool = False  # build weights in memory on the device instead of a checkpoint dir
     seed: int = 0
     trained: bool = False  # run the trained default model (its checkpoint dir) instead of random weights
-    model_dir: Path | None = None  # set by `resolve` for trained presets
+    model_dir: Path | None = None  # a checkpoint directory or GGUF file, set by `resolve` (trained presets, --model)
 
 
-def resolve(preset: Preset) -> Preset:
-    """A trained preset with its model dir and config (built first if absent); EOS is off so every run decodes its
-    full budget on random prompts, as on random weights. Other presets are returned as they are."""
-    if not preset.trained:
-        return preset
-    from twincache.checkpoint import load_config
-    from twincache.default_model import default_model_dir
+def resolve(preset: Preset, model: Path | None = None, sliding_window: int | None = None) -> Preset:
+    """The preset as it runs: on `model` (a checkpoint directory or GGUF file) when given, on the trained default model
+    for a trained preset (built first if absent), else on its own random weights; with `sliding_window` instead of the
+    model's window when given. A model's EOS is switched off so every run decodes its full budget on random prompts,
+    as on random weights."""
+    if model is None and preset.trained:
+        from twincache.default_model import default_model_dir
 
-    model_dir = default_model_dir()
-    config = dataclasses.replace(load_config(model_dir), eos_token_id=None)
-    return dataclasses.replace(preset, config=config, model_dir=model_dir)
+        model = default_model_dir()
+    if model is not None:
+        from twincache.checkpoint import load_config
+
+        config = dataclasses.replace(load_config(model), eos_token_id=None)
+        preset = dataclasses.replace(preset, config=config, model_dir=Path(model), weights_on_device=False)
+    if sliding_window is not None:
+        preset = dataclasses.replace(preset, config=dataclasses.replace(preset.config, sliding_window=sliding_window))
+    return preset
 
 
 def _contexts(window: int, longest_multiple: int) -> tuple[int, ...]:

@@ -23,6 +23,7 @@ from bench.presets import Preset
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 from twincache.default_model import cache_root, default_weights, write_checkpoint
+from twincache_app.hf_loading import transformers_model
 
 _BUILD_VERSION = 1
 _COMPLETE = ".bench-complete"
@@ -86,7 +87,7 @@ class Workload:
         self.config = preset.config
         self.dtype_name = preset.dtype
         self.device = device
-        if preset.model_dir is not None:  # a trained preset: its own checkpoint
+        if preset.model_dir is not None:  # a trained preset or --model: that checkpoint
             self.model_dir = preset.model_dir
         else:
             self.model_dir = None if preset.weights_on_device else checkpoint_dir(preset.config, preset.seed, cache_dir)
@@ -123,8 +124,7 @@ class Workload:
 
             config = hf_config(self.config, sliding)
             if self.model_dir is not None and not self._hf_models:
-                model = MistralForCausalLM.from_pretrained(self.model_dir, config=config, dtype=self.torch_dtype)
-                model = model.to(self.device)
+                model = transformers_model(self.model_dir, self.torch_dtype, config).to(self.device)
             else:  # share the tensors already loaded (transformers' own or, for 7b, the device weights)
                 state = next(iter(self._hf_models.values())).state_dict() if self._hf_models else self.weights()
                 with torch.device(self.device):  # its random init is replaced (and freed) by the assign below

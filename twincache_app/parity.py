@@ -24,6 +24,7 @@ from twincache.errors import InputError
 from twincache.generation import CACHE_KINDS, validate_prompts
 from twincache_app.backends import BACKENDS, modes_help
 from twincache_app.generate_cmd import add_model_arguments, resolve_prompt
+from twincache_app.hf_loading import transformers_model
 
 # The promise (docs/design.md §4): fp32 logits within 1e-5 and the same greedy token wherever the reference's top-1
 # margin exceeds 1e-4; half precision within a mean KL of 1e-3 with >= 99% top-1 agreement. Random-weight models have
@@ -123,28 +124,9 @@ def load_implementations(model_dir: Path, dtype: str, with_transformers: bool = 
             return impls
         hf_logging.disable_progress_bar()
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        config = next(iter(impls.models.values())).config
-        impls.transformers = transformers_model(model_dir, config, getattr(torch, dtype)).to(device)
+        impls.transformers = transformers_model(model_dir, getattr(torch, dtype)).to(device)
         impls.transformers.eval()
     return impls
-
-
-def transformers_model(path: Path, config: Any, dtype: Any) -> Any:
-    """transformers' MistralForCausalLM of a checkpoint directory or GGUF file.
-
-    A GGUF goes through transformers' own GGUF loader (its dequantization and Q/K row order, not ours; it needs gguf
-    and accelerate), then into a MistralForCausalLM of the same config, so a sliding window applies there too.
-    """
-    from transformers import AutoModelForCausalLM, MistralForCausalLM
-    from transformers import MistralConfig as HFMistralConfig
-
-    from twincache.gguf_checkpoint import is_gguf_file
-
-    if not is_gguf_file(path):
-        return MistralForCausalLM.from_pretrained(path, dtype=dtype)
-    loaded = AutoModelForCausalLM.from_pretrained(Path(path).parent, gguf_file=Path(path).name, dtype=dtype)
-    return MistralForCausalLM.from_pretrained(None, config=HFMistralConfig(**config.to_hf_dict()),
-                                              state_dict=loaded.state_dict(), dtype=dtype)
 
 
 def greedy_sequence(impls: Implementations, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
