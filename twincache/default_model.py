@@ -80,6 +80,7 @@ def default_model_dir() -> Path:
     final = cache_root() / f"smollm2-135m-instruct-w{DEFAULT_WINDOW}-v{TRAINED_BUILD_VERSION}"
     if (final / _COMPLETE_STAMP).is_file():
         return final
+    _check_home(final.parent)  # a home that cannot hold the model is named before the wheel is looked for
     gguf_path = smollm2_gguf()
     return _build_once(final, lambda staging: write_trained_model(staging, gguf_path),
                        f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}")
@@ -94,8 +95,7 @@ def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
 def _build_once(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
     if (final / _COMPLETE_STAMP).is_file():
         return final
-    writable_directory(final.parent, "the default-model directory (TWINCACHE_HOME)",
-                       "point TWINCACHE_HOME at a writable directory, or pass --model")
+    _check_home(final.parent)
     # Concurrent first runs take turns: the one that waited finds the other's complete build and uses it, instead of
     # treating it as incomplete and deleting it while its builder reads from it.
     with open(final.parent / f".{final.name}.lock", "w") as lock:
@@ -103,6 +103,11 @@ def _build_once(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
         if (final / _COMPLETE_STAMP).is_file():
             return final
         return build_aside(final, write, stamp)
+
+
+def _check_home(home: Path) -> None:
+    writable_directory(home, "the default-model directory (TWINCACHE_HOME)",
+                       "point TWINCACHE_HOME at a writable directory, or pass --model")
 
 
 def smollm2_gguf() -> Path:
