@@ -10,7 +10,7 @@ from pathlib import Path
 from twincache.checkpoint import load_config
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError
-from twincache.generation import CACHE_KINDS, DTYPES, SamplingParams, parse_token_ids
+from twincache.generation import CACHE_KINDS, DTYPES, SamplingParams, parse_token_ids, plan_cache, prepare_batch
 from twincache.tokenizer import StreamDecoder, Tokenizer, has_tokenizer
 from twincache_app.backends import BACKENDS, modes_help
 
@@ -98,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tower = backend.module()
     model = tower.load(model_path, args.dtype)
-    if not args.json and mode in backend.compiled_modes:
-        # the first decode step compiles (tens of seconds for torch.compile on a small CPU): say so before the silence
+    if not args.json and mode in backend.compiled_modes and args.max_new_tokens:
+        # The first decode step compiles (tens of seconds for torch.compile on a small CPU): say so before the silence,
+        # after the floor's own checks of this generation (those `generate` runs first), so a refusal stays one line.
+        batch = prepare_batch([prompt_ids], model.config, sampling, args.max_new_tokens)
+        plan_cache(model.config, args.cache, len(prompt_ids), batch.max_new_tokens, args.max_cache_len)
         print(f"twincache: compiling the decode step with {backend.compiler} (once per process)...",
               file=sys.stderr, flush=True)
     result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
