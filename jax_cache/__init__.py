@@ -23,9 +23,7 @@ MODES = {
     "step": "jitted prefill, then one jitted, donated step per token, queued one step ahead",
 }
 STREAMING_MODES = ("step",)  # modes that hand each step's tokens to on_token as they are decoded
-COMPILED_MODES = ("fused", "step")  # modes whose first decode step compiles (seconds to tens of seconds)
-COMPILER = "XLA"
 
 DEFAULT_MODE = next(iter(MODES))
 
-__all__ = ["NAME", "MODES", "STREAMING_MODES", "COMPILED_MODES", "COMPILER", "DEFAULT_MODE"]
+__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE"]

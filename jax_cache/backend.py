@@ -30,8 +30,8 @@ from twincache.generation import GenerationResult, SamplingParams, TokenCallback
 
 
 def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
-    """A model from a checkpoint directory, in `dtype` (a name) on `device` (default: JAX's default device; "cuda"
-    and "gpu" both mean the first GPU). Needs no torch."""
+    """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: JAX's default
+    device; "cuda" and "gpu" both mean the first GPU). Needs no torch."""
     placement = contextlib.nullcontext()
     if device is not None:
         placement = jax.default_device(jax.devices("gpu" if device.startswith("cuda") else device)[0])

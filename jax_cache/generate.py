@@ -30,6 +30,7 @@ from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
+    announce_compile,
     append_tokens,
     check_budget,
     check_positions,
@@ -322,6 +323,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
     key = jax.random.key(sampling.seed)
+    announce_compile("XLA")  # the prefill and the decode loop or step are jitted
     start = time.perf_counter()
     logits, cache = prefill(model, jnp.asarray(ids_np), jnp.asarray(mask_np), cache)  # [B, V]
     first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, config.eos_token_id, jnp.int32(0))

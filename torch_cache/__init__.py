@@ -12,9 +12,7 @@ MODES = {
     "eager": "eager prefill and eager decode steps",
 }
 STREAMING_MODES = ("compiled", "eager")  # modes that hand each step's tokens to on_token as they are decoded
-COMPILED_MODES = ("compiled",)  # modes whose first decode step compiles (seconds to tens of seconds)
-COMPILER = "torch.compile"
 
 DEFAULT_MODE = next(iter(MODES))
 
-__all__ = ["NAME", "MODES", "STREAMING_MODES", "COMPILED_MODES", "COMPILER", "DEFAULT_MODE"]
+__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE"]

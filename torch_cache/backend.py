@@ -20,7 +20,8 @@ from twincache.generation import GenerationResult, SamplingParams, TokenCallback
 
 
 def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
-    """A model from a checkpoint directory, in `dtype` (a name) on `device` (default: CUDA when torch sees one)."""
+    """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: CUDA when torch
+    sees one)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)), device)
 

@@ -23,6 +23,7 @@ from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
+    announce_compile,
     append_tokens,
     check_budget,
     check_positions,
@@ -135,6 +136,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         return GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
                                 0, 0, None, cache, "compiled" if compile else "eager")
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
+    if compile and max_new_tokens > 1:  # the first decode step compiles
+        announce_compile("torch.compile")
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
                      torch.from_numpy(inputs.attention_mask).to(device), cache)  # [B, V]

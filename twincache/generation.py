@@ -6,6 +6,7 @@ Both backends validate through these functions, so a bad input gets the same mes
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import numbers
 import operator
@@ -286,6 +287,16 @@ def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, m
                          f"{cache_kind} cache capacity max_cache_len={max_cache_len}; raise --max-cache-len to at "
                          f"least {total} or generate fewer tokens")
     return cache_kind, max_cache_len
+
+
+NOTICES = logging.getLogger("twincache")  # progress a person waits on; the CLI prints it on stderr (not with --json)
+
+
+def announce_compile(compiler: str) -> None:
+    """Say that decoding is about to compile (with `compiler`), once every input has been checked and the cache
+    allocated: the first compile takes seconds (XLA) to tens of seconds (torch.compile on a small CPU), and a line
+    before that silence explains it. Logged at INFO, which Python shows nowhere unless a handler is set."""
+    NOTICES.info("compiling the decode step with %s (once per process)...", compiler)
 
 
 def check_dtype(dtype: str) -> str:

@@ -22,8 +22,6 @@ class Backend:
     package: str
     modes: Mapping[str, str]  # mode -> what it runs; the first is the default
     streaming_modes: tuple[str, ...]  # modes that hand each step's tokens to on_token as they are decoded
-    compiled_modes: tuple[str, ...]  # modes whose first decode step compiles
-    compiler: str  # what compiles them, for the notice before that silence
     importer: Callable[[], ModuleType]
 
     @property
@@ -62,8 +60,7 @@ def _jax_backend() -> ModuleType:
 
 
 BACKENDS: dict[str, Backend] = {
-    package.NAME: Backend(package.NAME, package.__name__, package.MODES, package.STREAMING_MODES,
-                          package.COMPILED_MODES, package.COMPILER, importer)
+    package.NAME: Backend(package.NAME, package.__name__, package.MODES, package.STREAMING_MODES, importer)
     for package, importer in ((torch_cache, _torch_backend), (jax_cache, _jax_backend))
 }
 

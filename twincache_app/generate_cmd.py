@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from twincache.checkpoint import load_config
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError
-from twincache.generation import CACHE_KINDS, DTYPES, SamplingParams, parse_token_ids, plan_cache, prepare_batch
+from twincache.generation import CACHE_KINDS, DTYPES, NOTICES, SamplingParams, parse_token_ids
 from twincache.tokenizer import StreamDecoder, Tokenizer, has_tokenizer
 from twincache_app.backends import BACKENDS, modes_help
 
@@ -78,6 +81,24 @@ def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int
     return (tokenizer.encode_chat(text) if args.chat else tokenizer.encode(text)), tokenizer
 
 
+@contextlib.contextmanager
+def notices_on_stderr(enabled: bool) -> Iterator[None]:
+    """Print the floor's progress notices (twincache.generation.NOTICES) as `twincache: ...` lines on stderr."""
+    if not enabled:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("twincache: %(message)s"))
+    level = NOTICES.level
+    NOTICES.addHandler(handler)
+    NOTICES.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        NOTICES.removeHandler(handler)
+        NOTICES.setLevel(level)
+
+
 def run(args: argparse.Namespace) -> int:
     backend = BACKENDS[args.backend]
     mode = backend.check_mode(args.mode)
@@ -98,16 +119,10 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tower = backend.module()
     model = tower.load(model_path, args.dtype)
-    if not args.json and mode in backend.compiled_modes and args.max_new_tokens:
-        # The first decode step compiles (tens of seconds for torch.compile on a small CPU): say so before the silence,
-        # after the floor's own checks of this generation (those `generate` runs first), so a refusal stays one line.
-        batch = prepare_batch([prompt_ids], model.config, sampling, args.max_new_tokens)
-        plan_cache(model.config, args.cache, len(prompt_ids), batch.max_new_tokens, args.max_cache_len)
-        print(f"twincache: compiling the decode step with {backend.compiler} (once per process)...",
-              file=sys.stderr, flush=True)
-    result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
-                            max_cache_len=args.max_cache_len, sampling=sampling,
-                            on_token=print_delta if streaming else None)
+    with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
+        result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
+                                max_cache_len=args.max_cache_len, sampling=sampling,
+                                on_token=print_delta if streaming else None)
     token_ids = result.token_ids[0]
     text = tokenizer.decode(token_ids) if tokenizer is not None else None
     if args.json:
