@@ -1,4 +1,4 @@
-"""Distances between step logits, and the verdict rule of `twincache parity` (numpy only; docs/parity.md).
+"""Distances between step logits, and the verdict rule of `twincache parity` (numpy only; docs/design.md §4).
 
 Every implementation is judged by its distance to a float64 reference, beside the floor: transformers' own
 distance to that reference in the dtype under test. A distance passes when every metric is within a calibrated
