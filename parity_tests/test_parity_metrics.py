@@ -109,10 +109,23 @@ def test_a_floor_over_other_steps_cannot_judge():
 
 
 def test_ratios_to_the_floor():
-    floor = floor_distance(top1_agreement=1.0)
-    ratios = pm.ratios(floor_distance(max_abs_logit_diff=1.0, top1_agreement=0.99, first_greedy_divergence=20), floor)
-    assert ratios["max_abs_logit_diff"] == pytest.approx(2.0) and ratios["top1_disagreement"] == float("inf")
+    floor = floor_distance(top1_agreement=1.0)  # no flip in 100 steps: counts as one
+    ratios = pm.ratios(floor_distance(max_abs_logit_diff=1.0, top1_agreement=0.97, first_greedy_divergence=20), floor)
+    assert ratios["max_abs_logit_diff"] == pytest.approx(2.0) and ratios["top1_disagreement"] == pytest.approx(3.0)
     assert ratios["agreed_steps"] == pytest.approx(2.0) and ratios["mean_kl"] == pytest.approx(1.0)
+    assert pm.ratios(floor_distance(max_kl=1.0), floor_distance(max_kl=0.0))["max_kl"] == float("inf")
+
+
+def test_a_floor_without_flips_counts_as_one_flip():
+    """32 steps (2 rows of 16): a floor that never flipped allows FACTORS["top1_disagreement"] flips, not 0."""
+    floor = floor_distance(steps=16, rows=2, top1_agreement=1.0, first_greedy_divergence=None)
+    allowed = int(pm.FACTORS["top1_disagreement"])
+
+    def flips(n: int) -> pm.Distance:
+        return dataclasses.replace(floor, top1_agreement=1 - n / 32, first_greedy_divergence=15 if n else None)
+
+    assert pm.failures(flips(1), floor, "bfloat16") == [] and pm.failures(flips(allowed), floor, "bfloat16") == []
+    assert pm.failures(flips(allowed + 1), floor, "bfloat16") == ["top1_disagreement"]
 
 
 def test_kv_at_positions_reads_a_ring_by_the_positions_its_slots_record():

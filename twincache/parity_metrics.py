@@ -20,7 +20,7 @@ FACTORS = {
     "mean_kl": 2.0,
     "max_kl": 6.0,
     "top1_disagreement": 4.0,
-    "max_abs_kv_diff": 4.0,
+    "max_abs_kv_diff": 8.0,
 }
 # Where the floor is near zero (fp32 on a shallow model: transformers then differs from float64 by ~1e-7), a factor
 # of it would judge rounding noise; these absolute allowances apply instead, by dtype. Half precision has none:
@@ -90,11 +90,18 @@ def _measured(*distances: Distance) -> list[str]:
     return [name for name in FACTORS if all(getattr(d, name) is not None for d in distances)]
 
 
+def floor_value(floor: Distance, name: str) -> float:
+    """The floor's value of a metric, as the rule uses it. Top-1 disagreements are discrete events: a floor that
+    flipped no token over its N steps bounds its own rate only below ~1/N, so it counts as one flip."""
+    value = getattr(floor, name)
+    return max(value, 1.0 / (floor.rows * floor.steps)) if name == "top1_disagreement" else value
+
+
 def bounds(floor: Distance, dtype: str) -> dict[str, float]:
     """What a distance may reach on each metric, given the floor: factor x floor, or the absolute allowance where
     that is larger. `agreed_steps` is a lower bound, the rest are upper bounds."""
     absolute = ABSOLUTE.get(dtype, {})
-    limits = {name: max(FACTORS[name] * getattr(floor, name), absolute.get(name, 0.0)) for name in _measured(floor)}
+    limits = {name: max(FACTORS[name] * floor_value(floor, name), absolute.get(name, 0.0)) for name in _measured(floor)}
     return limits | {"agreed_steps": floor.agreed_steps / DIVERGENCE_FACTOR}
 
 
@@ -111,14 +118,14 @@ def failures(candidate: Distance, floor: Distance, dtype: str) -> list[str]:
 
 
 def ratios(candidate: Distance, floor: Distance) -> dict[str, float]:
-    """Each metric as a multiple of the floor's (inf where the floor is 0 and the candidate is not); for
-    `agreed_steps`, floor / candidate, so that > 1 is worse everywhere."""
+    """Each metric as a multiple of the floor's value (`floor_value`; inf where that is 0 and the candidate's is
+    not); for `agreed_steps`, floor / candidate, so that > 1 is worse everywhere."""
     def ratio(ours: float, theirs: float) -> float:
         if theirs == 0:
             return 0.0 if ours == 0 else float("inf")
         return ours / theirs
 
-    out = {name: ratio(getattr(candidate, name), getattr(floor, name)) for name in _measured(candidate, floor)}
+    out = {name: ratio(getattr(candidate, name), floor_value(floor, name)) for name in _measured(candidate, floor)}
     return out | {"agreed_steps": ratio(floor.agreed_steps, candidate.agreed_steps)}
 
 
