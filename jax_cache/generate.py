@@ -121,9 +121,10 @@ def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input
 
 
 def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: int | None,
-          step: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sample step `step`'s tokens [B]; rows already finished keep emitting EOS. Returns (tokens, finished)."""
-    tokens = sample(logits, sampling, jax.random.fold_in(key, step))  # [B]
+          step: jax.Array, forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Sample step `step`'s tokens [B] (or take the `forced` ones); rows already finished keep emitting EOS.
+    Returns (tokens, finished)."""
+    tokens = sample(logits, sampling, jax.random.fold_in(key, step)) if forced is None else forced  # [B]
     if eos is None:
         return tokens, finished
     tokens = jnp.where(finished, eos, tokens)
@@ -162,9 +163,7 @@ def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: 
     Returns this step's logits [B, V] fp32 and the next state.
     """
     logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None)
-    tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step)
-    if forced is not None:
-        tokens = forced
+    tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step, forced)
     first_bad = (state.non_finite_step < 0) & ~jnp.isfinite(logits).all()
     non_finite_step = jnp.where(first_bad, state.step, state.non_finite_step)
     return logits, DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache)
@@ -330,8 +329,9 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     key = jax.random.key(sampling.seed)
     start = time.perf_counter()
     logits, cache = prefill(model, jnp.asarray(ids_np), jnp.asarray(mask_np), cache)  # [B, V]
-    first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, eos, jnp.int32(0))
-    first = np.asarray(first).tolist() if forced is None else forced[:, 0].tolist()
+    first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, eos, jnp.int32(0),
+                     None if forced is None else jnp.asarray(forced[:, 0]))
+    first = np.asarray(first).tolist()
     prefill_s = time.perf_counter() - start
     _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
     if on_token is not None:
