@@ -77,7 +77,8 @@ def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, step
     models = build_models(config, getattr(torch, dtype))
     prompt = np.random.default_rng(1).integers(3, config.vocab_size, prompt_len).tolist()
     report = parity.parity_report(models, [prompt], steps, dtype, ["static", "sliding_window"], impls)
-    table = parity.format_table(report)
+    data = parity.report_json(report, name)
+    table = parity.format_table(data)
     seconds = time.perf_counter() - start
     text = f"## {name}: {dtype}, window {config.sliding_window}, prompt {prompt_len}, {steps} steps ({seconds:.0f} s)\n"
     print(text + table, flush=True)
@@ -86,7 +87,7 @@ def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, step
     del models
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return [dict(row, case=name, seconds=seconds) for row in parity.report_json(report, name)["rows"]]
+    return [dict(row, case=name, seconds=seconds) for row in data["rows"]]
 
 
 def main(out_dir: str) -> int:

@@ -405,35 +405,8 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
                         reference.self_disagreements, rows)
 
 
-def format_table(report: ParityReport) -> str:
-    header = (f"{'cache':<15} {'implementation':<27} {'max|Δlogit|':>11} {'rel':>8} {'mean KL':>8} {'max KL':>8} "
-              f"{'top-1':>7} {'diverges':>8} {'max|ΔKV|':>9}  verdict")
-    lines = [f"reference: {report.reference_source}; continuation: its own greedy tokens",
-             f"floor:     {report.floor_source}",
-             f"prompt {'/'.join(map(str, report.prompt_lens))} tokens, {report.steps} teacher-forced steps, "
-             f"{report.dtype}", header, "-" * len(header)]
-    for row in report.rows:
-        d = row.distance
-        diverges = "-" if d.first_greedy_divergence is None else str(d.first_greedy_divergence)
-        if row.kind == "floor":
-            verdict = "floor"
-        elif row.failed:
-            verdict = "OUT OF BOUNDS: " + ", ".join(f"{name} {row.ratios[name]:.1f}x" for name in row.failed)
-        else:
-            finite = [value for value in row.ratios.values() if np.isfinite(value)]
-            verdict = f"ok (worst {max(finite, default=0.0):.1f}x the floor)"
-        lines.append(f"{row.cache:<15} {row.name:<27} {d.max_abs_logit_diff:>11.2e} {d.rel_max_abs_logit_diff:>8.1e} "
-                     f"{d.mean_kl:>8.1e} {d.max_kl:>8.1e} {d.top1_agreement:>7.1%} {diverges:>8} "
-                     f"{d.max_abs_kv_diff:>9.2e}  {verdict}")
-    factors = ", ".join(f"{name} {factor:g}x" for name, factor in parity_metrics.FACTORS.items())
-    lines.append(f"bounds: each metric within its factor of the floor ({factors}; steps agreed before the first "
-                 f"greedy divergence >= the floor's / {parity_metrics.DIVERGENCE_FACTOR:g})"
-                 + (f"; absolute allowances where the floor is near 0: {parity_metrics.ABSOLUTE[report.dtype]}"
-                    if report.dtype in parity_metrics.ABSOLUTE else ""))
-    return "\n".join(lines)
-
-
 def report_json(report: ParityReport, model: str) -> dict[str, Any]:
+    """The report as `--json` prints it (non-finite values become null); `format_table` renders this."""
     def clean(value: float) -> float | None:  # JSON has no inf
         return value if np.isfinite(value) else None
 
@@ -447,6 +420,38 @@ def report_json(report: ParityReport, model: str) -> dict[str, Any]:
                                   for k, v in dataclasses.asdict(row.distance).items()},
                       "ratios": {k: clean(v) for k, v in row.ratios.items()}, "failed": row.failed}
                      for row in report.rows]}
+
+
+def format_table(data: dict[str, Any]) -> str:
+    """The table `twincache parity` prints, from `report_json`'s object (so a saved --json renders the same)."""
+    def number(value: float | None, spec: str) -> str:
+        return "inf/nan" if value is None else format(value, spec)
+
+    header = (f"{'cache':<15} {'implementation':<27} {'max|Δlogit|':>11} {'rel':>8} {'mean KL':>8} {'max KL':>8} "
+              f"{'top-1':>7} {'diverges':>8} {'max|ΔKV|':>9}  verdict")
+    lines = [f"reference: {data['reference']}; continuation: its own greedy tokens",
+             f"floor:     {data['floor']}",
+             f"prompt {'/'.join(map(str, data['prompt_lens']))} tokens, {data['steps']} teacher-forced steps, "
+             f"{data['dtype']}", header, "-" * len(header)]
+    for row in data["rows"]:
+        d, ratios = row["metrics"], row["ratios"]
+        diverges = "-" if d["first_greedy_divergence"] is None else str(d["first_greedy_divergence"])
+        if row["kind"] == "floor":
+            verdict = "floor"
+        elif row["failed"]:
+            verdict = "OUT OF BOUNDS: " + ", ".join(f"{name} {number(ratios.get(name), '.1f')}x"
+                                                    for name in row["failed"])
+        else:
+            verdict = f"ok (worst {max((v for v in ratios.values() if v is not None), default=0.0):.1f}x the floor)"
+        lines.append(f"{row['cache']:<15} {row['name']:<27} {number(d['max_abs_logit_diff'], '>11.2e')} "
+                     f"{number(d['rel_max_abs_logit_diff'], '>8.1e')} {number(d['mean_kl'], '>8.1e')} "
+                     f"{number(d['max_kl'], '>8.1e')} {d['top1_agreement']:>7.1%} {diverges:>8} "
+                     f"{number(d['max_abs_kv_diff'], '>9.2e')}  {verdict}")
+    factors = ", ".join(f"{name} {factor:g}x" for name, factor in data["factors"].items())
+    lines.append(f"bounds: each metric within its factor of the floor ({factors}; steps agreed before the first "
+                 f"greedy divergence >= the floor's / {data['divergence_factor']:g})"
+                 + (f"; absolute allowances where the floor is near 0: {data['absolute']}" if data["absolute"] else ""))
+    return "\n".join(lines)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -490,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report_json(report, str(model_dir))))
     else:
-        print(format_table(report))
+        print(format_table(report_json(report, str(model_dir))))
         judged = [row for row in report.rows if row.kind != "floor"]
         print(f"{'PASS' if report.passed else 'FAIL'}: {sum(not row.failed for row in judged)}/{len(judged)} rows "
               f"within bounds of the {args.dtype} floor", file=sys.stderr)
