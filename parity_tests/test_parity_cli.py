@@ -99,11 +99,21 @@ def test_parity_bad_input_is_one_line_exit_2(default_model_dir, capsys, argv):
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("twincache: error:")
 
 
-def test_parity_unknown_implementation_is_one_line_exit_2(capsys):
-    with pytest.raises(SystemExit) as exited:
-        cli.main(["parity", "--modes", "torch:fast"])
+@pytest.mark.parametrize("word", ["torch:fast", "jax:compiled", "eager"])
+def test_parity_unknown_implementation_is_one_line_exit_2(capsys, word):
+    code = cli.main(["parity", "--modes", "default", word])
     err = capsys.readouterr().err
-    assert exited.value.code == 2 and len(err.strip().splitlines()) == 1 and "torch_fast" in err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"--modes {word} is not an implementation; give all, default or any of torch:compiled, " in err
+
+
+def test_parity_modes_select_implementations():
+    assert parity.resolve_implementations(["all"]) == ["torch:compiled", "torch:eager", "jax:fused", "jax:step"]
+    assert parity.resolve_implementations(["default"]) == ["torch:compiled", "jax:fused"]
+    assert parity.resolve_implementations(["jax:step", "default", "jax:step"]) == ["jax:step", "torch:compiled",
+                                                                                   "jax:fused"]
+    assert parity.direct_pairs(["torch:eager", "jax:step", "jax:fused"]) == [("torch:eager", "jax:step"),
+                                                                             ("torch:eager", "jax:fused")]
 
 
 def test_bf16_on_a_tiny_model_within_bounds_of_its_floor(checkpoints):
