@@ -56,13 +56,20 @@ def test_parity_table_on_transformers_checkpoint(checkpoints, tmp_path):
     assert "PASS: 6/6" in proc.stderr
 
 
-def test_without_transformers_torch_cache_float64_is_the_reference_and_says_so(checkpoints, capsys):
-    code = cli.main(["parity", "--model", str(checkpoints["no_window"]), "--prompt-ids", "1,2,3,4,5", "--json",
-                     "--max-new-tokens", "8", "--no-transformers", "--modes", "jax:step"])
+@pytest.mark.parametrize("how", ["--no-transformers", "transformers is not installed"])
+def test_without_transformers_torch_cache_float64_is_the_reference_and_says_so(checkpoints, capsys, monkeypatch,
+                                                                               how):
+    argv = ["parity", "--model", str(checkpoints["no_window"]), "--prompt-ids", "1,2,3,4,5", "--json",
+            "--max-new-tokens", "8", "--modes", "jax:step"]
+    if how == "--no-transformers":
+        argv.append(how)
+    else:
+        monkeypatch.setitem(sys.modules, "transformers", None)  # any import of it raises ImportError
+    code = cli.main(argv)
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"]
-    assert report["reference"] == "torch_cache Mistral, float64 (transformers is not installed)"
-    assert report["floor"].startswith("torch_cache Mistral, float32, uncached")
+    assert report["reference"] == f"torch_cache Mistral, float64 ({how})"
+    assert report["floor"] == f"torch_cache Mistral, float32, uncached ({how})"
     assert [(row["cache"], row["name"]) for row in report["rows"]] == [("static", "torch_cache (floor)"),
                                                                        ("static", "jax:step")]
 

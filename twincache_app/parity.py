@@ -36,6 +36,7 @@ from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
 from twincache_app.generate_cmd import add_model_arguments, resolve_prompt
 
+NOT_INSTALLED = "transformers is not installed"
 # Every implementation: each mode of each backend, labelled backend:mode ("torch:compiled", ..., "jax:step").
 IMPLEMENTATIONS = tuple(f"{name}:{mode}" for name, backend in BACKENDS.items() for mode in backend.modes)
 DEFAULTS = tuple(f"{name}:{backend.default_mode}" for name, backend in BACKENDS.items())
@@ -191,7 +192,8 @@ def torch_cache_oracle(model: Any, prompts: list[list[int]], tokens: list[list[i
     return Oracle(source, np.stack(logits), keys, values)
 
 
-def float64_reference(model: Any, prompts: list[list[int]], steps: int) -> Reference:
+def float64_reference(model: Any, prompts: list[list[int]], steps: int,
+                      why_not_transformers: str = NOT_INSTALLED) -> Reference:
     """The truth: the float64 model's own greedy continuation of each prompt, then its uncached outputs over it.
     `model` is transformers' MistralForCausalLM in float64, or (fallback) torch_cache's Mistral in float64."""
     if _is_transformers(model):
@@ -200,17 +202,18 @@ def float64_reference(model: Any, prompts: list[list[int]], steps: int) -> Refer
     else:
         tokens = [torch_cache_greedy(model, prompt, steps) for prompt in prompts]
         oracle = torch_cache_oracle(model, prompts, tokens,
-                                    "torch_cache Mistral, float64 (transformers is not installed)")
+                                    f"torch_cache Mistral, float64 ({why_not_transformers})")
     disagreements = int((oracle.logits.argmax(-1) != np.asarray(tokens)).sum())
     return Reference(**dataclasses.asdict(oracle), tokens=tokens, self_disagreements=disagreements)
 
 
-def floor_oracle(model: Any, prompts: list[list[int]], tokens: list[list[int]], dtype: str) -> Oracle:
+def floor_oracle(model: Any, prompts: list[list[int]], tokens: list[list[int]], dtype: str,
+                 why_not_transformers: str = NOT_INSTALLED) -> Oracle:
     """The floor's outputs: transformers (or, as the fallback, torch_cache) in the dtype under test, uncached."""
     if _is_transformers(model):
         return transformers_oracle(model, prompts, tokens, f"transformers MistralForCausalLM, {dtype}, uncached")
-    return torch_cache_oracle(model, prompts, tokens, f"torch_cache Mistral, {dtype}, uncached "
-                                                      "(transformers is not installed)")
+    return torch_cache_oracle(model, prompts, tokens,
+                              f"torch_cache Mistral, {dtype}, uncached ({why_not_transformers})")
 
 
 # --- the implementations under test: real decode paths, teacher-forced ----------------------------------------------
@@ -318,6 +321,7 @@ class Models:
     towers: dict[str, Any]
     floor: Any
     reference: Any
+    why_not_transformers: str = NOT_INSTALLED  # said in the output when torch_cache is the reference and floor
 
 
 @dataclasses.dataclass
@@ -343,12 +347,13 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = {impl.split(":")[0] for impl in impls}
     towers = {name: backend.module().load(model_dir, dtype) for name, backend in BACKENDS.items() if name in names}
+    why_not = "--no-transformers"
     if with_transformers:
         try:
             from transformers import MistralForCausalLM
             from transformers.utils import logging as hf_logging
         except ImportError:  # fall back to torch_cache's own float64 and dtype forwards, and say so
-            with_transformers = False
+            why_not = NOT_INSTALLED
         else:
             hf_logging.disable_progress_bar()
 
@@ -363,7 +368,7 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
 
     floor = towers["torch"] if "torch" in towers else TorchMistral.from_pretrained(model_dir, getattr(torch, dtype),
                                                                                    device)
-    return Models(towers, floor, TorchMistral.from_pretrained(model_dir, torch.float64, device))
+    return Models(towers, floor, TorchMistral.from_pretrained(model_dir, torch.float64, device), why_not)
 
 
 def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, dtype: str, caches: Sequence[str],
@@ -375,8 +380,8 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
     config = next(iter(models.towers.values())).config
     prompts = validate_prompts(prompts, config)
     if reference is None:
-        reference = float64_reference(models.reference, prompts, steps)
-    floor = floor_oracle(models.floor, prompts, reference.tokens, dtype)
+        reference = float64_reference(models.reference, prompts, steps, models.why_not_transformers)
+    floor = floor_oracle(models.floor, prompts, reference.tokens, dtype, models.why_not_transformers)
     lengths = [ref_keys.shape[2] for ref_keys in reference.keys]
     window = config.sliding_window
     floor_logits = parity_metrics.distance(reference.logits, floor.logits)
