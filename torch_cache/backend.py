@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES
-from torch_cache.cache import StaticCache, make_cache
-from torch_cache.generate import decode_step_fn, prefill
+from torch_cache.cache import StaticCache
 from torch_cache.generate import generate as _generate
 from torch_cache.model import Mistral
 from twincache.config import MistralConfig
@@ -34,29 +33,24 @@ def from_weights(config: MistralConfig, weights: dict[str, torch.Tensor]) -> Mis
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mode: str = DEFAULT_MODE,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, on_token: TokenCallback | None = None,
-             return_logits: bool = False) -> GenerationResult:
+             return_logits: bool = False,
+             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
     """torch_cache.generate.generate in a decode mode: "compiled" (default) or "eager"."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, on_token is not None)
     return _generate(model, prompts, max_new_tokens, cache=cache, max_cache_len=max_cache_len, sampling=sampling,
-                     compile=mode == "compiled", on_token=on_token, return_logits=return_logits)
+                     compile=mode == "compiled", on_token=on_token, return_logits=return_logits,
+                     forced_tokens=forced_tokens)
 
 
 def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_kind: str,
                 mode: str = DEFAULT_MODE) -> np.ndarray:
-    """Teacher-forced logits [len(sequence) - prompt_len, V] float32: the prompt through `prefill`, then each later
-    token through the decode step `generate` runs in `mode`. Row i predicts sequence[prompt_len + i]."""
-    check_mode(NAME, MODES, STREAMING_MODES, mode, False)
-    ids = torch.tensor([list(sequence)], dtype=torch.long, device=model.device)  # [1, L]
-    step = decode_step_fn(model, compile=mode == "compiled")
-    with torch.inference_mode():  # the cache too, as in generate: an inference tensor is a different graph input
-        cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype, model.device)
-        logits = [prefill(model, ids[:, :prompt_len], torch.ones_like(ids[:, :prompt_len]), cache)]  # [1, V]
-        for pos in range(prompt_len, len(sequence) - 1):
-            # Fresh [1, 1] tensors, laid out as generate's are, so the step generate compiled serves here too.
-            token = torch.tensor([[sequence[pos]]], dtype=torch.long, device=model.device)  # [1, 1]
-            positions = torch.tensor([[pos]], dtype=torch.long, device=model.device)  # [1, 1]
-            logits.append(step(token, positions, cache).float().clone())  # cudagraphs reuse their outputs
-        return torch.cat(logits).float().cpu().numpy()
+    """Teacher-forced logits [len(sequence) - prompt_len, V] float32 of one row: `generate` in `mode` with
+    forced_tokens, so the prompt goes through its prefill and each later token through its decode path. Row i
+    predicts sequence[prompt_len + i]."""
+    sequence = [int(token) for token in sequence]
+    result = generate(model, [sequence[:prompt_len]], len(sequence) - prompt_len, mode=mode, cache=cache_kind,
+                      return_logits=True, forced_tokens=[sequence[prompt_len:]])
+    return np.asarray(result.step_logits[0].cpu(), np.float32)
 
 
 def compiled_variants() -> int:

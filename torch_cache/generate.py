@@ -32,6 +32,7 @@ from twincache.generation import (
     prepare_batch,
     prepare_continuation,
     validate_attention_mask,
+    validate_forced_tokens,
 )
 
 MAX_DECODE_VARIANTS = 64
@@ -109,17 +110,22 @@ def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tenso
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, compile: bool = True,
-             on_token: TokenCallback | None = None, return_logits: bool = False) -> GenerationResult:
+             on_token: TokenCallback | None = None, return_logits: bool = False,
+             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
     object to reuse (it is reset first). `on_token` receives each step's tokens, one per row. Every input is
     validated before a given cache is touched: a refused call changes nothing.
+    `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
+    sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = inputs.input_ids.shape  # [B, T]
+    forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
+    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     device, dtype = model.device, model.dtype
     if return_logits:
         _check_logits_fit(batch, max_new_tokens, config.vocab_size, device)
@@ -141,15 +147,17 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
                      torch.from_numpy(inputs.attention_mask).to(device), cache)  # [B, V]
-    _, _, first = _pick(logits, torch.zeros(batch, dtype=torch.bool, device=device), sampling, generator,
-                        config.eos_token_id, step=0)
+    first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
+    _, _, first = _pick(logits, torch.zeros(batch, dtype=torch.bool, device=device), sampling, generator, eos,
+                        step=0, forced=first_forced)
     prefill_s = time.perf_counter() - start
     if on_token is not None:
         on_token(first)
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
-                               on_token=on_token, return_logits=return_logits, generator=generator)
+                               on_token=on_token, return_logits=return_logits, generator=generator,
+                               forced_tokens=None if forced is None else forced[:, 1:])
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token == config.eos_token_id else more) for token, more in zip(first, rest.token_ids)]
+    tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
     return dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
                                step_logits=step_logits)
@@ -159,11 +167,13 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
                         sampling: SamplingParams | None = None, compile: bool = True,
                         on_token: TokenCallback | None = None, return_logits: bool = False,
-                        generator: torch.Generator | None = None) -> GenerationResult:
+                        generator: torch.Generator | None = None,
+                        forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
     """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
 
     Positions come from the cache itself, so a cache handed over from jax_cache continues exactly where it was.
     A row whose last token is EOS is finished. Returns only the new tokens; `result.cache` is `cache`, written in place.
+    `forced_tokens` teacher-forces the steps, as in `generate`.
     """
     config = model.config
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
@@ -175,9 +185,15 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     check_positions(config, int(positions.max()) + 1, max_new_tokens, int(cache.length) + max_new_tokens)
     if return_logits:
         _check_logits_fit(len(last_tokens), max_new_tokens, config.vocab_size, device)
+    forced = None
+    if forced_tokens is not None:
+        forced_np = validate_forced_tokens(forced_tokens, len(last_tokens), max_new_tokens, config)
+        # [N, B]: step k's row forced[k] is contiguous, laid out as a sampled [B] is, so the compiled step's stride
+        # guards hold and forcing never recompiles it
+        forced = torch.from_numpy(forced_np.T.copy()).long().to(device)
     if generator is None and not sampling.greedy:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    eos = config.eos_token_id
+    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
     finished = next_ids == eos if eos is not None else torch.zeros_like(next_ids, dtype=torch.bool)
     step = decode_step_fn(model, compile)
@@ -193,7 +209,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         decode_steps += 1
         if return_logits:
             step_logits.append(logits.clone())  # cudagraph outputs are overwritten by the next replay
-        next_ids, finished, row_ids = _pick(logits, finished, sampling, generator, eos, decode_steps)
+        next_ids, finished, row_ids = _pick(logits, finished, sampling, generator, eos, decode_steps,
+                                            None if forced is None else forced[decode_steps - 1])
         all_done = eos is not None and all(token == eos for token in row_ids)
         if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
             first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
@@ -219,14 +236,16 @@ def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.dev
 
 
 def _pick(logits: torch.Tensor, finished: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
-          eos: int | None, step: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Sample one step's tokens [B]; finished rows keep emitting EOS. Raises on non-finite logits.
+          eos: int | None, step: int,
+          forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Sample one step's tokens [B] (or take the `forced` ones); finished rows keep emitting EOS. Raises on
+    non-finite logits.
 
     Returns the tokens on device and on the host: one host sync per step carries them and the finiteness flag."""
     finite_rows = torch.isfinite(logits).all(dim=-1, keepdim=True)  # [B, 1]
     if not sampling.greedy:  # a row with NaN/Inf is drawn from zeros instead: multinomial would raise before we can
         logits = logits.where(finite_rows, 0.0)
-    next_ids = sample(logits, sampling, generator)  # [B]
+    next_ids = sample(logits, sampling, generator) if forced is None else forced  # [B]
     if eos is not None:
         next_ids = torch.where(finished, eos, next_ids)
         finished = finished | (next_ids == eos)

@@ -251,6 +251,17 @@ def check_positions(config: MistralConfig, first_position: int, max_new_tokens: 
                          f"{INT32_MAX}, the int32 limit of positions and lengths; generate fewer tokens")
 
 
+def validate_forced_tokens(forced_tokens: Sequence[Sequence[int]], batch: int, max_new_tokens: int,
+                           config: MistralConfig) -> np.ndarray:
+    """Teacher forcing: one row of exactly `max_new_tokens` in-vocabulary ids per prompt. Returns [B, N] int32."""
+    rows = validate_prompts(forced_tokens, config, label="forced_tokens row") if max_new_tokens else [
+        list(row) for row in forced_tokens]
+    if len(rows) != batch or any(len(row) != max_new_tokens for row in rows):
+        raise InputError(f"forced_tokens has {len(rows)} rows of lengths {sorted({len(row) for row in rows})}; "
+                         f"give one row of exactly max_new_tokens={max_new_tokens} ids per prompt ({batch})")
+    return np.asarray(rows, dtype=np.int32).reshape(batch, max_new_tokens)  # [B, N]
+
+
 def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> None:
     """Refuse up front a generation that would overflow a given cache's capacity (None: an unbounded ring)."""
     if capacity is not None and prompt_len + max_new_tokens > capacity:

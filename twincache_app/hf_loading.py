@@ -13,18 +13,22 @@ from twincache.checkpoint import load_config
 from twincache.gguf_checkpoint import is_gguf_file
 
 
-def transformers_model(path: str | Path, dtype: Any, hf_config: Any = None) -> Any:
+def transformers_model(path: str | Path, dtype: Any, hf_config: Any = None,
+                       attn_implementation: str | None = None) -> Any:
     """MistralForCausalLM of a checkpoint directory or GGUF file in `dtype` (a torch dtype), on the CPU, with
-    `hf_config` (a transformers MistralConfig) instead of the checkpoint's own when given."""
+    `hf_config` (a transformers MistralConfig) instead of the checkpoint's own when given, and transformers' default
+    attention unless `attn_implementation` names one."""
     from transformers import AutoModelForCausalLM, MistralForCausalLM
     from transformers import MistralConfig as HFMistralConfig
 
     path = Path(path)
     if not is_gguf_file(path):
-        return MistralForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype)
+        return MistralForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype,
+                                                  attn_implementation=attn_implementation)
     loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     config = hf_config if hf_config is not None else HFMistralConfig(**load_config(path).to_hf_dict())
-    model = MistralForCausalLM._from_config(config, dtype=dtype)  # its random init is replaced by the assign below
+    # its random init is replaced by the assign below
+    model = MistralForCausalLM._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
     return model
 

