@@ -16,7 +16,7 @@ from twincache_app import cli, parity
 
 ROW_FIELDS = {"cache", "name", "kind", "metrics", "ratios", "failed"}
 METRIC_FIELDS = {"steps", "rows", "max_abs_logit_diff", "rel_max_abs_logit_diff", "mean_kl", "max_kl",
-                 "top1_agreement", "first_greedy_divergence", "max_abs_kv_diff"}
+                 "top1_agreement", "first_greedy_divergence", "first_decisive_divergence", "max_abs_kv_diff"}
 
 
 def run_cli(*argv: str, home: str) -> subprocess.CompletedProcess:
