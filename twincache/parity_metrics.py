@@ -11,13 +11,13 @@ import dataclasses
 
 import numpy as np
 
-# Metrics where larger is worse, and the factor each may exceed the floor by. Calibrated in docs/parity.md: on the
-# trained 30-layer model and on the tiny test checkpoints, mean KL sat within 1.3x of the floor and the worst-step
-# metrics within 3.1x (bf16); the factors leave a margin over the largest ratio seen.
+# Metrics where larger is worse, and the factor each may exceed the floor by, calibrated in docs/parity.md on the
+# trained 30-layer model and the tiny test checkpoints: each leaves a margin of ~2x over the largest ratio seen there
+# (a direct torch-vs-JAX row adds two runs' errors, so its KL sits near twice the floor).
 FACTORS = {
     "max_abs_logit_diff": 4.0,
     "rel_max_abs_logit_diff": 4.0,
-    "mean_kl": 2.0,
+    "mean_kl": 3.0,
     "max_kl": 6.0,
     "top1_disagreement": 4.0,
     "max_abs_kv_diff": 8.0,
