@@ -49,9 +49,11 @@ def run_case(label: str, argv: list[str], out: Path) -> dict:
 
 
 def summary(cases: dict[str, dict]) -> str:
-    """Largest ratio to the floor per (model family, dtype, row kind, metric)."""
-    metrics = parity_metrics.METRICS
-    lines = ["| models | dtype | rows | " + " | ".join(metrics) + " |", "|---" * (3 + len(metrics)) + "|"]
+    """Largest ratio to the floor per (model family, dtype, row kind, metric), and the greedy divergences: rows that
+    diverged at all, and at a decisive step."""
+    metrics = list(parity_metrics.FACTORS)
+    lines = ["| models | dtype | rows | " + " | ".join(metrics) + " | diverged | decisively |",
+             "|---" * (5 + len(metrics)) + "|"]
     for family in ("trained", "tiny"):
         for dtype in DTYPES:
             for kind in ("implementation", "direct"):
@@ -61,7 +63,10 @@ def summary(cases: dict[str, dict]) -> str:
                     continue
                 worst = [max((np.inf if row["ratios"].get(m, 0.0) is None else row["ratios"].get(m, 0.0)
                               for row in rows), default=0.0) for m in metrics]
-                lines.append(f"| {family} | {dtype} | {kind} | " + " | ".join(f"{w:.2f}" for w in worst) + " |")
+                diverged = sum(row["metrics"]["first_greedy_divergence"] is not None for row in rows)
+                decisively = sum(row["metrics"]["first_decisive_divergence"] is not None for row in rows)
+                lines.append(f"| {family} | {dtype} | {kind} | " + " | ".join(f"{w:.2f}" for w in worst)
+                             + f" | {diverged} of {len(rows)} | {decisively} |")
     return "\n".join(lines)
 
 

@@ -47,8 +47,9 @@ class Judge:
         the final cache of `result` (a GenerationResult with a `cache` kind of cache) are within bounds."""
         truth, floor = self.oracles(prompts, tokens)
         ours = parity.host(logits).reshape(truth.logits.shape)
-        found = parity_metrics.distance(truth.logits, ours)
-        baseline = parity_metrics.distance(truth.logits, floor.logits)
+        decisive = parity_metrics.decisive_steps(truth.logits, floor.logits, self.dtype)  # [B, N]
+        found = parity_metrics.distance(truth.logits, ours, decisive)
+        baseline = parity_metrics.distance(truth.logits, floor.logits, decisive)
         if result is not None:
             found = dataclasses.replace(found, max_abs_kv_diff=parity.kv_distance(
                 truth, parity.Run.from_result(result), cache, self.window))
@@ -63,16 +64,17 @@ class Judge:
         the same bounds of the floor (transformers in this dtype against float64)."""
         truth, floor = self.oracles(prompts, tokens)
         first = parity.host(first).reshape(truth.logits.shape)
-        found = parity_metrics.distance(first, parity.host(second).reshape(truth.logits.shape))
-        self._judge(found, parity_metrics.distance(truth.logits, floor.logits), first, second, cell)
+        decisive = parity_metrics.decisive_steps(truth.logits, floor.logits, self.dtype)  # [B, N]
+        found = parity_metrics.distance(first, parity.host(second).reshape(truth.logits.shape), decisive)
+        self._judge(found, parity_metrics.distance(truth.logits, floor.logits, decisive), first, second, cell)
         return found
 
     def _judge(self, found: Distance, baseline: Distance, reference: np.ndarray, candidate: Any, cell: str) -> None:
         failed = parity_metrics.failures(found, baseline, self.dtype)
         if failed:
             limits = parity_metrics.bounds(baseline, self.dtype)
-            detail = "; ".join(f"{name} {getattr(found, name)} out of bounds ({limits[name]:.3g}; floor "
-                               f"{getattr(baseline, name)})" for name in failed)
+            detail = "; ".join(f"{name} {getattr(found, name)} out of bounds ({limits.get(name, 'none allowed')}; "
+                               f"floor {getattr(baseline, name)})" for name in failed)
             worst = np.abs(reference - parity.host(candidate).reshape(reference.shape)).max(-1)  # [B, N]
             row, step = np.unravel_index(int(worst.argmax()), worst.shape)
             pytest.fail(f"{cell}: {detail}; worst |Δlogit| {worst[row, step]:.3g} at row {row} step {step} "

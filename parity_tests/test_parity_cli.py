@@ -16,7 +16,7 @@ from twincache_app import cli, parity
 
 ROW_FIELDS = {"cache", "name", "kind", "metrics", "ratios", "failed"}
 METRIC_FIELDS = {"steps", "rows", "max_abs_logit_diff", "rel_max_abs_logit_diff", "mean_kl", "max_kl",
-                 "top1_agreement", "first_greedy_divergence", "max_abs_kv_diff"}
+                 "top1_agreement", "first_greedy_divergence", "first_decisive_divergence", "max_abs_kv_diff"}
 
 
 def run_cli(*argv: str, home: str) -> subprocess.CompletedProcess:
@@ -130,6 +130,6 @@ def test_bf16_on_a_tiny_model_within_bounds_of_its_floor(checkpoints):
     report = parity.parity_report(models, [prompt], 32, "bfloat16", ["static", "sliding_window"],
                                   ("torch:eager", "jax:fused"))
     judged = [row for row in report.rows if row.kind != "floor"]
-    assert len(judged) == 4 and report.passed, parity.format_table(parity.report_json(report, ""))
+    assert len(judged) == 6 and report.passed, parity.format_table(parity.report_json(report, ""))
     floor = report.rows[0].distance
     assert floor.max_abs_logit_diff > 1e-3, "a bf16 floor far from 0, else this judges nothing"

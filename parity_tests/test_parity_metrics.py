@@ -20,7 +20,8 @@ def test_identical_logits_are_at_distance_zero():
     ref = logits()
     d = pm.distance(ref, ref.copy())
     assert (d.max_abs_logit_diff, d.rel_max_abs_logit_diff, d.max_kl, d.top1_agreement) == (0, 0, 0, 1)
-    assert d.mean_kl == pytest.approx(0, abs=1e-15) and d.first_greedy_divergence is None and d.agreed_steps == 6
+    assert d.mean_kl == pytest.approx(0, abs=1e-15) and d.first_greedy_divergence is None
+    assert d.first_decisive_divergence is None
 
 
 def test_a_constant_shift_moves_logits_but_no_probability():
@@ -46,7 +47,7 @@ def test_first_greedy_divergence_is_the_earliest_step_of_any_row():
     cand[0, 6] = -cand[0, 6]  # row 0 diverges at step 6, row 2 at step 3: the report says 3
     cand[2, 3] = -cand[2, 3]
     d = pm.distance(ref, cand)
-    assert d.first_greedy_divergence == 3 and d.agreed_steps == 3
+    assert d.first_greedy_divergence == 3 and d.first_decisive_divergence is None  # no decisive mask: none judged
     assert d.top1_agreement == pytest.approx(1 - 2 / 24) and (d.rows, d.steps) == (3, 8)
 
 
@@ -73,13 +74,37 @@ def test_each_metric_passes_at_its_factor_and_fails_just_above(metric):
     assert pm.failures(above, floor, "bfloat16") == [metric]
 
 
-def test_agreed_steps_may_fall_to_the_floors_over_the_divergence_factor():
-    floor = floor_distance(first_greedy_divergence=40)
-    at = floor_distance(first_greedy_divergence=int(40 / pm.DIVERGENCE_FACTOR))
-    below = floor_distance(first_greedy_divergence=int(40 / pm.DIVERGENCE_FACTOR) - 1)
-    assert pm.failures(at, floor, "bfloat16") == [] and pm.failures(below, floor, "bfloat16") == ["agreed_steps"]
-    never = floor_distance(first_greedy_divergence=None)  # a floor that never diverges: agreed = all 100 steps
-    assert pm.failures(floor_distance(first_greedy_divergence=24), never, "bfloat16") == ["agreed_steps"]
+def test_decisive_steps_are_those_a_flip_within_the_bound_cannot_reach():
+    """margin > 2 x max(FACTOR x the floor's max |Δlogit| at the step, the absolute allowance)."""
+    factor = pm.FACTORS["max_abs_logit_diff"]
+    ref = np.zeros((1, 4, 3))
+    ref[0, :, 0] = [1.0, 1.0, 1.0, 1.0]  # top-1 margins over the other tokens (0): 1.0, then 0.3 at steps 2-3
+    ref[0, 2:, 1] = 0.7
+    floor = ref.copy()
+    floor[0, :, 2] += [0.1, 0.13, 0.03, 0.04]  # the floor's max |Δlogit| per step
+    decisive = pm.decisive_steps(ref, floor, "bfloat16")
+    # step 0: 1.0 > 2 x 4 x 0.1; step 1: 1.0 < 2 x 4 x 0.13; step 2: 0.3 > 0.24; step 3: 0.3 < 0.32
+    assert factor == 4.0 and decisive.tolist() == [[True, False, True, False]]
+    near_tie = np.array([[[1.0, 1.0 - 1.5e-5, 0.0]]])  # a margin of 1.5e-5, the floor 1e-9 away
+    # fp32: the absolute allowance (1e-5) decides, and 1.5e-5 < 2e-5; without one, 8e-9 would make it decisive
+    assert pm.decisive_steps(near_tie, near_tie + 1e-9, "float32").tolist() == [[False]]
+    assert pm.decisive_steps(near_tie, near_tie + 1e-9, "bfloat16").tolist() == [[True]]
+
+
+def test_a_greedy_divergence_fails_only_at_a_decisive_step():
+    ref = logits(steps=8, rows=2)
+    cand = ref.copy()
+    cand[1, 5] = -cand[1, 5]  # row 1 flips at step 5
+    decisive = np.zeros((2, 8), bool)
+    near_tie = pm.distance(ref, cand, decisive)
+    assert (near_tie.first_greedy_divergence, near_tie.first_decisive_divergence) == (5, None)
+    decisive[1, 5] = True
+    flip = pm.distance(ref, cand, decisive)
+    assert (flip.first_greedy_divergence, flip.first_decisive_divergence) == (5, 5)
+    floor = floor_distance(steps=8, rows=2, top1_agreement=1.0, first_greedy_divergence=None)
+    loose = dict(max_abs_logit_diff=0.0, rel_max_abs_logit_diff=0.0, mean_kl=0.0, max_kl=0.0, max_abs_kv_diff=0.0)
+    assert pm.failures(dataclasses.replace(near_tie, **loose), floor, "bfloat16") == []
+    assert pm.failures(dataclasses.replace(flip, **loose), floor, "bfloat16") == ["first_decisive_divergence"]
 
 
 def test_absolute_allowance_applies_in_fp32_only_where_the_floor_is_near_zero():
@@ -112,7 +137,7 @@ def test_ratios_to_the_floor():
     floor = floor_distance(top1_agreement=1.0)  # no flip in 100 steps: counts as one
     ratios = pm.ratios(floor_distance(max_abs_logit_diff=1.0, top1_agreement=0.97, first_greedy_divergence=20), floor)
     assert ratios["max_abs_logit_diff"] == pytest.approx(2.0) and ratios["top1_disagreement"] == pytest.approx(3.0)
-    assert ratios["agreed_steps"] == pytest.approx(2.0) and ratios["mean_kl"] == pytest.approx(1.0)
+    assert ratios["mean_kl"] == pytest.approx(1.0) and set(ratios) == set(pm.FACTORS)
     assert pm.ratios(floor_distance(max_kl=1.0), floor_distance(max_kl=0.0))["max_kl"] == float("inf")
 
 
