@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh
 from safetensors import safe_open
 
+from jax_cache import sharding
 from jax_cache.cache import StaticCache, device_label
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
@@ -182,6 +184,7 @@ class Mistral(nnx.Module):
 
     def __init__(self, config: MistralConfig, dtype: jnp.dtype = jnp.float32) -> None:
         self.config = config
+        self.mesh: Mesh | None = None  # the mesh the weights are split over (docs/design.md §10); None: one device
         self.model = MistralModel(config, dtype)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, dtype)
 
@@ -235,8 +238,10 @@ class Mistral(nnx.Module):
         return device_label(self.model.embed_tokens.weight[...])
 
     @classmethod
-    def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array]) -> Mistral:
-        """Build a model from HF-named arrays (no copy of the arrays themselves)."""
+    def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array], mesh: Mesh | None = None) -> Mistral:
+        """Build a model from HF-named arrays (no copy of the arrays themselves), or place them on `mesh`."""
+        if mesh is not None:
+            weights = sharding.shard_weights(config, weights, mesh)
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(config, jnp.float32)))
         flat = []
         for path, variable in nnx.to_flat_state(abstract_state):
@@ -244,20 +249,31 @@ class Mistral(nnx.Module):
             if name not in weights:
                 raise CheckpointError(f"weights lack tensor {name}")
             flat.append((path, variable.replace(weights[name])))
-        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        model.mesh = mesh
+        return model
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: jnp.dtype = jnp.float32) -> Mistral:
-        """Load an HF Mistral checkpoint directory (safetensors only, torch not needed), converting to `dtype`."""
+    def from_pretrained(cls, model_dir: str | Path, dtype: jnp.dtype = jnp.float32,
+                        mesh: Mesh | None = None) -> Mistral:
+        """Load an HF Mistral checkpoint directory (safetensors only, torch not needed), converting to `dtype`.
+        On `mesh`, each device reads only its own slice of every tensor (as each host would, on many hosts)."""
         config, files = open_checkpoint(model_dir)
+        if mesh is not None:
+            sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
         wanted = expected_tensor_shapes(config)
         weights = {}
         for path in sorted(set(files.values())):
             with safe_open(str(path), framework="flax") as f:
                 for name in f.keys():
-                    if name in wanted:
+                    if name in wanted and mesh is None:
                         weights[name] = f.get_tensor(name).astype(dtype)
-        return cls.from_weights(config, weights)
+                    elif name in wanted:
+                        tensor = f.get_slice(name)
+                        weights[name] = jax.make_array_from_callback(
+                            tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh),
+                            lambda index, tensor=tensor: tensor[index].astype(dtype))
+        return cls.from_weights(config, weights, mesh)
 
 
 __all__ = ["project", "Linear", "Embedding", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility",
