@@ -62,6 +62,18 @@ def _view(mesh: Mesh, num_kv_heads: int) -> Mesh:
     return Mesh(mesh.devices.reshape(shape.data, kv_shards, shape.model // kv_shards), _VIEW_AXES)
 
 
+def _named(view: Mesh, spec: P) -> NamedSharding:
+    """A NamedSharding in the form XLA hands a jitted function's outputs back: no axis of size 1, no trailing None.
+    An input sharding written otherwise compares unequal to the output it becomes, and the next call compiles again."""
+    def kept(entry: object) -> object:
+        axes = [axis for axis in (entry if isinstance(entry, tuple) else (entry,)) if axis and view.shape[axis] > 1]
+        return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+    entries = [kept(entry) for entry in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return NamedSharding(view, P(*entries))
+
+
 def kv_shards_per_device(mesh: Mesh, num_kv_heads: int) -> int:
     """Into how many pieces a mesh splits a cache: the batch over `data` times the KV heads over `model` (KV heads
     copied within a group count once)."""
@@ -83,25 +95,25 @@ def weight_sharding(name: str, config: MistralConfig, mesh: Mesh) -> NamedShardi
         spec = P(MODEL, None)  # [V, hidden]: split over the vocabulary
     else:
         spec = P()  # norms; embed and head when `model` does not divide the vocabulary
-    return NamedSharding(view, spec)
+    return _named(view, spec)
 
 
 def cache_shardings(cache: object) -> list[NamedSharding]:
     """The sharding of each of a mesh cache's arrays, in `arrays()` order: K/V [B, Hkv, L, D] with B on `data` and
     the KV heads on `model`; slot_positions [B, L] following the batch; length replicated."""
     view = _view(cache.mesh, cache.num_kv_heads)
-    kv = NamedSharding(view, P("data", "model_kv", None, None))
-    return [kv] * (2 * cache.num_layers) + [NamedSharding(view, P("data", None)), NamedSharding(view, P())]
+    kv = _named(view, P("data", "model_kv", None, None))
+    return [kv] * (2 * cache.num_layers) + [_named(view, P("data", None)), _named(view, P())]
 
 
 def batch_sharding(cache: object) -> NamedSharding:
     """Arrays whose first axis is a mesh cache's batch ([B, ...]): rows on `data`, replicated along `model`."""
-    return NamedSharding(_view(cache.mesh, cache.num_kv_heads), P("data"))
+    return _named(_view(cache.mesh, cache.num_kv_heads), P("data"))
 
 
 def replicated(cache: object) -> NamedSharding:
     """Arrays every device of a mesh cache's mesh holds whole (counters, the step index)."""
-    return NamedSharding(_view(cache.mesh, cache.num_kv_heads), P())
+    return _named(_view(cache.mesh, cache.num_kv_heads), P())
 
 
 def check_batch_size(mesh: Mesh | None, batch_size: int) -> None:

@@ -175,10 +175,10 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, weights: dict[str, tor
         layer.self_attn.parallel = layer.mlp.parallel = parallel
 
 
-def device_bytes(tensors: Sequence[torch.Tensor]) -> dict[str, int]:
+def device_bytes(arrays: Sequence[torch.Tensor]) -> dict[str, int]:
     """Bytes this rank holds of these tensors (its shards), by device, read from the tensors' storage."""
     held: dict[str, int] = {}
-    for tensor in tensors:
+    for tensor in arrays:
         held[str(tensor.device)] = held.get(str(tensor.device), 0) + tensor.untyped_storage().nbytes()
     return held
 

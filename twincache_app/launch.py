@@ -51,14 +51,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_ranks(argv: Sequence[str], world_size: int) -> int:
-    """Run `twincache <argv>` in `world_size` processes on this host, ranks 0..world_size-1; returns rank 0's exit
-    code (or a failed rank's, when rank 0 had to be stopped because that rank was gone). Only rank 0 prints to
-    stdout; the others' stderr is shown only when one of them fails."""
+def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app.cli") -> int:
+    """Run `python -m <module> <argv>` (the twincache command by default) in `world_size` processes on this host,
+    ranks 0..world_size-1; returns rank 0's exit code (or a failed rank's, when rank 0 had to be stopped because that
+    rank was gone). Only rank 0 prints to stdout; the others' stderr is shown only when one of them fails."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
     logs = [tempfile.TemporaryFile() for _ in range(world_size)]
-    procs = [subprocess.Popen([sys.executable, "-m", "twincache_app.cli", *argv],
+    procs = [subprocess.Popen([sys.executable, "-m", module, *argv],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=None if r == 0 else subprocess.DEVNULL, stderr=None if r == 0 else logs[r])
              for r in range(world_size)]
