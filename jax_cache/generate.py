@@ -156,7 +156,8 @@ def initial_state(tokens: jax.Array, positions: jax.Array, cache: StaticCache, e
 
 def _placed(state: DecodeState) -> DecodeState:
     """On a mesh: the per-row arrays on `data`, the counters replicated, the cache on its shardings. Every jitted
-    step takes and returns the state placed so, which keeps each donated buffer in place. Off a mesh: unchanged."""
+    step takes the state placed so, and pins the state it returns the same way (a sharding constraint on a returned
+    value is that output's out_sharding), which keeps each donated buffer in place. Off a mesh: unchanged."""
     cache = state.cache
     if cache.mesh is None:
         return state
@@ -203,6 +204,7 @@ def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     no_logits = jnp.zeros((state.tokens.shape[0], vocab_size), jnp.float32)  # [B, V]
     trips = (~state.halted()).astype(jnp.int32)
     logits, state, _ = lax.while_loop(lambda carry: carry[2] > 0, body, (no_logits, state, trips))
+    state = _placed(state)  # a loop's result takes the sharding XLA picks for its carry: pin the returned state
     for_host = jnp.concatenate([state.tokens, state.non_finite_step[None]])  # [B + 1]
     return for_host, logits, state
 
@@ -243,7 +245,7 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
         return FusedCarry(decode_state, out_tokens, out_logits)
 
     carry = lax.while_loop(cond, body, FusedCarry(state, out_tokens, out_logits))
-    return carry.out_tokens, carry.out_logits, carry.state
+    return carry.out_tokens, carry.out_logits, _placed(carry.state)  # pinned as it entered (see _placed)
 
 
 _fused_executables: dict[tuple, jax.stages.Compiled] = {}
