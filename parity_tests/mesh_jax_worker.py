@@ -121,12 +121,19 @@ def write_hlo(out: Path, model: Mistral, vocab: int, record: dict[str, object]) 
     memory = [executable.memory_analysis() for executable in fused.values()]
     record["hlo"] = {"global_kv": list(cache.keys[0].shape),
                      "local_kv": list(cache.keys[0].addressable_shards[0].data.shape), "fused": len(fused),
-                     "step_state_out_shardings_equal_in": all(
-                         out.is_equivalent_to(into, leaf.ndim) for out, into, leaf in zip(
-                             jax.tree.leaves(compiled.output_shardings[-1]),
-                             jax.tree.leaves(compiled.input_shardings[0][1]), jax.tree.leaves(state), strict=True)),
+                     "state_out_shardings_equal_in": [state_kept(executable) for executable in
+                                                      (compiled, *fused.values())],
                      "fused_alias_bytes": [m.alias_size_in_bytes for m in memory],
                      "fused_temp_bytes": [m.temp_size_in_bytes for m in memory]}
+
+
+def state_kept(compiled: jax.stages.Compiled) -> bool:
+    """Whether a compiled step or fused loop returns its decode state (its last output) on the shardings that state
+    came in with (its second argument after the model's params): what lets donation reuse every buffer."""
+    into, out = compiled.input_shardings[0][1], compiled.output_shardings[-1]
+    shapes = [info.shape for info in jax.tree.leaves(compiled.args_info[0][1])]
+    return all(a.is_equivalent_to(b, len(shape)) for a, b, shape in
+               zip(jax.tree.leaves(out), jax.tree.leaves(into), shapes, strict=True))
 
 
 def handoff(checkpoints: dict[str, Path], sharded: dict[tuple, Mistral]) -> dict[str, object]:
