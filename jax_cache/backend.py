@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from jax_cache import generate as _jax_generate
@@ -101,10 +102,18 @@ def compiled_variants() -> int:
     return sum(int(fn._cache_size()) for fn in jitted) + len(_fused_executables)
 
 
+def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
+    """Bytes of the model's weights and of the cache's K/V on each device, read from the arrays' addressable shards
+    (on a mesh, each device's share; docs/design.md §10)."""
+    weights = [variable.get_value() for _, variable in nnx.to_flat_state(nnx.state(model))]
+    return {"weights": sharding.device_bytes(weights), "kv": sharding.device_bytes([*cache.keys, *cache.values])}
+
+
 def device_memory_mb() -> float | None:
     """Device memory JAX holds now on its default device, in MiB; None where the device does not report it (CPU)."""
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     return stats["bytes_in_use"] / 2**20 if stats else None
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "memory_per_device",
+           "device_memory_mb"]

@@ -120,6 +120,10 @@ def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     started = {"jax worker": subprocess.Popen(
         [sys.executable, "-m", "parity_tests.mesh_jax_worker", str(out), str(dirs["gqa"]), str(dirs["mqa"])],
         cwd=REPO, env=jax_env, stdout=subprocess.DEVNULL, stderr=(root / "jax worker.err").open("w"))}
+    started["bench"] = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--preset", "tiny", "--meshes", "model=1", "model=2", "--impls",
+         "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir", str(root)],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(root / "bench.err").open("w"))
     for name, (checkpoint, args) in CLI_RUNS.items():  # the CLI simulates JAX's CPU devices itself
         started[name] = subprocess.Popen(
             [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(dirs[checkpoint]), *CLI_PROMPT],
@@ -127,10 +131,13 @@ def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     torch_code = run_ranks([str(out), str(dirs["gqa"]), str(dirs["mqa"])], 2, module="parity_tests.mesh_torch_worker")
     codes = {name: proc.wait(timeout=900) for name, proc in started.items()}
     assert codes["jax worker"] == 0, (root / "jax worker.err").read_text()[-3000:]
+    assert codes["bench"] == 0, (root / "bench.err").read_text()[-3000:]
     assert torch_code == 0, "the torch workers failed"
     cli = {name: (codes[name], (root / f"{name}.out").read_text(), (root / f"{name}.err").read_text())
            for name in CLI_RUNS}
     return {"dirs": dirs, "out": out, "cli": cli, "jax": json.loads((out / "jax.json").read_text()),
+            "bench": json.loads((root / "bench" / "mesh.json").read_text()),
+            "bench_md": (root / "bench" / "mesh.md").read_text(),
             "jax_logits": dict(np.load(out / "jax_logits.npz")),
             "torch": [json.loads((out / f"torch_rank{r}.json").read_text()) for r in range(2)],
             "torch_logits": [dict(np.load(out / f"torch_rank{r}.npz")) for r in range(2)]}
@@ -335,3 +342,24 @@ def test_cli_parity_on_a_mesh_compares_each_backend_with_itself_on_one_device(me
     pairs = {(p["reference"], p["candidate"]): p for p in report["pairs"]}
     assert set(pairs) == {("jax", "jax@model=4,data=2"), ("transformers", "jax@model=4,data=2")}
     assert report["passed"] and all(p["within_bounds"] and p["steps"] == 10 for p in pairs.values())
+
+
+# --- the bench mode --------------------------------------------------------------------------------------------------
+
+def test_bench_meshes_records_each_devices_bytes_and_tok_s_per_mesh(mesh_runs):
+    """`twincache bench --meshes` on the tiny preset (2 KV heads), model=1 and model=2: every device of model=2 holds
+    half the KV of model=1's one device and less than its weights; JAX also runs the vocabulary replicated, which
+    holds more per device than split."""
+    records = {(r["backend"], r["mesh"], r["vocabulary"]): r for r in mesh_runs["bench"]}
+    assert set(records) == {("torch", "model=1,data=1", "split"), ("torch", "model=2,data=1", "split"),
+                            ("jax", "model=1,data=1", "split"), ("jax", "model=2,data=1", "split"),
+                            ("jax", "model=2,data=1", "replicated")}
+    for backend in ("torch", "jax"):
+        one, two = records[(backend, "model=1,data=1", "split")], records[(backend, "model=2,data=1", "split")]
+        assert len(one["weights_bytes"]) == 1 and len(two["weights_bytes"]) == 2 == len(two["kv_bytes"])
+        assert set(two["kv_bytes"].values()) == {one["kv_max_bytes"] // 2}, (backend, one["kv_bytes"], two["kv_bytes"])
+        assert max(two["weights_bytes"].values()) < 0.6 * one["weights_max_bytes"], backend
+        assert two["decode_tok_s"] > 0 and two["token_ids"] == one["token_ids"], backend
+    replicated = records[("jax", "model=2,data=1", "replicated")]
+    assert replicated["weights_max_bytes"] > records[("jax", "model=2,data=1", "split")]["weights_max_bytes"]
+    assert mesh_runs["bench_md"].count("| jax |") == 3 and mesh_runs["bench_md"].count("| torch |") == 2

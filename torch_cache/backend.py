@@ -73,9 +73,17 @@ def compiled_variants() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
+    """Bytes of the model's weights and of the cache's K/V on each device this process holds, read from the tensors'
+    storage (on a mesh, this rank's shards; docs/design.md §10)."""
+    return {"weights": sharding.device_bytes(list(model.parameters())),
+            "kv": sharding.device_bytes([*cache.keys, *cache.values])}
+
+
 def device_memory_mb() -> float | None:
     """Device memory torch holds now, in MiB; None on CPU."""
     return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "memory_per_device",
+           "device_memory_mb"]

@@ -57,6 +57,9 @@ def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app
     rank was gone). Only rank 0 prints to stdout; the others' stderr is shown only when one of them fails."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+    # Ranks on a CPU share its cores: more OpenMP threads than cores spin-wait each other (docs/design.md §7.11), so
+    # each rank gets its share, as torchrun does, unless OMP_NUM_THREADS is set.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     logs = [tempfile.TemporaryFile() for _ in range(world_size)]
     procs = [subprocess.Popen([sys.executable, "-m", module, *argv],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
