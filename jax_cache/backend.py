@@ -11,8 +11,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES
+from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from jax_cache import generate as _jax_generate
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.generate import (
@@ -27,11 +28,17 @@ from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache.config import MistralConfig
 from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.mesh import MeshShape
 
 
-def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
+def load(path: str | Path, dtype: str = "float32", device: str | None = None,
+         mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: JAX's default
-    device; "cuda" and "gpu" both mean the first GPU). Needs no torch."""
+    device; "cuda" and "gpu" both mean the first GPU), or split over a `mesh` of the devices JAX sees
+    (docs/design.md §10). Needs no torch."""
+    if mesh is not None:
+        return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)),
+                                       mesh=sharding.make_mesh(mesh.model, mesh.data))
     placement = contextlib.nullcontext()
     if device is not None:
         placement = jax.default_device(jax.devices("gpu" if device.startswith("cuda") else device)[0])
@@ -58,29 +65,33 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
                 mode: str = DEFAULT_MODE) -> np.ndarray:
     """Teacher-forced logits [len(sequence) - prompt_len, V] float32: the prompt through `prefill`, then each later
     token through the decode loop `generate` runs in `mode` (the fused while_loop or the streaming step), fed the
-    sequence's tokens instead of sampled ones. Row i predicts sequence[prompt_len + i]."""
+    sequence's tokens instead of sampled ones. Row i predicts sequence[prompt_len + i]. On a mesh split over `data`,
+    each data shard decodes a copy of the sequence (row 0's logits are returned)."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, False)
-    ids = np.asarray([list(sequence)], np.int32)  # [1, L]
+    rows = 1 if model.mesh is None else sharding.mesh_shape(model.mesh).data
+    ids = np.asarray([list(sequence)] * rows, np.int32)  # [R, L]
     num_steps = len(sequence) - 1 - prompt_len  # decode steps after the prefill's logits
-    cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype)
-    first, cache = prefill(model, jnp.asarray(ids[:, :prompt_len]), jnp.ones((1, prompt_len), jnp.int32), cache)
-    logits = [np.asarray(first)]  # [1, V]
+    cache = make_cache(cache_kind, model.config, rows, len(sequence), model.dtype, model.mesh)
+    first, cache = prefill(model, jnp.asarray(ids[:, :prompt_len]), jnp.ones((rows, prompt_len), jnp.int32), cache)
+    logits = [np.asarray(first)[:1]]  # [1, V]
     if num_steps > 0:
         graph, params = split_model(model)
         key, sampling = jax.random.key(0), _without_seed(SamplingParams())
         state = initial_state(jnp.asarray(ids[:, prompt_len]), cache.next_positions(), cache, None, 1)
-        forced = jnp.asarray(ids[:, prompt_len + 1:])  # [1, steps]: step i feeds the token step i - 1 was forced to
+        forced = jnp.asarray(ids[:, prompt_len + 1:])  # [R, steps]: step i feeds the token step i - 1 was forced to
+        if model.mesh is not None:
+            forced = sharding.place(forced, sharding.batch_sharding(cache))
         if mode == "fused":
             executable, _ = fused_executable(graph, params, state, key, forced, sampling=sampling, eos=None,
                                              num_steps=num_steps, vocab_size=model.config.vocab_size,
                                              return_logits=True)
-            _, out_logits, _ = executable(params, state, key, forced)  # [1, steps, V]
+            _, out_logits, _ = executable(params, state, key, forced)  # [R, steps, V]
             logits.append(np.asarray(out_logits[0]))
         else:
             for i in range(num_steps):
                 _, step, state = _jax_generate._sampled_step(graph, params, state, key, sampling, None,
                                                              model.config.vocab_size, forced[:, i])
-                logits.append(np.asarray(step))
+                logits.append(np.asarray(step)[:1])
     return np.concatenate(logits).astype(np.float32)
 
 
@@ -91,10 +102,18 @@ def compiled_variants() -> int:
     return sum(int(fn._cache_size()) for fn in jitted) + len(_fused_executables)
 
 
+def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
+    """Bytes of the model's weights and of the cache's K/V on each device, read from the arrays' addressable shards
+    (on a mesh, each device's share; docs/design.md §10)."""
+    weights = [variable.get_value() for _, variable in nnx.to_flat_state(nnx.state(model))]
+    return {"weights": sharding.device_bytes(weights), "kv": sharding.device_bytes([*cache.keys, *cache.values])}
+
+
 def device_memory_mb() -> float | None:
     """Device memory JAX holds now on its default device, in MiB; None where the device does not report it (CPU)."""
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     return stats["bytes_in_use"] / 2**20 if stats else None
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "memory_per_device",
+           "device_memory_mb"]

@@ -10,18 +10,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES
+from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from torch_cache.cache import StaticCache, make_cache
 from torch_cache.generate import decode_step_fn, prefill
 from torch_cache.generate import generate as _generate
 from torch_cache.model import Mistral
 from twincache.config import MistralConfig
 from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.mesh import MeshShape
 
 
-def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
+def load(path: str | Path, dtype: str = "float32", device: str | None = None,
+         mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: CUDA when torch
-    sees one)."""
+    sees one), or this rank's part of it on a `mesh` of the torch.distributed world's processes
+    (docs/design.md §10)."""
+    if mesh is not None:
+        return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)),
+                                       mesh=sharding.make_mesh(mesh.model, mesh.data))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)), device)
 
@@ -44,18 +50,20 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
 def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_kind: str,
                 mode: str = DEFAULT_MODE) -> np.ndarray:
     """Teacher-forced logits [len(sequence) - prompt_len, V] float32: the prompt through `prefill`, then each later
-    token through the decode step `generate` runs in `mode`. Row i predicts sequence[prompt_len + i]."""
+    token through the decode step `generate` runs in `mode`. Row i predicts sequence[prompt_len + i]. On a mesh
+    split over `data`, each data rank decodes a copy of the sequence (row 0's logits are returned)."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, False)
-    ids = torch.tensor([list(sequence)], dtype=torch.long, device=model.device)  # [1, L]
+    rows = 1 if model.mesh is None else sharding.mesh_shape(model.mesh).data
+    ids = torch.tensor([list(sequence)] * rows, dtype=torch.long, device=model.device)  # [R, L]
     step = decode_step_fn(model, compile=mode == "compiled")
     with torch.inference_mode():  # the cache too, as in generate: an inference tensor is a different graph input
-        cache = make_cache(cache_kind, model.config, 1, len(sequence), model.dtype, model.device)
-        logits = [prefill(model, ids[:, :prompt_len], torch.ones_like(ids[:, :prompt_len]), cache)]  # [1, V]
+        cache = make_cache(cache_kind, model.config, rows, len(sequence), model.dtype, model.device, model.mesh)
+        logits = [prefill(model, ids[:, :prompt_len], torch.ones_like(ids[:, :prompt_len]), cache)[:1]]  # [1, V]
         for pos in range(prompt_len, len(sequence) - 1):
-            # Fresh [1, 1] tensors, laid out as generate's are, so the step generate compiled serves here too.
-            token = torch.tensor([[sequence[pos]]], dtype=torch.long, device=model.device)  # [1, 1]
-            positions = torch.tensor([[pos]], dtype=torch.long, device=model.device)  # [1, 1]
-            logits.append(step(token, positions, cache).float().clone())  # cudagraphs reuse their outputs
+            # Fresh [R, 1] tensors, laid out as generate's are, so the step generate compiled serves here too.
+            token = torch.tensor([[sequence[pos]]] * rows, dtype=torch.long, device=model.device)  # [R, 1]
+            positions = torch.tensor([[pos]] * rows, dtype=torch.long, device=model.device)  # [R, 1]
+            logits.append(step(token, positions, cache)[:1].float().clone())  # cudagraphs reuse their outputs
         return torch.cat(logits).float().cpu().numpy()
 
 
@@ -66,9 +74,17 @@ def compiled_variants() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
+    """Bytes of the model's weights and of the cache's K/V on each device this process holds, read from the tensors'
+    storage (on a mesh, this rank's shards; docs/design.md §10)."""
+    return {"weights": sharding.device_bytes(list(model.parameters())),
+            "kv": sharding.device_bytes([*cache.keys, *cache.values])}
+
+
 def device_memory_mb() -> float | None:
     """Device memory torch holds now, in MiB; None on CPU."""
     return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "memory_per_device",
+           "device_memory_mb"]

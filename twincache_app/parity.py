@@ -114,8 +114,11 @@ class Implementations:
     transformers: Any = None
 
 
-def load_implementations(model_dir: Path, dtype: str, with_transformers: bool = True) -> Implementations:
-    impls = Implementations({name: backend.module().load(model_dir, dtype) for name, backend in BACKENDS.items()})
+def load_implementations(model_dir: Path, dtype: str, with_transformers: bool = True,
+                         backends: Sequence[str] | None = None) -> Implementations:
+    """The backends' models (all, or those named) on one device each, and transformers' unless asked not to."""
+    impls = Implementations({name: backend.module().load(model_dir, dtype) for name, backend in BACKENDS.items()
+                             if backends is None or name in backends})
     if with_transformers:
         try:
             import torch
@@ -200,6 +203,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "reference's top-1 margin > 1e-4; bf16/fp16: mean KL <= 1e-3 and top-1 agreement >= 99% over the "
                     "decisive steps, whose reference top-1 margin exceeds 4 ulps), 1 when one is not, 2 on bad input.")
     add_model_arguments(parser)
+    parser.add_argument("--backend", choices=("all", *BACKENDS), default="all",
+                        help="compare every backend (default), or one; with --mesh, each backend split over the mesh "
+                             "is compared with itself on one device and with transformers")
     parser.add_argument("--cache", choices=(*CACHE_KINDS, "both"), default="both")
     parser.add_argument("--modes", choices=("default", "all"), default="default",
                         help=f"run each backend in its default mode (what generate runs), or in all of its modes "
@@ -218,7 +224,12 @@ def run(args: argparse.Namespace) -> int:
         caches = [kind for kind in CACHE_KINDS if kind == "static" or config.sliding_window is not None]
     else:  # sliding_window on a window-less config is refused by the cache itself, with its clear error
         caches = [args.cache]
-    impls = load_implementations(model_dir, args.dtype, with_transformers=not args.no_transformers)
+    backends = list(BACKENDS) if args.backend == "all" else [args.backend]
+    if args.mesh is not None:
+        from twincache_app import mesh_parity
+
+        return mesh_parity.run(args, config, model_dir, prompt_ids, caches, backends)
+    impls = load_implementations(model_dir, args.dtype, not args.no_transformers, backends)
     all_modes = args.modes == "all"
     reports = parity_reports(impls, prompt_ids, args.max_new_tokens, args.dtype, caches, all_modes)
     passed = all(r.within_bounds for r in reports)
