@@ -10,7 +10,10 @@ A column indexes the left-padded batch layout; for an unpadded row it equals the
   SlidingWindowCache:  a ring of W = min(sliding_window, max_cache_len) slots; column c lives in slot c % W.
 Visibility comes from slot_positions (the model's mask), never from slot order: RoPE is applied before caching.
 
-Arrays are leaves; everything else (sizes, dtype) is static pytree metadata. A cache passed to a jitted call with
+On a mesh (`mesh=`, docs/design.md §10) every array is one global array: K/V with the batch on `data` and the KV
+heads on `model`, slot_positions following the batch, length replicated (jax_cache.sharding places them).
+
+Arrays are leaves; everything else (sizes, dtype, mesh) is static pytree metadata. A cache passed to a jitted call with
 donation is consumed: using it again raises StaleCacheError instead of JAX's bare "Array has been deleted".
 """
 
@@ -19,7 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
 
+from jax_cache import sharding
 from twincache import cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError, StaleCacheError
@@ -35,8 +40,12 @@ class StaticCache:
     ARRAY_FIELDS = ("keys", "values", "slot_positions", "length")
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
-                 dtype: jnp.dtype = jnp.float32) -> None:
+                 dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> None:
         batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
+        if mesh is not None:  # a mesh that cannot split this model or batch is refused before anything is built
+            sharding.plan(mesh, config)
+            sharding.check_batch_size(mesh, batch_size)
+        self.mesh = mesh
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -45,13 +54,22 @@ class StaticCache:
         self.cache_len = self._buffer_len(config, max_cache_len)
         self.dtype = jnp.dtype(dtype)
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
-        device = default_device()  # where jnp.zeros puts the buffers below (also while a jit traces this)
-        cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), memory_label(device))
+        device = default_device() if mesh is None else mesh.devices.flat[0]  # also while a jit traces this
+        shards = 1 if mesh is None else sharding.kv_shards_per_device(mesh, self.num_kv_heads)
+        cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), memory_label(device),
+                                      shards)
         shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
-        self.keys = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-        self.values = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-        self.slot_positions = jnp.full((batch_size, self.cache_len), -1, jnp.int32)
-        self.length = jnp.zeros((), jnp.int32)
+        places = self._placements()
+        self.keys = [jnp.zeros(shape, self.dtype, device=places[0]) for _ in range(self.num_layers)]
+        self.values = [jnp.zeros(shape, self.dtype, device=places[0]) for _ in range(self.num_layers)]
+        self.slot_positions = jnp.full((batch_size, self.cache_len), -1, jnp.int32, device=places[-2])
+        self.length = jnp.zeros((), jnp.int32, device=places[-1])
+
+    def _placements(self) -> list[NamedSharding | None]:
+        """Where each array of `arrays()` goes: its mesh sharding, or None (the default device)."""
+        if self.mesh is None:
+            return [None] * (2 * self.num_layers + 2)
+        return sharding.cache_shardings(self)
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
@@ -142,11 +160,12 @@ class StaticCache:
         return self.replace(slot_positions=slot_positions, length=self.length + num_new)
 
     def reset(self) -> StaticCache:
-        """An empty cache of the same type and shapes: using it is identical to using a fresh one."""
-        return self.replace(keys=[jnp.zeros_like(k) for k in self.keys],
-                            values=[jnp.zeros_like(v) for v in self.values],
-                            slot_positions=jnp.full_like(self.slot_positions, -1),
-                            length=jnp.zeros_like(self.length))
+        """An empty cache of the same type, shapes and placement: using it is identical to using a fresh one."""
+        places = self._placements()
+        return self.replace(keys=[jnp.zeros_like(k, device=places[0]) for k in self.keys],
+                            values=[jnp.zeros_like(v, device=places[0]) for v in self.values],
+                            slot_positions=jnp.full_like(self.slot_positions, -1, device=places[-2]),
+                            length=jnp.zeros_like(self.length, device=places[-1]))
 
     # --- checks before dispatch (JAX would clamp or drop out-of-range writes silently) ------------------------------
 
@@ -160,7 +179,7 @@ class StaticCache:
 
     @property
     def device(self) -> str:
-        """The device(s) holding the buffers, as a label: "TFRT_CPU_0", "cuda:0", or several joined by "+"."""
+        """The device(s) holding the buffers, as a label: "TFRT_CPU_0", "cuda:0", or the mesh."""
         return device_label(self.keys[0])
 
     def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: jnp.dtype,
@@ -188,7 +207,8 @@ class StaticCache:
     def _check_states(self, layer_idx: int, key_states: jax.Array, value_states: jax.Array) -> None:
         self.check_live()
         for name, states in (("key_states", key_states), ("value_states", value_states)):
-            cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype)
+            cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype,
+                                      tuple(self.keys[0].shape))
         self._check_write_range(key_states.shape[2])
 
 
@@ -199,12 +219,12 @@ class SlidingWindowCache(StaticCache):
     kind = "sliding_window"
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
-                 dtype: jnp.dtype = jnp.float32) -> None:
+                 dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> None:
         if config.sliding_window is None:
             raise CacheError("a SlidingWindowCache needs a config with sliding_window set, but it is null; "
                              "use StaticCache")
         self.sliding_window = config.sliding_window
-        super().__init__(config, batch_size, max_cache_len, dtype)
+        super().__init__(config, batch_size, max_cache_len, dtype, mesh)
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
@@ -228,7 +248,10 @@ class SlidingWindowCache(StaticCache):
 
 
 def device_label(array: jax.Array) -> str:
-    """The device(s) an array lives on, as a label for comparisons and messages."""
+    """The device(s) an array lives on, as a label for comparisons and messages: the device, or the mesh."""
+    placement = array.sharding
+    if isinstance(placement, NamedSharding) and placement.mesh.size > 1 and "data" in placement.mesh.axis_names:
+        return sharding.mesh_label(placement.mesh)
     return "+".join(sorted(str(device) for device in array.devices()))
 
 
@@ -255,12 +278,12 @@ def memory_label(device: jax.Device) -> str:
 
 
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
-               dtype: jnp.dtype = jnp.float32) -> StaticCache:
-    """Build a cache by name: "static" or "sliding_window"."""
+               dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> StaticCache:
+    """Build a cache by name: "static" or "sliding_window", on one device or on `mesh`."""
     classes = {cls.kind: cls for cls in (StaticCache, SlidingWindowCache)}
     if kind not in classes:
         raise InputError(f"cache={kind!r} is not one of {', '.join(classes)}")
-    return classes[kind](config, batch_size, max_cache_len, dtype)
+    return classes[kind](config, batch_size, max_cache_len, dtype, mesh)
 
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:

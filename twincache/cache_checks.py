@@ -86,12 +86,14 @@ def cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, cache_len: 
     return 2 * num_layers * batch_size * num_kv_heads * cache_len * head_dim * itemsize + 4 * batch_size * cache_len + 4
 
 
-def check_cache_fits(cache: Any, itemsize: int, available: int | None, memory: str) -> None:
-    """Refuse, before allocating, a cache larger than the `memory` available to hold it (None: unknown, not checked)."""
+def check_cache_fits(cache: Any, itemsize: int, available: int | None, memory: str, shards: int = 1) -> None:
+    """Refuse, before allocating, a cache larger than the `memory` available to hold it (None: unknown, not checked).
+    On a mesh each device holds 1/`shards` of it (docs/design.md §10)."""
     needed = cache_bytes(cache.num_layers, cache.batch_size, cache.num_kv_heads, cache.cache_len, cache.head_dim,
                          itemsize)
     check_fits(f"a {cache.kind} cache of {cache.num_layers} layers x batch {cache.batch_size} x {cache.num_kv_heads} "
-               f"kv heads x {cache.cache_len} slots x head_dim {cache.head_dim} in {cache.dtype}", needed, available,
+               f"kv heads x {cache.cache_len} slots x head_dim {cache.head_dim} in {cache.dtype}"
+               + (f", split {shards} ways," if shards > 1 else ""), -(-needed // shards), available,
                memory, "lower max_cache_len (--max-cache-len) or max_new_tokens, or use the sliding_window cache")
 
 
@@ -137,13 +139,16 @@ def check_write_range(cache: Any, start: int, num_new: int) -> None:
                          "limit of cache columns and lengths; reset() the cache")
 
 
-def check_states(cache: Any, layer_idx: int, name: str, shape: tuple[int, ...], dtype: object) -> None:
-    """Refuse key/value states of the wrong layer index, shape or dtype for a direct `update` call."""
+def check_states(cache: Any, layer_idx: int, name: str, shape: tuple[int, ...], dtype: object,
+                 buffer_shape: tuple[int, ...]) -> None:
+    """Refuse key/value states of the wrong layer index, shape or dtype for a direct `update` call. `buffer_shape`
+    is the shape of the K/V buffers the states go into (on a torch mesh: this rank's shard)."""
     if not 0 <= layer_idx < cache.num_layers:
         raise CacheError(f"layer_idx={layer_idx} is outside [0, {cache.num_layers})")
-    batch, heads, _, head_dim = shape if len(shape) == 4 else (None,) * 4
-    if (batch, heads, head_dim) != (cache.batch_size, cache.num_kv_heads, cache.head_dim):
-        raise CacheError(f"{name} has shape {list(shape)}; this cache needs [{cache.batch_size}, "
-                         f"{cache.num_kv_heads}, seq_len, {cache.head_dim}]")
+    rows, kv_heads, _, head_dim = buffer_shape
+    batch, heads, _, states_head_dim = shape if len(shape) == 4 else (None,) * 4
+    if (batch, heads, states_head_dim) != (rows, kv_heads, head_dim):
+        raise CacheError(f"{name} has shape {list(shape)}; this cache needs [{rows}, {kv_heads}, seq_len, "
+                         f"{head_dim}]")
     if dtype != cache.dtype:
         raise CacheError(f"{name} dtype {dtype} differs from cache dtype {cache.dtype}")
