@@ -397,6 +397,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     forced = None
     if forced_tokens is not None:
         forced = jnp.asarray(validate_forced_tokens(forced_tokens, batch, max_new_tokens, config))  # [B, N]
+        if cache.mesh is not None:  # its rows follow the cache's batch, as every per-row input's do
+            forced = sharding.place(forced, sharding.batch_sharding(cache))
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)

@@ -57,7 +57,7 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
         result = tg.generate(model, prompts(vocab), NEW_TOKENS, cache=cache, compile=mode == "compiled",
                              return_logits=True)
         case = {"checkpoint": name, "data": data, "model": model_ways, "cache": kind, "mode": mode,
-                "tokens": result.token_ids, "reference_tokens": reference.token_ids,
+                "prompts": prompts(vocab), "tokens": result.token_ids, "reference_tokens": reference.token_ids,
                 "addresses_kept": [buffer.data_ptr() for buffer in result.cache.arrays()] == addresses,
                 "kv_shard": {"shape": list(cache.keys[0].shape), "bytes": sharding.device_bytes([cache.keys[0]]),
                              "whole_bytes": cache.batch_size * cache.num_kv_heads * cache.cache_len * cache.head_dim

@@ -1,12 +1,14 @@
 """One model and one cache split over devices (docs/design.md §10), proved against the same model on one device.
 
 JAX runs on 8 simulated CPU devices in a subprocess (parity_tests/mesh_jax_worker.py), so the rest of the suite keeps
-one device; torch runs in 2 gloo processes (parity_tests/mesh_torch_worker.py). Both start together, once per module,
-and write what they saw; the tests below judge it: greedy tokens equal to one device's and every decode step's
-logits within the project's parity rule (twincache_app.mesh_parity.judge), each device's bytes read from its own
-shards, donation in place without a warning and no whole-cache copy in the compiled HLO, one trace or compile per
-shape, and the torch -> JAX-mesh handoff. The checkpoints: GQA (8 query heads, 2 KV heads) and MQA (1 KV head, a
-vocabulary of 132 that model=8 cannot split, so its embed and head stay replicated there), window 8.
+one device; torch runs in 2 gloo processes (parity_tests/mesh_torch_worker.py). Both start together with the bench
+mode and the command lines, once per module, and write what they saw; the tests below judge it: greedy tokens equal
+to one device's and every decode step's logits within the project's parity rule (twincache_app.mesh_parity.judge:
+sharded vs one device is a direct row of `twincache parity`, judged against transformers' fp32 distance from its
+float64 self), each device's bytes read from its own shards, donation in place without a warning and no whole-cache
+copy in the compiled HLO, one trace or compile per shape, the torch -> JAX-mesh handoff, and `parity --mesh` for
+each backend. The checkpoints: GQA (8 query heads, 2 KV heads) and MQA (1 KV head, a vocabulary of 132 that model=8
+cannot split, so its embed and head stay replicated there), window 8.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from twincache.config import MistralConfig
 from twincache.errors import MeshError
 from twincache.generation import Batch, GenerationResult, SamplingParams
 from twincache.mesh import MeshShape, keep_rows, pad_batch, parse_mesh, plan_shards
+from twincache_app.parity import Oracle, Row
 
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINTS = {"gqa": dict(seed=20, num_attention_heads=8),
@@ -100,8 +104,10 @@ CLI_RUNS = {  # name -> (checkpoint, twincache arguments)
                                "--max-new-tokens", "12", "--json"]),
     "generate jax": ("gqa", ["generate", "--backend", "jax", "--mesh", "model=2,data=2", "--max-new-tokens", "12",
                              "--json"]),
-    "parity jax": ("mqa", ["parity", "--backend", "jax", "--mesh", "model=4,data=2", "--max-new-tokens", "10",
+    "parity jax": ("mqa", ["parity", "--modes", "jax:fused", "--mesh", "model=4,data=2", "--max-new-tokens", "10",
                            "--cache", "sliding_window", "--json"]),
+    "parity torch": ("gqa", ["parity", "--modes", "torch:eager", "--mesh", "model=2", "--max-new-tokens", "6",
+                             "--cache", "static", "--json"]),
 }
 
 
@@ -143,13 +149,34 @@ def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             "torch_logits": [dict(np.load(out / f"torch_rank{r}.npz")) for r in range(2)]}
 
 
-def judged(logits: dict[str, np.ndarray], index: int) -> list[dict]:
-    """The parity verdict of each row's step logits [steps, V], sharded against one device."""
+@pytest.fixture(scope="module")
+def oracles(mesh_runs: dict[str, object]) -> Callable[[dict], tuple[Oracle, Oracle]]:
+    """The float64 reference and the fp32 floor (transformers, uncached, row by row) over a case's prompts and the
+    one-device run's tokens: what `twincache parity` judges a direct row against. Computed once per sequence."""
+    from twincache_app.parity import floor_oracle, load_models
+
+    models = {name: load_models(path, "float32", impls=()) for name, path in mesh_runs["dirs"].items()}
+    done: dict[str, tuple[Oracle, Oracle]] = {}
+
+    def of(case: dict) -> tuple[Oracle, Oracle]:
+        key = json.dumps([case["checkpoint"], case["prompts"], case["reference_tokens"]])
+        if key not in done:
+            pair = models[case["checkpoint"]]
+            done[key] = (floor_oracle(pair.reference, case["prompts"], case["reference_tokens"], "float64"),
+                         floor_oracle(pair.floor, case["prompts"], case["reference_tokens"], "float32"))
+        return done[key]
+
+    return of
+
+
+def judged(logits: dict[str, np.ndarray], index: int, case: dict, oracles: Callable) -> Row:
+    """The parity rule's verdict on a case's step logits [8, steps, V], sharded against one device: a direct row of
+    `twincache parity`, judged against the floor's distance from the float64 reference (mesh_parity.judge)."""
     from twincache_app.mesh_parity import judge
 
-    sharded, reference = logits[f"case{index}"], logits[f"case{index}_reference"]
-    assert sharded.shape == reference.shape and sharded.shape[0] == 8, (sharded.shape, reference.shape)
-    return [judge(reference[row], sharded[row], "float32") for row in range(sharded.shape[0])]
+    sharded, single = logits[f"case{index}"], logits[f"case{index}_reference"]
+    assert sharded.shape == single.shape and sharded.shape[0] == 8, (sharded.shape, single.shape)
+    return judge(*oracles(case), single, sharded, "float32")
 
 
 def label(case: dict) -> str:
@@ -168,13 +195,13 @@ def test_jax_runs_on_eight_devices_and_covers_every_mesh_shape(mesh_runs):
         ("mqa", "static", "fused"), ("mqa", "sliding_window", "step"), ("mqa", "static", "step")}
 
 
-def test_jax_sharded_greedy_tokens_and_every_step_logits_equal_one_device(mesh_runs):
+def test_jax_sharded_greedy_tokens_and_every_step_logits_equal_one_device(mesh_runs, oracles):
     """Free-running greedy decoding of a left-padded batch of 8 through rings that wrap: the same tokens, and at every
     step logits within the parity rule (the sequences are equal, so every step compares like with like)."""
     for index, case in enumerate(mesh_runs["jax"]["cases"]):
         assert case["tokens"] == case["reference_tokens"], label(case)
-        verdicts = judged(mesh_runs["jax_logits"], index)
-        assert all(v["within_bounds"] for v in verdicts), (label(case), [v["max_abs_logit_diff"] for v in verdicts])
+        row = judged(mesh_runs["jax_logits"], index, case, oracles)
+        assert not row.failed, (label(case), row.failed, row.ratios, row.distance)
 
 
 def test_jax_each_device_holds_its_share_of_the_cache_and_the_weights(mesh_runs):
@@ -256,16 +283,15 @@ def test_a_torch_cache_continues_on_a_jax_mesh(mesh_runs):
 
 # --- torch ----------------------------------------------------------------------------------------------------------
 
-def test_torch_sharded_greedy_tokens_and_every_step_logits_equal_one_device(mesh_runs):
+def test_torch_sharded_greedy_tokens_and_every_step_logits_equal_one_device(mesh_runs, oracles):
     """On both ranks: the whole batch's tokens and logits, equal to one device's (eager and compiled)."""
     for rank in range(2):
         record = mesh_runs["torch"][rank]
         assert record["world"] == 2 and {(c["data"], c["model"]) for c in record["cases"]} == {(1, 2), (2, 1)}
         for index, case in enumerate(record["cases"]):
             assert case["tokens"] == case["reference_tokens"], (rank, label(case))
-            verdicts = judged(mesh_runs["torch_logits"][rank], index)
-            assert all(v["within_bounds"] for v in verdicts), (rank, label(case),
-                                                               [v["max_abs_logit_diff"] for v in verdicts])
+            row = judged(mesh_runs["torch_logits"][rank], index, case, oracles)
+            assert not row.failed, (rank, label(case), row.failed, row.ratios, row.distance)
 
 
 def expected_slice(name: str, shape: tuple[int, ...], rank: int, model: int, kv_heads: int) -> tuple[slice, ...]:
@@ -335,13 +361,32 @@ def test_cli_generate_on_a_mesh_prints_once_and_equals_one_device(mesh_runs):
         assert result["mesh"] == mesh and result["token_ids"] == single, (name, result["token_ids"], single)
 
 
-def test_cli_parity_on_a_mesh_compares_each_backend_with_itself_on_one_device(mesh_runs):
-    code, out, err = mesh_runs["cli"]["parity jax"]
+@pytest.mark.parametrize(("run", "impl", "mesh", "steps"), [("parity jax", "jax:fused", "model=4,data=2", 10),
+                                                            ("parity torch", "torch:eager", "model=2,data=1", 6)])
+def test_cli_parity_on_a_mesh_judges_it_against_float64_and_against_one_device(mesh_runs, run, impl, mesh, steps):
+    """`parity --mesh --json` prints plain parity's JSON plus "mesh", once (torch: from rank 0 of its 2 processes):
+    the floor, the implementation on the mesh against the float64 reference, and against itself on one device, all
+    within the rule. JAX's sharded cache is compared; each torch rank holds a shard only, so its K/V is not measured."""
+    from twincache_app.parity import format_table
+
+    code, out, err = mesh_runs["cli"][run]
     assert code == 0, err[-2000:]
-    report = json.loads(out)
-    pairs = {(p["reference"], p["candidate"]): p for p in report["pairs"]}
-    assert set(pairs) == {("jax", "jax@model=4,data=2"), ("transformers", "jax@model=4,data=2")}
-    assert report["passed"] and all(p["within_bounds"] and p["steps"] == 10 for p in pairs.values())
+    lines = out.splitlines()
+    assert len(lines) == 1, out
+    report = json.loads(lines[0])
+    assert report["mesh"] == mesh and report["steps"] == steps and report["reference"].startswith("transformers")
+    rows = {row["name"]: row for row in report["rows"]}
+    sharded = f"{impl}@{mesh}"
+    assert list(rows) == ["transformers (floor)", sharded, f"{sharded} vs {impl}"], list(rows)
+    assert [rows[name]["kind"] for name in rows] == ["floor", "implementation", "direct"]
+    assert report["passed"] and not any(row["failed"] for row in report["rows"]), report["rows"]
+    kv = [rows[name]["metrics"]["max_abs_kv_diff"] for name in (sharded, f"{sharded} vs {impl}")]
+    if impl.startswith("jax"):
+        assert all(value is not None and value <= 1e-5 for value in kv), kv
+    else:
+        assert kv == [None, None] and not any("max_abs_kv_diff" in rows[name]["ratios"] for name in rows
+                                               if name.startswith(sharded))
+        assert "n/a" in format_table(report)
 
 
 # --- the bench mode --------------------------------------------------------------------------------------------------
