@@ -24,11 +24,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parity_tests import trained_model
 from parity_tests.conftest import save_hf_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
 from twincache.generation import Batch, GenerationResult, SamplingParams
-from twincache.mesh import MeshShape, keep_rows, pad_batch, parse_mesh, plan_shards
+from twincache.mesh import MeshShape, keep_rows, pad_batch, pad_rows, parse_mesh, plan_shards
 from twincache_app.parity import Oracle, Row
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,11 +95,14 @@ def test_a_batch_pads_to_the_data_axis_and_the_padding_rows_are_dropped():
     kept = keep_rows(result, 2)
     assert kept.token_ids == [[7], [8]] and kept.prompt_ids == [[1, 2], [3]] and kept.step_logits.shape == (2, 1, 5)
     assert pad_batch(batch, 2, None) == (batch, None)
+    forced = np.array([[4, 5], [6, 7]])  # [B, N] forced tokens follow their rows
+    assert pad_rows(forced, 4).tolist() == [[4, 5], [6, 7], [6, 7], [6, 7]] and pad_rows(forced, 2) is not forced
 
 
 # --- the workers: JAX on 8 simulated devices and torch on 2 gloo processes, started together ----------------------
 
 CLI_PROMPT = ["--prompt-ids", "1,5,9,3,7"]
+TRAINED_PROMPT = trained_model.PROMPT
 CLI_RUNS = {  # name -> (checkpoint, twincache arguments)
     "generate torch": ("gqa", ["generate", "--backend", "torch", "--mode", "eager", "--mesh", "model=2",
                                "--max-new-tokens", "12", "--json"]),
@@ -108,11 +112,17 @@ CLI_RUNS = {  # name -> (checkpoint, twincache arguments)
                            "--cache", "sliding_window", "--json"]),
     "parity torch": ("gqa", ["parity", "--modes", "torch:eager", "--mesh", "model=2", "--max-new-tokens", "6",
                              "--cache", "static", "--json"]),
+    # The trained default model (SmolLM2-135M: 9 query heads, 3 KV heads, window 64) on model=3 and on one device,
+    # from a prompt longer than the window: its ring has wrapped before the first decode step.
+    "trained jax mesh": ("trained", ["generate", "--backend", "jax", "--mesh", "model=3", "--max-new-tokens", "12",
+                                     "--json", "--prompt", TRAINED_PROMPT]),
+    "trained jax": ("trained", ["generate", "--backend", "jax", "--max-new-tokens", "12", "--json", "--prompt",
+                                TRAINED_PROMPT]),
 }
 
 
 @pytest.fixture(scope="module")
-def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def mesh_runs(tmp_path_factory: pytest.TempPathFactory, trained_model_dir: Path) -> dict[str, object]:
     """Builds the two checkpoints, then runs both workers and the command lines below at once (independent
     processes: the 2 cores stay busy), and returns their records, logits and outputs."""
     from twincache_app.launch import run_ranks
@@ -130,9 +140,11 @@ def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         [sys.executable, "-m", "bench", "--preset", "tiny", "--meshes", "model=1", "model=2", "--impls",
          "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir", str(root)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(root / "bench.err").open("w"))
+    paths = {**dirs, "trained": trained_model_dir}
     for name, (checkpoint, args) in CLI_RUNS.items():  # the CLI simulates JAX's CPU devices itself
         started[name] = subprocess.Popen(
-            [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(dirs[checkpoint]), *CLI_PROMPT],
+            [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(paths[checkpoint]),
+             *([] if "--prompt" in args else CLI_PROMPT)],
             cwd=REPO, env=env, stdout=(root / f"{name}.out").open("w"), stderr=(root / f"{name}.err").open("w"))
     torch_code = run_ranks([str(out), str(dirs["gqa"]), str(dirs["mqa"])], 2, module="parity_tests.mesh_torch_worker")
     codes = {name: proc.wait(timeout=900) for name, proc in started.items()}
@@ -359,6 +371,24 @@ def test_cli_generate_on_a_mesh_prints_once_and_equals_one_device(mesh_runs):
         assert len(lines) == 1, out  # one JSON object: rank 1 printed nothing
         result = json.loads(lines[0])
         assert result["mesh"] == mesh and result["token_ids"] == single, (name, result["token_ids"], single)
+
+
+def test_the_trained_model_on_a_jax_mesh_of_3_decodes_the_tokens_of_one_device(mesh_runs, trained_model_dir):
+    """SmolLM2 split 3 ways (3 query heads and its 1 KV head per device, a third of the MLP and of the vocabulary),
+    its ring wrapped by the prompt: the same 12 greedy tokens as on one device."""
+    from twincache.checkpoint import load_config
+
+    config = load_config(trained_model_dir)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.sliding_window) == (9, 3, 64)
+    results = {}
+    for name in ("trained jax mesh", "trained jax"):
+        code, out, err = mesh_runs["cli"][name]
+        assert code == 0, err[-2000:]
+        results[name] = json.loads(out)
+    sharded, single = results["trained jax mesh"], results["trained jax"]
+    assert sharded["mesh"] == "model=3,data=1" and single["mesh"] is None
+    assert len(sharded["prompt_ids"]) > 64 and sharded["prompt_ids"] == single["prompt_ids"]
+    assert len(single["token_ids"]) == 12 and sharded["token_ids"] == single["token_ids"], (sharded, single)
 
 
 @pytest.mark.parametrize(("run", "impl", "mesh", "steps"), [("parity jax", "jax:fused", "model=4,data=2", 10),
