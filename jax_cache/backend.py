@@ -26,7 +26,7 @@ from jax_cache.generate import (
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache.config import MistralConfig
-from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.generation import PREFILL_CHUNK, GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
 
 
 def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
@@ -47,11 +47,12 @@ def from_weights(config: MistralConfig, weights: dict[str, jax.Array]) -> Mistra
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, mode: str = DEFAULT_MODE,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, on_token: TokenCallback | None = None,
-             return_logits: bool = False) -> GenerationResult:
+             return_logits: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """jax_cache.generate.generate in a decode mode: "fused" (default) or "step"."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, on_token is not None)
     return _generate(model, prompts, max_new_tokens, cache=cache, max_cache_len=max_cache_len, sampling=sampling,
-                     fused=mode == "fused", on_token=on_token, return_logits=return_logits)
+                     fused=mode == "fused", on_token=on_token, return_logits=return_logits,
+                     prefill_chunk=prefill_chunk)
 
 
 def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_kind: str,

@@ -27,6 +27,7 @@ from jax_cache.model import Mistral
 from twincache import cache_checks
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
+    PREFILL_CHUNK,
     GenerationResult,
     SamplingParams,
     TokenCallback,
@@ -36,6 +37,7 @@ from twincache.generation import (
     pad_token_id,
     plan_cache,
     positions_from_mask,
+    prefill_chunks,
     prepare_batch,
     prepare_continuation,
     validate_attention_mask,
@@ -103,7 +105,7 @@ def split_model(model: Mistral) -> tuple[ModelGraph, nnx.State]:
 
 def _forward_last(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
                   positions: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, StaticCache]:
-    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask)
+    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask, logits_to_keep=1)
     return logits[:, -1].astype(jnp.float32), cache  # [B, V]
 
 
@@ -262,54 +264,70 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
     return step
 
 
-def prompt_bucket(prompt_len: int, room: int | None) -> int:
-    """Prompts are left-padded to a power of two (>= 16) so one process compiles few prefills; `room` caps it."""
-    bucket = max(MIN_PROMPT_BUCKET, 1 << (prompt_len - 1).bit_length())
+def prompt_bucket(prompt_len: int, room: int | None, chunk_size: int = PREFILL_CHUNK) -> int:
+    """The columns a prompt is left-padded to, so that one process compiles few prefills: a power of two (>= 16) up
+    to one chunk, and beyond it a whole number of chunks, each of the one chunk shape. `room` caps it (then a first,
+    shorter chunk takes the remainder: one more shape)."""
+    if prompt_len <= chunk_size:
+        bucket = min(max(MIN_PROMPT_BUCKET, 1 << (prompt_len - 1).bit_length()), chunk_size)
+    else:
+        bucket = -(-prompt_len // chunk_size) * chunk_size
     return max(prompt_len, min(bucket, room)) if room is not None else bucket
 
 
-def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
-            cache: StaticCache) -> tuple[jax.Array, StaticCache]:
-    """Run the left-padded prompt [B, T] through the model, filling the (donated) cache.
-    Returns last-token logits [B, V] fp32 and the new cache."""
-    mask_np = np.asarray(attention_mask)
-    validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
-    positions = jnp.asarray(positions_from_mask(mask_np))  # [B, T]; padding at -1
-    model.check_inputs(input_ids, positions, attention_mask)
+def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array, cache: StaticCache,
+            chunk_size: int = PREFILL_CHUNK) -> tuple[jax.Array, StaticCache]:
+    """Run the left-padded prompt [B, T] through the model in chunks of at most `chunk_size` columns, filling the
+    (donated) cache. Returns last-token logits [B, V] fp32 and the new cache.
+
+    Each chunk attends over the cache plus itself, so memory is bounded by the chunk and the cache (a ring: W + chunk
+    keys), not by the prompt; chunks of one width share one compiled prefill. The whole prompt is checked before the
+    first chunk: a refused prefill dispatches nothing.
+    """
+    ids_np, mask_np = np.asarray(input_ids), np.asarray(attention_mask)
+    validate_attention_mask(mask_np, tuple(ids_np.shape))  # right padding would make [:, -1] a pad's logits
+    positions_np = positions_from_mask(mask_np)  # [B, T]; padding at -1
+    chunks = prefill_chunks(ids_np.shape[1], chunk_size)
+    model.check_inputs(input_ids, positions_np, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype, model.device)
     graph, params = split_model(model)
-    return _prefill(graph, params, cache, input_ids, positions, attention_mask)
+    for start, stop in chunks:  # sliced on the host: a device slice per start would compile one op per start
+        logits, cache = _prefill(graph, params, cache, jnp.asarray(ids_np[:, start:stop]),
+                                 jnp.asarray(positions_np[:, start:stop]), jnp.asarray(mask_np[:, start:stop]))
+    return logits, cache
 
 
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, fused: bool = True,
-             on_token: TokenCallback | None = None, return_logits: bool = False) -> GenerationResult:
+             on_token: TokenCallback | None = None, return_logits: bool = False,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
     object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused=False`, or an `on_token`
-    callback, decodes one jitted step at a time. `result.max_cache_len` is the capacity planned for this generation's
-    tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too (docs/design.md §5).
+    callback, decodes one jitted step at a time. The prompt is prefilled in chunks of `prefill_chunk` columns.
+    `result.max_cache_len` is the capacity planned for this generation's tokens, as in torch_cache; the cache built
+    for it may hold the prompt bucket's padding too (docs/design.md §5).
     """
     config = model.config
-    inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
     prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
-    sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
+    sampling, max_new_tokens, chunk = inputs.sampling, inputs.max_new_tokens, inputs.prefill_chunk
     batch, prompt_len = ids_np.shape
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         planned_len = cache.max_cache_len
-        bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens)
+        bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
         cache = cache.reset()
     else:
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         bounded = kind == "static" or planned_len < config.sliding_window
-        bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None)
+        bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
         # Without a given max_cache_len, the cache also holds the bucket's extra padding columns.
@@ -323,7 +341,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
     key = jax.random.key(sampling.seed)
     start = time.perf_counter()
-    logits, cache = prefill(model, jnp.asarray(ids_np), jnp.asarray(mask_np), cache)  # [B, V]
+    logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
     first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, config.eos_token_id, jnp.int32(0))
     first = np.asarray(first).tolist()
     prefill_s = time.perf_counter() - start

@@ -20,6 +20,7 @@ from torch_cache.model import Mistral
 from twincache import cache_checks
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
+    PREFILL_CHUNK,
     GenerationResult,
     SamplingParams,
     TokenCallback,
@@ -28,6 +29,7 @@ from twincache.generation import (
     check_positions,
     plan_cache,
     positions_from_mask,
+    prefill_chunks,
     prepare_batch,
     prepare_continuation,
     validate_attention_mask,
@@ -95,28 +97,41 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
 
 
 @torch.inference_mode()
-def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            cache: StaticCache) -> torch.Tensor:
-    """Run the left-padded prompt [B, T] through the model, filling the cache. Returns last-token logits [B, V] fp32."""
+def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: StaticCache,
+            chunk_size: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Run the left-padded prompt [B, T] through the model in chunks of at most `chunk_size` columns, filling the
+    cache. Returns last-token logits [B, V] fp32.
+
+    Each chunk attends over the cache plus itself, so memory is bounded by the chunk and the cache (a ring: W + chunk
+    keys), not by the prompt. The whole prompt is checked before the first chunk: a refused prefill writes nothing.
+    """
     mask_np = attention_mask.cpu().numpy()
     validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
-    positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device)
-    return model(input_ids, positions.long(), cache, attention_mask)[:, -1].float()
+    positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device).long()  # [B, T]
+    chunks = prefill_chunks(input_ids.shape[1], chunk_size)
+    model.check_inputs(input_ids, positions, attention_mask)
+    cache.check_forward(model.config, input_ids, model.dtype, model.device)
+    for start, stop in chunks:
+        logits = model(input_ids[:, start:stop], positions[:, start:stop], cache, attention_mask[:, start:stop],
+                       logits_to_keep=1)  # [B, 1, V]
+    return logits[:, -1].float()
 
 
 @torch.inference_mode()
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, compile: bool = True,
-             on_token: TokenCallback | None = None, return_logits: bool = False) -> GenerationResult:
+             on_token: TokenCallback | None = None, return_logits: bool = False,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
-    object to reuse (it is reset first). `on_token` receives each step's tokens, one per row. Every input is
-    validated before a given cache is touched: a refused call changes nothing.
+    object to reuse (it is reset first). `on_token` receives each step's tokens, one per row. The prompt is prefilled
+    in chunks of `prefill_chunk` columns. Every input is validated before a given cache is touched: a refused call
+    changes nothing.
     """
     config = model.config
-    inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = inputs.input_ids.shape  # [B, T]
     device, dtype = model.device, model.dtype
@@ -137,7 +152,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
-                     torch.from_numpy(inputs.attention_mask).to(device), cache)  # [B, V]
+                     torch.from_numpy(inputs.attention_mask).to(device), cache, inputs.prefill_chunk)  # [B, V]
     _, _, first = _pick(logits, torch.zeros(batch, dtype=torch.bool, device=device), sampling, generator,
                         config.eos_token_id, step=0)
     prefill_s = time.perf_counter() - start
