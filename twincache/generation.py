@@ -9,6 +9,7 @@ import dataclasses
 import math
 import numbers
 import operator
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -172,6 +173,32 @@ def parse_token_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
         except ValueError:
             raise InputError(f"{flag} must be comma-separated integers, got {text!r} (field {number} is "
                              f"{field.strip()!r})") from None
+    return ids
+
+
+_ID_FIELD = re.compile(r"[^\s,]+")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def parse_token_id_text(text: str, source: str) -> list[int]:
+    """Token ids separated by commas and/or whitespace, newlines included (e.g. a --prompt-ids-file). As on a command
+    line, an empty field (two commas with no id between them, or a leading or trailing comma) is refused, not
+    skipped; `source` names the text in messages. Returns [] for a text with no ids (the caller refuses it)."""
+    ids: list[int] = []
+    end = 0
+    for match in _ID_FIELD.finditer(text):
+        field, line = match.group(), text.count("\n", 0, match.start()) + 1
+        if text[end:match.start()].count(",") > (1 if ids else 0):
+            raise InputError(f"{source} has an empty field before {field!r} on line {line}; separate ids with one "
+                             "comma or with whitespace, e.g. 1,2,3 or 1 2 3")
+        if not _INTEGER.fullmatch(field):
+            raise InputError(f"{source} holds {field!r} on line {line}, which is not an integer token id; separate "
+                             "ids with commas or whitespace, e.g. 1,2,3 or 1 2 3")
+        ids.append(int(field))
+        end = match.end()
+    if "," in text[end:]:
+        line = text.count("\n", 0, text.rindex(",")) + 1
+        raise InputError(f"{source} ends with an empty field (a trailing comma on line {line}); remove the comma")
     return ids
 
 
