@@ -18,7 +18,7 @@ from jax_cache.cache import StaticCache, make_cache
 from jax_cache.generate import (
     _fused_executables,
     _without_seed,
-    fused_executable,
+    decode_fused,
     initial_state,
     prefill,
     split_model,
@@ -70,14 +70,12 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
         graph, params = split_model(model)
         key, sampling = jax.random.key(0), _without_seed(SamplingParams())
         state = initial_state(jnp.asarray(ids[:, prompt_len]), cache.next_positions(), cache, None, 1)
-        forced = jnp.asarray(ids[:, prompt_len + 1:])  # [1, steps]: step i feeds the token step i - 1 was forced to
+        forced = ids[:, prompt_len + 1:]  # [1, steps]: step i feeds the token step i - 1 was forced to
         if mode == "fused":
-            executable, _ = fused_executable(graph, params, state, key, forced, sampling=sampling, eos=None,
-                                             num_steps=num_steps, vocab_size=model.config.vocab_size,
-                                             return_logits=True)
-            _, out_logits, _ = executable(params, state, key, forced)  # [1, steps, V]
-            logits.append(np.asarray(out_logits[0]))
+            decode_fused(graph, params, state, key, sampling, None, num_steps, model.config.vocab_size, True,
+                         lambda _, block_logits: logits.append(np.asarray(block_logits[0])), forced)  # [n, V] each
         else:
+            forced = jnp.asarray(forced)
             for i in range(num_steps):
                 _, step, state = _jax_generate._sampled_step(graph, params, state, key, sampling, None,
                                                              model.config.vocab_size, forced[:, i])

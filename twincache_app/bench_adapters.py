@@ -53,7 +53,7 @@ class BackendImpl(Impl):
         key = (cache, len(prompts), max_cache_len)
         times: list[float] = []
         # Streaming modes copy each step's tokens to the host before on_token, so these stamps follow the device; a
-        # fused loop has no steps to stamp.
+        # fused loop hands its steps over a block at a time, so it has no steps to stamp.
         on_token = (lambda _: times.append(time.perf_counter())) if self.per_step_timing else None
         start = time.perf_counter()
         result = tower.generate(model, prompts, new_tokens, mode=self.mode, cache=self._caches.get(key, cache),
@@ -81,7 +81,7 @@ def backend_impls() -> dict[str, type[Impl]]:
             name = f"{backend.name}_{mode}"
             impls[name] = type(name, (BackendImpl,), {
                 "name": name, "framework": backend.name, "backend": backend, "mode": mode,
-                "per_step_timing": mode in backend.streaming_modes})
+                "per_step_timing": mode in backend.streaming_modes and mode not in backend.block_streaming_modes})
     return impls
 
 
