@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -263,9 +264,10 @@ BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
 def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
                  eos: int | None, num_steps: int, vocab_size: int, return_logits: bool, on_block: BlockCallback,
                  forced: np.ndarray | None = None,
-                 block_steps: int = FUSED_BLOCK_STEPS) -> tuple[DecodeState, int, int, float]:
-    """The fused mode: up to `num_steps` decode steps as jitted blocks of `block_steps` steps, each block one
-    lax.while_loop over `decode_body`, all blocks one compiled executable.
+                 block_steps: int | None = None) -> tuple[DecodeState, int, int, float]:
+    """The fused mode: up to `num_steps` decode steps as jitted blocks of `block_steps` (default FUSED_BLOCK_STEPS)
+    steps, each block one lax.while_loop over `decode_body`. The block's step limit is an array, so every block of
+    every budget runs one compiled executable.
 
     Bounded blocks return to Python often, so Ctrl-C takes effect within a block and tokens stream a block at a
     time: `on_block(tokens [B, n] numpy, logits [B, n, V] or None)` after each block that ran n > 0 steps. Block k + 1
@@ -273,8 +275,8 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     int32, on the host) as in `decode_body`. Returns (the final state, steps run, the first non-finite step or -1,
     seconds spent compiling).
     """
-    block = min(block_steps, num_steps)
-    blocks = [(start, min(block, num_steps - start)) for start in range(0, num_steps, block)]  # (first step, steps)
+    block = block_steps or FUSED_BLOCK_STEPS
+    blocks = ((start, min(block, num_steps - start)) for start in range(0, num_steps, block))  # (first step, steps)
 
     def block_forced(start: int) -> jax.Array | None:  # sliced on the host: a device slice per start would compile
         if forced is None:
@@ -286,7 +288,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     executable, compile_s = fused_executable(graph, params, state, key, block_forced(0), jnp.int32(block), **static)
     first_step, done, non_finite_step = int(state.step), 0, -1
     queued = None  # the outputs of the block dispatched last, and how many steps it may run
-    for start, steps in [*blocks, (None, 0)]:
+    for start, steps in itertools.chain(blocks, [(None, 0)]):
         if start is not None:  # dispatch the next block on the live state (donated: the device keeps it) ...
             outputs = executable(params, state, key, block_forced(start), jnp.int32(steps))
             state = outputs[3]
