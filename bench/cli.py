@@ -53,7 +53,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which remaining curve and batch points are skipped (recorded as such)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(run=run)
+    # Ctrl-C (or a timeout's SIGINT) raises KeyboardInterrupt here, so the runner saves what it measured first.
+    parser.set_defaults(run=run, keep_keyboard_interrupt=True)
 
 
 def run(args: argparse.Namespace) -> int:

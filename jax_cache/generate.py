@@ -26,7 +26,7 @@ from jax import lax
 
 from jax_cache.cache import StaticCache, available_memory, default_device, make_cache, memory_label
 from jax_cache.model import Mistral
-from twincache import cache_checks
+from twincache import cache_checks, phases
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     PREFILL_CHUNK,
@@ -285,6 +285,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
         return jnp.asarray(np.pad(chunk, ((0, 0), (0, block - chunk.shape[1]))))  # [B, block]
 
     static = dict(sampling=sampling, eos=eos, block_steps=block, vocab_size=vocab_size, return_logits=return_logits)
+    phases.enter("compile")
     executable, compile_s = fused_executable(graph, params, state, key, block_forced(0), jnp.int32(block), **static)
     first_step, done, non_finite_step = int(state.step), 0, -1
     queued = None  # the outputs of the block dispatched last, and how many steps it may run
@@ -299,6 +300,8 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             ran = (step_after if non_finite_step < 0 else non_finite_step) - first_step - done
             if ran:
                 on_block(np.asarray(tokens)[:, :ran], logits[:, :ran] if return_logits else None)
+            if not done:
+                phases.enter("decode")
             done += ran
             if non_finite_step >= 0 or ran < queued_steps:  # halted: the blocks after it run no step
                 break
@@ -341,6 +344,7 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array, cac
     keys), not by the prompt; chunks of one width share one compiled prefill. The whole prompt is checked before the
     first chunk: a refused prefill dispatches nothing.
     """
+    phases.enter("prefill")
     ids_np, mask_np = np.asarray(input_ids), np.asarray(attention_mask)
     validate_attention_mask(mask_np, tuple(ids_np.shape))  # right padding would make [:, -1] a pad's logits
     positions_np = positions_from_mask(mask_np)  # [B, T]; padding at -1
@@ -460,6 +464,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     elif max_new_tokens and not all_done:
         decode_start = time.perf_counter()
         cache.check_live()
+        phases.enter("compile")  # the first step compiles
         pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size)
         while True:
             for_host, logits, state = pending
@@ -472,6 +477,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             all_done = eos is not None and all(token == eos for token in row_ids)
             if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
                 first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+                phases.enter("decode")
             if return_logits:
                 logits_per_step.append(logits[:, None])
             append_tokens(tokens, row_ids, eos)

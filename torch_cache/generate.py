@@ -17,7 +17,7 @@ import torch
 
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
 from torch_cache.model import Mistral
-from twincache import cache_checks
+from twincache import cache_checks, phases
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     PREFILL_CHUNK,
@@ -105,6 +105,7 @@ def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tenso
     Each chunk attends over the cache plus itself, so memory is bounded by the chunk and the cache (a ring: W + chunk
     keys), not by the prompt. The whole prompt is checked before the first chunk: a refused prefill writes nothing.
     """
+    phases.enter("prefill")
     mask_np = attention_mask.cpu().numpy()
     validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
     positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device).long()  # [B, T]
@@ -199,6 +200,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     decode_steps = 0
     decode_start = time.perf_counter()
     all_done = eos is not None and all(t == eos for t in last_tokens)
+    phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call
     while decode_steps < max_new_tokens and not all_done:
         logits = step(next_ids[:, None], positions, cache).float()  # [B, V]
         positions = positions + 1
@@ -209,6 +211,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         all_done = eos is not None and all(token == eos for token in row_ids)
         if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
             first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+            if compile:
+                phases.enter("decode")
         append_tokens(tokens, row_ids, eos)
         if on_token is not None:
             on_token(row_ids)

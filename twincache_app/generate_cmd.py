@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from twincache import phases
 from twincache.checkpoint import load_config
 from twincache.default_model import default_model_dir
 from twincache.errors import InputError
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    phases.enter("load")  # importing the framework is part of it
     tower = backend.module()
     model = tower.load(model_dir, args.dtype)
     result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
