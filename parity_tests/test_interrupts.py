@@ -37,11 +37,15 @@ def long_model(tmp_path_factory) -> Path:
                               max_position_embeddings=2 * LONG_DECODE)
 
 
-def start(backend: str, mode: str, model: Path, new_tokens: int, env: dict[str, str]) -> subprocess.Popen:
+def start(backend: str, mode: str, model: Path, new_tokens: int, env: dict[str, str],
+          sigint: object = signal.SIG_DFL) -> subprocess.Popen:
+    """`twincache generate` in a process whose SIGINT starts as `sigint` (a terminal's child: the default; a script's
+    background job: ignored)."""
     argv = ["generate", "--backend", backend, "--mode", mode, "--model", str(model), "--prompt-ids", "1,5,9,13",
             "--max-new-tokens", str(new_tokens)]
     return subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, cwd=REPO)
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 def assert_interrupted(label: str, returncode: int, stderr: str) -> None:
@@ -55,10 +59,14 @@ def assert_interrupted(label: str, returncode: int, stderr: str) -> None:
 
 def test_sigint_in_every_phase_exits_130_with_one_line(long_model):
     procs = {case: start(case[0], case[1], long_model, 300, {ENV: case[2]}) for case in PHASE_CASES}
+    # A process that started with SIGINT ignored (`nohup`, `cmd &` in a script) keeps ignoring it, as Python does.
+    ignoring = start("jax", "fused", long_model, 20, {ENV: "decode"}, sigint=signal.SIG_IGN)
     for case, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert_interrupted("/".join(case), proc.returncode, err)
         assert len(out.split()) < 300, f"{'/'.join(case)}: it decoded every token before stopping"
+    out, err = ignoring.communicate(timeout=300)
+    assert ignoring.returncode == 0 and len(out.split()) == 20, f"an ignored SIGINT ended the run: {err!r}"
 
 
 def test_sigint_during_a_long_fused_decode_ends_it_within_seconds(long_model):

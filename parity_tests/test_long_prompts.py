@@ -10,6 +10,7 @@ Peak memory itself (RSS against prompt length) is measured by `twincache bench -
 from __future__ import annotations
 
 import collections
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +192,22 @@ def test_a_prompt_past_the_capacity_is_refused_before_the_first_chunk(models, to
             jg.prefill(jax_model, jnp.asarray(ids), jnp.asarray(mask), cache, 8)
         cache.check_live()  # not donated to a first chunk
         assert int(cache.length) == 0 and not any(bool(k.any()) for k in cache.keys)
+
+
+def test_prefill_memory_bench_measures_a_point_and_records_a_killed_one(checkpoints, tmp_path):
+    """`twincache bench --prefill-memory`'s pieces, small: a point measured in this process (torch, two chunks), the
+    watchdog killing a point past its memory limit (1 MB: at once), and the table and plot written from both."""
+    from bench import prefill_memory
+
+    model = prefill_memory.long_position_model(checkpoints["gqa"], 600, tmp_path)
+    assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == 601
+    point = prefill_memory.measure_point("torch", str(model), 40, 16)
+    assert point["status"] == "ok" and point["chunk"] == 16 and point["peak_rss_mb"] >= point["rss_before_mb"] > 0
+    killed = prefill_memory.run_point("torch", model, 40, 40, limit_bytes=2**20)
+    assert killed["status"] == "killed (memory)" and "limit 0.0 GB" in killed["note"]
+    records = [{**point, "variant": "chunked"}, {**killed, "variant": "one_chunk"}]
+    prefill_memory._write(tmp_path, records, model, 16, 0.001)
+    prefill_memory._plot(tmp_path, records, 16, model)
+    table = (tmp_path / "prefill_memory.md").read_text()
+    assert "| torch | chunked |" in table and "(killed)" in table
+    assert (tmp_path / "prefill_memory.png").stat().st_size > 0

@@ -50,14 +50,16 @@ def _watch(read_fd: int) -> None:
 
 
 class ExitOnInterrupt:
-    """SIGINT exits the process with one line and code 130 while installed (main thread only; elsewhere it does
-    nothing, as signal handlers can only be set there). `restore()` puts Python's own handling back early."""
+    """SIGINT exits the process with one line and code 130 while installed (main thread only, as signal handlers can
+    only be set there; not where SIGINT is ignored). `restore()` puts Python's own handling back early."""
 
     def __init__(self) -> None:
         self._restore: list = []
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        # A SIGINT ignored from the start (`nohup`, a background job of a script) stays ignored, as Python leaves it.
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        if ignored or threading.current_thread() is not threading.main_thread():
             return
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # set_wakeup_fd requires it
