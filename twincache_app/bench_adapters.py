@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 from bench.impls import Impl, Run
@@ -86,3 +88,31 @@ def backend_impls() -> dict[str, type[Impl]]:
 
 
 __all__ = ["bench_model", "BackendImpl", "backend_impls"]
+
+
+def fused_block_tok_s(model_dir: Path, block_sizes: Sequence[int], new_tokens: int, rounds: int,
+                      prompt: Sequence[int]) -> dict[int, list[tuple[float, float]]]:
+    """Decode speed of the JAX fused mode at each number of steps per block (jax_cache.generate.FUSED_BLOCK_STEPS),
+    `rounds` interleaved rounds after a warm-up each (compiles excluded); for choosing that constant
+    (bench/fused_blocks.py). Each run gives (decode tok/s by the wall clock, generated tokens per CPU second of the
+    whole process over the whole call: less sensitive to other processes on the machine). The constant is restored
+    afterwards."""
+    import jax_cache.generate as jax_generate
+
+    tower = BACKENDS["jax"].module()
+    model = tower.load(model_dir, "float32")
+    model.config = dataclasses.replace(model.config, eos_token_id=None)  # every run decodes its whole budget
+    chosen = jax_generate.FUSED_BLOCK_STEPS
+    speeds: dict[int, list[tuple[float, float]]] = {block: [] for block in block_sizes}
+    try:
+        for round_index in range(rounds + 1):  # round 0 warms up (compiles)
+            for block in block_sizes[round_index % len(block_sizes):] + block_sizes[:round_index % len(block_sizes)]:
+                jax_generate.FUSED_BLOCK_STEPS = block
+                cpu_start = time.process_time()
+                result = tower.generate(model, [list(prompt)], new_tokens, mode="fused")
+                cpu_s = time.process_time() - cpu_start
+                if round_index:
+                    speeds[block].append((result.decode_tok_s, new_tokens / cpu_s))
+    finally:
+        jax_generate.FUSED_BLOCK_STEPS = chosen
+    return speeds
