@@ -121,3 +121,9 @@ def _with_tokenizer(checkpoint: Path, tmp_path: Path) -> Path:
 def test_prompt_sources_are_mutually_exclusive(capsys, flag):
     code, _, err = run_in_process(["generate", "--prompt", "x", flag, "p"], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "not allowed with argument" in err
+
+
+def test_stdin_that_is_closed_is_one_line(checkpoints, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", None)  # as when started with `<&-`
+    code, _, err = run_in_process(["generate", "--model", str(checkpoints["gqa"]), "--prompt-ids-file", "-"], capsys)
+    assert_one_line_error(code, err, "reads stdin, but stdin is closed")

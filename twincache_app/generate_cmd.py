@@ -64,6 +64,8 @@ def parse_ids(text: str) -> list[int]:
 def read_prompt_source(path: str, flag: str) -> bytes:
     """The bytes of a prompt file (`-`: stdin), or one line saying why it cannot be read."""
     if path == "-":
+        if sys.stdin is None:  # started with stdin closed (`<&-`)
+            raise InputError(f"{flag} - reads stdin, but stdin is closed; give a file path")
         return sys.stdin.buffer.read()
     try:
         return Path(path).read_bytes()
