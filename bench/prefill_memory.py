@@ -1,10 +1,11 @@
 """`twincache bench --prefill-memory`: peak memory of a prefill against prompt length, in chunks of `--prefill-chunk`
 and in one chunk (the whole prompt at once, as before chunked prefill), for every backend.
 
-Each point runs in a fresh process: load the model, prefill the prompt once (JAX compiles; first-touch allocations
-happen), reset the kernel's peak-RSS mark (/proc/self/clear_refs), prefill again, and read the peak back (VmHWM). The
-figure is that peak over the RSS just before the measured prefill: memory the prefill itself needed, measured, not
-computed. Where the kernel cannot reset the mark, a 5 ms sampler of RSS stands in (`how` says which). A parent
+Each point runs in a fresh process: load the model, warm up (JAX compiles; first-touch allocations happen: two chunks
+of the prompt, whose chunks all have one shape, or the whole prompt in one chunk), reset the kernel's peak-RSS mark
+(/proc/self/clear_refs), prefill the whole prompt, and read the peak back (VmHWM). The figure is that peak over the RSS
+just before the measured prefill: memory the prefill itself needed, measured, not computed; the process's peak RSS is
+recorded beside it. Where the kernel cannot reset the mark, a 5 ms sampler of RSS stands in (`how` says which). A parent
 watchdog kills a point whose RSS passes `--memory-limit-gb` and records it as such, so a one-chunk prefill that would
 exhaust the machine is a data point, not a crash; longer prompts of that kind are then skipped.
 
@@ -85,17 +86,20 @@ def measure_point(backend: str, model_dir: str, length: int, chunk: int) -> dict
     prompt = [3 + (7 * i) % (config.vocab_size - 3) for i in range(length)]
     cache = "sliding_window" if config.sliding_window is not None else "static"
 
-    def prefill() -> float:
+    def prefill(tokens: list[int]) -> float:
         start = time.perf_counter()
-        tower.generate(model, [prompt], 1, mode=entry.default_mode, cache=cache, prefill_chunk=chunk)
+        tower.generate(model, [tokens], 1, mode=entry.default_mode, cache=cache, max_cache_len=length + 1,
+                       prefill_chunk=chunk)
         return time.perf_counter() - start
 
     loaded_rss = psutil.Process().memory_info().rss
-    prefill()  # JAX compiles here; both frameworks touch their allocations for the first time
+    # JAX compiles here, and both frameworks touch their allocations for the first time. Chunked, two chunks do it
+    # (every chunk has one shape, and the cache's size is the same); in one chunk, only the prompt itself.
+    prefill(prompt[:chunk + 1] if chunk < length else prompt)
     peak = _PeakSinceReset()
     before = psutil.Process().memory_info().rss
     peak.reset()
-    seconds = prefill()
+    seconds = prefill(prompt)
     top = peak.peak()
     return {"backend": backend, "prompt_len": length, "chunk": min(chunk, length), "cache": cache,
             "status": "ok", "loaded_rss_mb": loaded_rss / 2**20, "rss_before_mb": before / 2**20,
@@ -201,6 +205,17 @@ def _write(out: Path, records: list[dict[str, Any]], model_dir: Path, chunk: int
                          else f"> {limit_gb:.0f} GB (killed)" if record["status"].startswith("killed (memory")
                          else record["status"])
         lines.append(f"| {backend} | {variant.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    lines += ["", "The process's peak RSS during the measured prefill (MB), the loaded model included:", "",
+              "| backend | prefill | " + " | ".join(f"{n:,} tokens" for n in lengths) + " |",
+              "|---|---|" + "---:|" * len(lengths)]
+    for backend, variant in rows:
+        found = {r["prompt_len"]: r for r in records if (r["backend"], r["variant"]) == (backend, variant)}
+        lines.append(f"| {backend} | {variant.replace('_', ' ')} | " + " | ".join(
+            f"{found[n]['peak_rss_mb']:.0f}" if n in found and found[n]["status"] == "ok" else "" for n in lengths)
+            + " |")
+    notes = [f"- {r['backend']}, {r['variant'].replace('_', ' ')}, {r['prompt_len']:,} tokens: {r['status']}: "
+             f"{r['note']}" for r in records if r["status"] != "ok" and r.get("note")]
+    lines += ["", *notes] if notes else []
     (out / "prefill_memory.md").write_text("\n".join(lines) + "\n")
 
 
