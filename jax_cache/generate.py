@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -46,9 +45,15 @@ from twincache.generation import (
 )
 
 MIN_PROMPT_BUCKET = 16
-# Decode steps per jitted block of the fused mode (docs/design.md §5): long enough that the return to Python between
-# blocks costs nothing measurable, short enough that Ctrl-C and streamed tokens come within a fraction of a second.
-FUSED_BLOCK_STEPS = 32
+# The fused mode's blocks (docs/design.md §5). Every block runs one compiled loop whose outputs hold up to
+# FUSED_BLOCK_STEPS steps; the host sizes each block from the last one's wall time to last about FUSED_BLOCK_SECONDS,
+# so tokens stream (and a KeyboardInterrupt lands) ~10 times a second on any model. Measured (bench/fused_blocks.py,
+# CPU time per token against one loop over the whole budget): a block costs ~0.3 ms of host time, nothing next to a
+# 135M model's step (blocks of 4 keep 100%), but the 2-layer default model's step is ~15 us, and it keeps ~90% of its
+# speed only from 256 steps per block (32: 56%).
+FUSED_BLOCK_STEPS = 256
+FUSED_BLOCK_SECONDS = 0.1
+FIRST_BLOCK_STEPS = 8  # before any block was timed: small, so the first tokens come soon
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
                "twincache_app.handoff.cache_from_torch), or a kind name")
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
@@ -265,34 +270,37 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
                  eos: int | None, num_steps: int, vocab_size: int, return_logits: bool, on_block: BlockCallback,
                  forced: np.ndarray | None = None,
                  block_steps: int | None = None) -> tuple[DecodeState, int, int, float]:
-    """The fused mode: up to `num_steps` decode steps as jitted blocks of `block_steps` (default FUSED_BLOCK_STEPS)
-    steps, each block one lax.while_loop over `decode_body`. The block's step limit is an array, so every block of
-    every budget runs one compiled executable.
+    """The fused mode: up to `num_steps` decode steps as jitted blocks, each one lax.while_loop over `decode_body` of
+    at most `block_steps` (default FUSED_BLOCK_STEPS) steps. The block's step limit is an array, so every block of
+    every budget runs one compiled executable, and the host sizes each block to last about FUSED_BLOCK_SECONDS.
 
-    Bounded blocks return to Python often, so Ctrl-C takes effect within a block and tokens stream a block at a
-    time: `on_block(tokens [B, n] numpy, logits [B, n, V] or None)` after each block that ran n > 0 steps. Block k + 1
-    is queued before block k's tokens are read, so the device does not wait for the host. `forced` ([B, num_steps]
+    Bounded blocks return to Python often, so tokens stream a block at a time and Ctrl-C is seen between blocks:
+    `on_block(tokens [B, n] numpy, logits [B, n, V] or None)` after each block that ran n > 0 steps. Block k + 1 is
+    queued before block k's tokens are read, so the device does not wait for the host. `forced` ([B, num_steps]
     int32, on the host) as in `decode_body`. Returns (the final state, steps run, the first non-finite step or -1,
     seconds spent compiling).
     """
-    block = block_steps or FUSED_BLOCK_STEPS
-    blocks = ((start, min(block, num_steps - start)) for start in range(0, num_steps, block))  # (first step, steps)
+    capacity = block_steps or FUSED_BLOCK_STEPS
 
     def block_forced(start: int) -> jax.Array | None:  # sliced on the host: a device slice per start would compile
         if forced is None:
             return None
-        chunk = forced[:, start:start + block]
-        return jnp.asarray(np.pad(chunk, ((0, 0), (0, block - chunk.shape[1]))))  # [B, block]
+        chunk = forced[:, start:start + capacity]
+        return jnp.asarray(np.pad(chunk, ((0, 0), (0, capacity - chunk.shape[1]))))  # [B, capacity]
 
-    static = dict(sampling=sampling, eos=eos, block_steps=block, vocab_size=vocab_size, return_logits=return_logits)
+    static = dict(sampling=sampling, eos=eos, block_steps=capacity, vocab_size=vocab_size,
+                  return_logits=return_logits)
     phases.enter("compile")
-    executable, compile_s = fused_executable(graph, params, state, key, block_forced(0), jnp.int32(block), **static)
+    executable, compile_s = fused_executable(graph, params, state, key, block_forced(0), jnp.int32(capacity), **static)
     first_step, done, non_finite_step = int(state.step), 0, -1
-    queued = None  # the outputs of the block dispatched last, and how many steps it may run
-    for start, steps in itertools.chain(blocks, [(None, 0)]):
-        if start is not None:  # dispatch the next block on the live state (donated: the device keeps it) ...
-            outputs = executable(params, state, key, block_forced(start), jnp.int32(steps))
-            state = outputs[3]
+    dispatched, steps = 0, min(FIRST_BLOCK_STEPS, capacity)  # steps dispatched so far; the next block's steps
+    queued, last_read = None, time.perf_counter()  # the block dispatched last: (outputs, its steps)
+    while queued is not None or dispatched < num_steps:
+        pending = None
+        if dispatched < num_steps:  # dispatch the next block on the live state (donated: it stays on the device) ...
+            steps = min(steps, num_steps - dispatched)
+            outputs = executable(params, state, key, block_forced(dispatched), jnp.int32(steps))
+            state, pending, dispatched = outputs[3], (outputs[:3], steps), dispatched + steps
         if queued is not None:  # ... then read the one before it
             (tokens, logits, for_host), queued_steps = queued
             step_after, non_finite_step = np.asarray(for_host).tolist()  # waits for that block only
@@ -303,9 +311,13 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             if not done:
                 phases.enter("decode")
             done += ran
+            now = time.perf_counter()
+            if ran:  # the device ran this block while the host handled the one before: its time is this interval
+                steps = max(1, min(capacity, int(FUSED_BLOCK_SECONDS * ran / max(now - last_read, 1e-9))))
+            last_read = now
             if non_finite_step >= 0 or ran < queued_steps:  # halted: the blocks after it run no step
                 break
-        queued = (outputs[:3], steps) if start is not None else None
+        queued = pending
     return state, done, non_finite_step, compile_s
 
 
@@ -458,7 +470,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         decode_start = time.perf_counter()
         state, decode_steps, non_finite_step, first_step_s = decode_fused(
             graph, params, state, key, static_sampling, eos, max_new_tokens, config.vocab_size, return_logits,
-            take_block)
+            on_block=take_block)
         decode_s, timed_steps = time.perf_counter() - decode_start - first_step_s, decode_steps
         _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
     elif max_new_tokens and not all_done:
@@ -518,7 +530,7 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
                                    f"or dtype ({dtype}) are not usable for this input")
 
 
-__all__ = ["MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "DecodeStep", "sample", "ModelGraph", "split_model", "DecodeState",
-           "initial_state", "decode_body", "FusedCarry", "fused_executable", "BlockCallback", "decode_fused",
-           "decode_step_fn", "prompt_bucket", "prefill", "generate", "continue_generation", "MIN_TEMPERATURE",
-           "filter_logits"]
+__all__ = ["MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS", "DecodeStep",
+           "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body", "FusedCarry",
+           "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket", "prefill",
+           "generate", "continue_generation", "MIN_TEMPERATURE", "filter_logits"]

@@ -114,3 +114,25 @@ def test_a_non_finite_step_mid_block_hands_on_no_garbage_token(model, checkpoint
         jg.generate(Mistral.from_pretrained(model_dir), PROMPTS, NEW_TOKENS, cache="sliding_window",
                     max_cache_len=64, on_token=streamed.append, return_logits=True)  # the shapes above: no compile
     assert [row[0] for row in streamed] == clean[:k + 1]
+
+
+@pytest.mark.parametrize(("seconds", "sizes"), [(1e-9, [2, 2] + [1] * 18), (1e9, [2, 2, 4, 4, 4, 4, 2])],
+                         ids=["slow_steps", "fast_steps"])
+def test_blocks_are_sized_to_last_about_the_target_time(model, blocks_of, monkeypatch, seconds, sizes):
+    """The first two blocks are dispatched before any was timed; each later one is sized from the last one's time
+    to last FUSED_BLOCK_SECONDS, between 1 step and the compiled capacity (4 here); the last ends with the budget."""
+    blocks_of(BLOCK)
+    monkeypatch.setattr(jg, "FIRST_BLOCK_STEPS", 2)
+    monkeypatch.setattr(jg, "FUSED_BLOCK_SECONDS", seconds)
+    seen: list[int] = []
+    original = jg.decode_fused
+
+    def recording(*args, on_block=None, **kwargs):
+        def count(tokens, logits):
+            seen.append(tokens.shape[1])
+            on_block(tokens, logits)
+        return original(*args, on_block=count, **kwargs)
+
+    monkeypatch.setattr(jg, "decode_fused", recording)
+    result, _ = run(model, "fused")
+    assert seen == sizes and sum(seen) == result.decode_steps == NEW_TOKENS - 1
