@@ -49,7 +49,7 @@ MIN_PROMPT_BUCKET = 16
 # FUSED_BLOCK_STEPS steps; the host sizes each block from the last one's wall time to last about FUSED_BLOCK_SECONDS,
 # so tokens stream (and a KeyboardInterrupt lands) ~10 times a second on any model. Measured (bench/fused_blocks.py,
 # CPU time per token against one loop over the whole budget): a block costs ~0.3 ms of host time, nothing next to a
-# 135M model's step (blocks of 4 keep 100%), but the 2-layer default model's step is ~15 us, and it keeps ~90% of its
+# 135M model's step (blocks of 4 keep 100%), but a 2-layer random model's step is ~15 us, and it keeps ~90% of its
 # speed only from 256 steps per block (32: 56%).
 FUSED_BLOCK_STEPS = 256
 FUSED_BLOCK_SECONDS = 0.1
