@@ -93,13 +93,16 @@ def test_the_cli_restores_python_interrupt_handling_after_a_command(capsys):
     """In-process callers (these tests) get Python's KeyboardInterrupt back once main() returns."""
     from twincache_app.cli import main
 
-    before = signal.getsignal(signal.SIGINT)
-    assert main(["generate", "--backend", "torch", "--mode", "nope"]) == 2
-    assert signal.getsignal(signal.SIGINT) is before
-    assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd was left installed"
-    with pytest.raises(KeyboardInterrupt):
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts (unless SIGINT is ignored)
+    try:
+        assert main(["generate", "--backend", "torch", "--mode", "nope"]) == 2
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd was left installed"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, outer)
     capsys.readouterr()
 
 
@@ -110,3 +113,30 @@ def test_interrupt_handler_is_installed_before_the_subcommands_are_imported():
            "'jax', 'numpy', 'bench', 'tokenizers'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert out.strip() == "[]", out
+
+
+WAIT_IN_XLA = """
+import os, signal, sys, threading
+import jax, jax.numpy as jnp
+from jax import lax
+from twincache_app.interrupts import exit_on_interrupt
+
+loop = jax.jit(lambda x: lax.fori_loop(0, 2**30, lambda i, v: v * 0.999 + 1.0, x))  # minutes of XLA work
+with exit_on_interrupt():
+    result = loop(jnp.ones(1024))
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    print("waiting", flush=True)
+    result.block_until_ready()  # the main thread waits inside XLA: Python runs no signal handler here
+print("finished", flush=True)
+"""
+
+
+def test_sigint_ends_the_process_while_the_main_thread_waits_inside_xla():
+    """The watcher thread exits at once; a Python-level handler alone (or KeyboardInterrupt) would wait for XLA."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WAIT_IN_XLA], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    elapsed = time.monotonic() - start
+    assert proc.stdout == "waiting\n", proc.stdout
+    assert_interrupted("waiting inside XLA", proc.returncode, proc.stderr)
+    assert elapsed < 60, f"the process took {elapsed:.0f} s: it waited for the XLA loop"
