@@ -203,6 +203,7 @@ def _write(out: Path, records: list[dict[str, Any]], model_dir: Path, chunk: int
             record = next((r for r in records if (r["backend"], r["variant"], r["prompt_len"]) == key), None)
             cells.append("" if record is None else f"{record['prefill_peak_mb']:.0f}" if record["status"] == "ok"
                          else f"> {limit_gb:.0f} GB (killed)" if record["status"].startswith("killed (memory")
+                         else "out of memory" if "out of memory" in record.get("note", "").lower()
                          else record["status"])
         lines.append(f"| {backend} | {variant.replace('_', ' ')} | " + " | ".join(cells) + " |")
     lines += ["", "The process's peak RSS during the measured prefill (MB), the loaded model included:", "",
@@ -220,6 +221,8 @@ def _write(out: Path, records: list[dict[str, Any]], model_dir: Path, chunk: int
 
 
 def _plot(out: Path, records: list[dict[str, Any]], chunk: int, model_dir: Path) -> None:
+    """The process's peak RSS (the loaded model included: an increase of a few MB over it is not readable on a log
+    scale, and allocators reuse what the warm-up freed) against prompt length; x where the watchdog killed a point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,7 +231,7 @@ def _plot(out: Path, records: list[dict[str, Any]], chunk: int, model_dir: Path)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (backend, variant), color in zip(sorted({(r["backend"], r["variant"]) for r in records}),
                                          ("C0", "C1", "C2", "C3", "C4", "C5")):
-        ok = sorted((r["prompt_len"], r["prefill_peak_mb"]) for r in records
+        ok = sorted((r["prompt_len"], r["peak_rss_mb"]) for r in records
                     if (r["backend"], r["variant"]) == (backend, variant) and r["status"] == "ok")
         killed = [r for r in records if (r["backend"], r["variant"]) == (backend, variant)
                   and r["status"].startswith("killed (memory")]
@@ -242,7 +245,7 @@ def _plot(out: Path, records: list[dict[str, Any]], chunk: int, model_dir: Path)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("peak RSS over the loaded model (MB)")
+    ax.set_ylabel("process peak RSS during the prefill (MB)")
     ax.set_title(f"Prefill peak memory vs prompt length ({Path(model_dir).name})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
