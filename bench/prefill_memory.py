@@ -132,21 +132,24 @@ def run_point(backend: str, model_dir: Path, length: int, chunk: int, limit_byte
     proc = subprocess.Popen([sys.executable, "-m", "bench.prefill_memory", spec], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     process, highest, start = psutil.Process(proc.pid), 0, time.monotonic()
-    while proc.poll() is None:
-        try:
-            highest = max(highest, process.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        if highest > limit_bytes or time.monotonic() - start > timeout_s:
+    try:
+        while proc.poll() is None:
+            try:
+                highest = max(highest, process.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            if highest > limit_bytes or time.monotonic() - start > timeout_s:
+                why = "memory" if highest > limit_bytes else "time"
+                return {"backend": backend, "prompt_len": length, "chunk": min(chunk, length),
+                        "status": f"killed ({why})", "peak_rss_mb": highest / 2**20,
+                        "note": f"killed at {highest / 2**30:.2f} GB RSS (limit {limit_bytes / 2**30:.1f} GB)"
+                                if why == "memory" else f"killed after {timeout_s:.0f} s"}
+            time.sleep(0.02)
+        out, err = proc.communicate()
+    finally:  # a point over its limit, or the sweep interrupted: the point's process must not outlive it
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
-            why = "memory" if highest > limit_bytes else "time"
-            return {"backend": backend, "prompt_len": length, "chunk": min(chunk, length), "status": f"killed ({why})",
-                    "peak_rss_mb": highest / 2**20,
-                    "note": f"killed at {highest / 2**30:.2f} GB RSS (limit {limit_bytes / 2**30:.1f} GB)"
-                            if why == "memory" else f"killed after {timeout_s:.0f} s"}
-        time.sleep(0.02)
-    out, err = proc.communicate()
     if proc.returncode != 0:
         return {"backend": backend, "prompt_len": length, "chunk": min(chunk, length), "status": "error",
                 "note": (err.strip().splitlines() or ["no output"])[-1][:300]}
