@@ -55,16 +55,19 @@ def test_an_ids_file_gives_the_same_prompt_as_prompt_ids(checkpoints, tmp_path, 
     assert generate_json([*model, "--prompt-ids-file", "-"], capsys)["prompt_ids"] == ids
 
 
-def test_a_text_file_gives_the_same_prompt_as_prompt(default_model_dir, tmp_path, capsys, stdin_bytes):
+def test_a_text_file_gives_the_same_prompt_as_prompt(checkpoints, tmp_path, capsys, stdin_bytes):
     text = "The ring buffer\nremembers, ünïcode too"
+    model = ["--model", str(_with_tokenizer(checkpoints["gqa"], tmp_path))]
     path = tmp_path / "prompt.txt"
     path.write_text(text + "\n", encoding="utf-8")  # the one trailing newline an editor adds is dropped
-    from_flag = generate_json(["--prompt", text], capsys)
-    assert generate_json(["--prompt-file", str(path)], capsys)["prompt_ids"] == from_flag["prompt_ids"]
+    from_flag = generate_json([*model, "--prompt", text], capsys)
+    assert len(from_flag["prompt_ids"]) == len(text), "one id per character, the newline and ü included"
+    assert generate_json([*model, "--prompt-file", str(path)], capsys)["prompt_ids"] == from_flag["prompt_ids"]
     stdin_bytes((text + "\n").encode())
-    assert generate_json(["--prompt-file", "-"], capsys)["prompt_ids"] == from_flag["prompt_ids"]
+    assert generate_json([*model, "--prompt-file", "-"], capsys)["prompt_ids"] == from_flag["prompt_ids"]
     path.write_text(text + "\n\n", encoding="utf-8")  # only one newline is dropped: the rest is prompt text
-    assert generate_json(["--prompt-file", str(path)], capsys)["prompt_ids"] != from_flag["prompt_ids"]
+    assert generate_json([*model, "--prompt-file", str(path)], capsys)["prompt_ids"] == from_flag["prompt_ids"] + [
+        from_flag["prompt_ids"][text.index("\n")]]
 
 
 BAD_FILES = {  # case -> (flag, file content or None for no file, what the one line must say)
@@ -105,15 +108,20 @@ def test_a_bad_prompt_file_is_one_line_exit_2(checkpoints, tmp_path, capsys, com
     assert str(path) in line or case == "id_outside_vocab", f"the line does not name the file: {line}"
 
 
-def _with_tokenizer(checkpoint: Path, tmp_path: Path) -> Path:
-    """The checkpoint with a tokenizer.json, so a text prompt gets as far as reading its file."""
-    from tokenizers import Tokenizer, models
+def _with_tokenizer(checkpoint: Path, tmp_path: Path, vocab_size: int = 128) -> Path:
+    """The checkpoint with a character-level tokenizer.json: one id per character (newlines too) of ASCII and a few
+    accented letters, every id of the vocabulary named."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     directory = tmp_path / "with_tokenizer"
     directory.mkdir()
     for item in checkpoint.iterdir():
         (directory / item.name).symlink_to(item)
-    Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")).save(str(directory / "tokenizer.json"))
+    chars = ["[UNK]", "\n", *map(chr, range(32, 127)), *"üïéàç"]
+    vocab = {token: i for i, token in enumerate(chars + [f"<{i}>" for i in range(len(chars), vocab_size)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.save(str(directory / "tokenizer.json"))
     return directory
 
 
