@@ -8,15 +8,13 @@ hands on no garbage token; and every block of every budget runs one compiled exe
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import pytest
 
 import jax_cache.generate as jg
 from jax_cache.model import Mistral
 from parity_tests.test_cli_bad_inputs import copy_checkpoint, rewrite_tensors
-from parity_tests.test_jax_generate import with_eos
+from parity_tests.test_jax_generate import count_forward_traces, with_eos
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import SamplingParams
 
@@ -65,14 +63,7 @@ def test_every_block_of_every_budget_runs_one_executable(model, blocks_of, monke
     """Budgets of 1, 3, 9 and 33 blocks compile the loop at most once (none when an earlier test compiled it): the
     block's step limit is an array, not a shape."""
     blocks_of(BLOCK)
-    traced: collections.Counter[int] = collections.Counter()
-    original = jg._forward_last
-
-    def counting(graph, params, cache, input_ids, positions, attention_mask):
-        traced[input_ids.shape[1]] += 1
-        return original(graph, params, cache, input_ids, positions, attention_mask)
-
-    monkeypatch.setattr(jg, "_forward_last", counting)
+    traced = count_forward_traces(monkeypatch)
     before = len(jg._fused_executables)
     for new_tokens in (3, 10, 34, 133):
         result, _ = run(model, "fused", new_tokens=new_tokens)

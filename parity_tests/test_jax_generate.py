@@ -49,10 +49,8 @@ def model(checkpoints: dict[str, Path]) -> Mistral:
     return Mistral.from_pretrained(checkpoints["gqa"], jnp.float32)
 
 
-@pytest.fixture
-def traces(monkeypatch):
-    """Clear every jit cache, then count traces of the model forward by sequence length (prefill bucket or 1)."""
-    jax.clear_caches()
+def count_forward_traces(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[int]:
+    """From now on, count traces of the model forward by sequence length (a prefill chunk or bucket, or 1)."""
     counts: collections.Counter[int] = collections.Counter()
     original = jg._forward_last
 
@@ -61,7 +59,14 @@ def traces(monkeypatch):
         return original(graphdef, state, cache, input_ids, positions, attention_mask)
 
     monkeypatch.setattr(jg, "_forward_last", counting)
-    yield counts
+    return counts
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Clear every jit cache, then count traces of the model forward by sequence length (prefill bucket or 1)."""
+    jax.clear_caches()
+    yield count_forward_traces(monkeypatch)
     chex.clear_trace_counter()
 
 

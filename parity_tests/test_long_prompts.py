@@ -9,7 +9,6 @@ Peak memory itself (RSS against prompt length) is measured by `twincache bench -
 
 from __future__ import annotations
 
-import collections
 import json
 
 import jax.numpy as jnp
@@ -24,6 +23,7 @@ import torch_cache.generate as tg
 from jax_cache.cache import make_cache as jax_make_cache
 from jax_cache.model import Mistral as JaxMistral
 from parity_tests.conftest import WINDOW
+from parity_tests.test_jax_generate import count_forward_traces
 from torch_cache.cache import make_cache as torch_make_cache
 from torch_cache.model import Mistral as TorchMistral
 from twincache.errors import CacheError
@@ -154,15 +154,7 @@ def test_jax_prefill_compiles_once_for_every_long_prompt(models, monkeypatch, ca
     width: prompts of 3 and 9 chunks into caches of one size share one prefill trace and one compile. (A cache's
     max_cache_len is static pytree metadata, so caches of other sizes compile their own prefill.)"""
     jax_model, chunk = models[1], 8
-    widths: collections.Counter[int] = collections.Counter()
-    original = jg._forward_last
-
-    def recording(graph, params, cache, input_ids, positions, attention_mask):
-        if attention_mask is not None:  # the prefill (a decode step has no mask)
-            widths[input_ids.shape[1]] += 1
-        return original(graph, params, cache, input_ids, positions, attention_mask)
-
-    monkeypatch.setattr(jg, "_forward_last", recording)
+    widths = count_forward_traces(monkeypatch)  # by input width; no decode step runs below
     before = jg._prefill._cache_size()
     for length in (3 * chunk - 2, 9 * chunk - 5):  # one new token: the prefill's (no decode step is compiled)
         result = jg.generate(jax_model, make_prompts((length,)), 1, cache=cache, max_cache_len=UNIQUE_CACHE_LEN,
