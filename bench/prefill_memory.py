@@ -172,7 +172,7 @@ def sweep(backends: list[str], model_dir: Path, lengths: list[int], chunk: int, 
                               "note": f"the {exceeded}-token prompt already passed the limit"}
                 else:
                     record = run_point(backend, model, length, point_chunk, int(limit_gb * 2**30))
-                    if record["status"].startswith("killed"):
+                    if record["status"] == "killed (memory)":
                         exceeded = length
                 record["variant"] = variant
                 records.append(record)
