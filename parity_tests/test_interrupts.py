@@ -10,11 +10,13 @@ decode every token first). The processes run concurrently to keep within the tim
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,15 +39,26 @@ def long_model(tmp_path_factory) -> Path:
                               max_position_embeddings=2 * LONG_DECODE)
 
 
+@contextlib.contextmanager
+def children_start_with_sigint(disposition: object = signal.default_int_handler) -> Iterator[None]:
+    """Processes started inside get SIGINT at its default, as a terminal's children do (exec resets a handled signal
+    to the default), or ignored with SIG_IGN, as a script's background jobs do; whatever this process has. No
+    preexec_fn: forking a multithreaded (JAX) process to run Python in the child risks a deadlock."""
+    previous = signal.signal(signal.SIGINT, disposition)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def start(backend: str, mode: str, model: Path, new_tokens: int, env: dict[str, str],
-          sigint: object = signal.SIG_DFL) -> subprocess.Popen:
-    """`twincache generate` in a process whose SIGINT starts as `sigint` (a terminal's child: the default; a script's
-    background job: ignored)."""
+          sigint: object = signal.default_int_handler) -> subprocess.Popen:
+    """`twincache generate` in a process whose SIGINT starts at its default (or ignored, sigint=SIG_IGN)."""
     argv = ["generate", "--backend", backend, "--mode", mode, "--model", str(model), "--prompt-ids", "1,5,9,13",
             "--max-new-tokens", str(new_tokens)]
-    return subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, cwd=REPO,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
+    with children_start_with_sigint(sigint):
+        return subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, cwd=REPO)
 
 
 def assert_interrupted(label: str, returncode: int, stderr: str) -> None:
@@ -136,9 +149,11 @@ def test_sigint_ends_the_process_while_the_main_thread_is_inside_one_long_c_call
     """As during a long torch op or an XLA compile: the main thread runs no Python signal handler until the call
     returns (here ~2 minutes of hashing), but the watcher thread exits at once."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", BLOCKED_IN_C], capture_output=True, text=True, timeout=600, cwd=REPO,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    with children_start_with_sigint():
+        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_IN_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO)
+    stdout, stderr = proc.communicate(timeout=600)
     elapsed = time.monotonic() - start
-    assert proc.stdout == "hashing\n", proc.stdout
-    assert_interrupted("inside one C call", proc.returncode, proc.stderr)
+    assert stdout == "hashing\n", stdout
+    assert_interrupted("inside one C call", proc.returncode, stderr)
     assert elapsed < 30, f"the process took {elapsed:.0f} s: it waited for the C call to return"
