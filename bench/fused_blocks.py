@@ -19,7 +19,7 @@ from twincache_app.bench_adapters import fused_block_tok_s
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fused_blocks", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the embedded default model)")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the trained default model)")
     parser.add_argument("--blocks", default="1,2,4,8,16,32,64,128,256", help="steps per block, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=2000, help="tokens per run; also run as one block")
     parser.add_argument("--rounds", type=int, default=5)
