@@ -31,7 +31,9 @@ from twincache.generation import left_pad, positions_from_mask, prefill_chunks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ATOL = 1e-5  # the fp32 parity rule (docs/design.md §4)
+# docs/design.md §4: chunked vs one-shot is the same code (an equivalence: 1e-5), and against transformers fp32 on a
+# tiny model the rule's absolute allowance for max |logit diff| (1e-5) is above F x floor
+ATOL = 1e-5
 TOP1_MARGIN = 1e-4
 NEW_TOKENS = 6
 LENGTHS = (29, 17)  # a left-padded batch, both rows longer than the window of 8

@@ -135,3 +135,26 @@ def test_stdin_that_is_closed_is_one_line(checkpoints, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)  # as when started with `<&-`
     code, _, err = run_in_process(["generate", "--model", str(checkpoints["gqa"]), "--prompt-ids-file", "-"], capsys)
     assert_one_line_error(code, err, "reads stdin, but stdin is closed")
+
+
+def test_chat_formats_a_prompt_file_as_it_formats_prompt(checkpoints, tmp_path, capsys):
+    """--chat applies the chat template to the text of --prompt-file exactly as to --prompt's."""
+    model = _with_tokenizer(checkpoints["gqa"], tmp_path)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n"
+                                               "{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}")
+    path = tmp_path / "prompt.txt"
+    path.write_text("hi there\n", encoding="utf-8")
+    plain = generate_json(["--model", str(model), "--prompt", "hi there"], capsys)["prompt_ids"]
+    from_flag = generate_json(["--model", str(model), "--prompt", "hi there", "--chat"], capsys)["prompt_ids"]
+    from_file = generate_json(["--model", str(model), "--prompt-file", str(path), "--chat"], capsys)["prompt_ids"]
+    assert from_file == from_flag == generate_json(["--model", str(model), "--prompt", "<user>hi there\n<bot>"],
+                                                   capsys)["prompt_ids"]
+    assert from_file != plain
+
+
+def test_chat_with_an_ids_file_is_one_line(checkpoints, tmp_path, capsys):
+    path = tmp_path / "ids.txt"
+    path.write_text("1 2 3\n")
+    code, _, err = run_in_process(["generate", "--model", str(checkpoints["gqa"]), "--prompt-ids-file", str(path),
+                                   "--chat"], capsys)
+    assert_one_line_error(code, err, "--chat formats prompt text; it cannot apply to --prompt-ids-file")
