@@ -205,3 +205,33 @@ def test_prefill_memory_bench_measures_a_point_and_records_a_killed_one(checkpoi
     table = (tmp_path / "prefill_memory.md").read_text()
     assert "| torch | chunked |" in table and "(killed)" in table
     assert (tmp_path / "prefill_memory.png").stat().st_size > 0
+
+
+def test_prefill_memory_bench_runs_on_the_preset_model(checkpoints, tmp_path, monkeypatch, capsys):
+    """`twincache bench --prefill-memory` sweeps the preset's own model: by default tiny's random checkpoint over its
+    short lengths, --model DIR over the full range; a GGUF file (no config.json to copy) and a GPU preset are one line
+    each. The sweep itself is replaced: its pieces are tested above."""
+    from bench import prefill_memory
+    from parity_tests.test_cli_bad_inputs import assert_one_line_error, run_in_process
+
+    swept: list[tuple] = []
+    monkeypatch.setattr(prefill_memory, "sweep", lambda backends, model, lengths, chunk, limit, out, progress:
+                        swept.append((backends, model, lengths, chunk, out)))
+    common = ["bench", "--prefill-memory", "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+    code, _, err = run_in_process([*common, "--out", str(tmp_path / "tiny")], capsys)
+    assert code == 0, err
+    backends, model, lengths, chunk, out = swept[-1]
+    config = json.loads((model / "config.json").read_text())
+    assert (config["hidden_size"], config["vocab_size"], config["sliding_window"]) == (64, 512, 16), "not tiny's"
+    assert lengths == [1000, 2000, 4000] and chunk == 512 and backends == ["torch", "jax"]
+    code, _, err = run_in_process([*common, "--model", str(checkpoints["gqa"]), "--backends", "jax",
+                                   "--prefill-chunk", "64", "--out", str(tmp_path / "gqa")], capsys)
+    assert code == 0, err
+    assert swept[-1][:4] == (["jax"], checkpoints["gqa"], list(prefill_memory.DEFAULT_LENGTHS), 64)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    code, _, err = run_in_process([*common, "--model", str(gguf)], capsys)
+    assert_one_line_error(code, err, "is not a checkpoint directory")
+    code, _, err = run_in_process([*common, "--preset", "7b"], capsys)
+    assert_one_line_error(code, err, "builds its weights on a GPU")
+    assert len(swept) == 2
