@@ -30,8 +30,8 @@ import psutil
 from twincache.checkpoint import load_config
 
 DEFAULT_LENGTHS = (1_000, 3_000, 10_000, 30_000, 100_000)
-# The tiny preset's sweep is a quick look (a minute or two; its one-chunk prefill at 4,000 tokens still needs less than
-# a GB): short enough that the one-chunk points stay far from the limit, long enough to show them grow with the prompt.
+# The tiny preset's sweep is a quick look (55 s under load on 2 cores; its one-chunk prefill at 4,000 tokens adds
+# ~0.5 GB in JAX): short enough that the one-chunk points stay far from the limit, long enough to show them grow.
 PRESET_LENGTHS = {"tiny": (1_000, 2_000, 4_000)}
 DEFAULT_LIMIT_GB = 6.0
 VARIANTS = ("chunked", "one_chunk")
