@@ -25,7 +25,13 @@ def transformers_model(path: str | Path, dtype: Any, hf_config: Any = None,
     if not is_gguf_file(path):
         return MistralForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype,
                                                   attn_implementation=attn_implementation)
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    try:  # newer transformers may keep GGUF weights packed and compute in fp32; the reference must be dense in dtype
+        from transformers import GgufConfig
+
+        packing = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # older transformers always dequantizes
+        packing = {}
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **packing)
     config = hf_config if hf_config is not None else HFMistralConfig(**load_config(path).to_hf_dict())
     # its random init is replaced by the assign below
     model = MistralForCausalLM._from_config(config, dtype=dtype, attn_implementation=attn_implementation)

@@ -351,7 +351,8 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
     towers = {name: backend.module().load(model_dir, dtype) for name, backend in BACKENDS.items() if name in names}
     why_not = "--no-transformers"
     if with_transformers:
-        try:
+        try:  # the package itself: a submodule left in sys.modules would import without it
+            import transformers  # noqa: F401
             from transformers.utils import logging as hf_logging
         except ImportError:  # fall back to torch_cache's own float64 and dtype forwards, and say so
             why_not = NOT_INSTALLED
