@@ -7,11 +7,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench import prefill_memory
 from bench.impls import impl_registry
 from bench.presets import PRESETS, resolve
 from twincache.errors import InputError, UnavailableError
-from twincache.generation import CACHE_KINDS
+from twincache.generation import CACHE_KINDS, PREFILL_CHUNK
 from twincache.storage import writable_directory
+from twincache_app.backends import BACKENDS
 
 
 def _list(choices: Sequence[str]) -> object:
@@ -40,7 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "window 64) in fp32 / bf16 on CPU")
     parser.add_argument("--model", type=Path, default=None,
                         help="run the preset's workload on this HF Mistral checkpoint directory or .gguf file instead "
-                             "of its own weights (EOS off, so every run decodes its full budget)")
+                             "of its own weights (EOS off, so every run decodes its full budget); with "
+                             "--prefill-memory, the checkpoint directory to sweep")
     parser.add_argument("--sliding-window", type=int, default=None,
                         help="run with this sliding window instead of the model's (a model without one, like most "
                              "GGUFs, needs it for the sliding_window cache)")
@@ -64,7 +67,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="instead of the decode table: each backend on each mesh (model=N[,data=M]), recording "
                              "per-device bytes of weights and KV and tok/s in DIR/mesh.json and DIR/mesh.md; --impls "
                              "picks backends and modes (default: each backend in its default mode)")
-    parser.set_defaults(run=run)
+    memory = parser.add_argument_group("prefill memory (--prefill-memory)")
+    memory.add_argument("--prefill-memory", action="store_true",
+                        help="instead of decode speed: peak RSS of a prefill against prompt length, chunked and in one "
+                             "chunk, every backend, each point in a fresh process (bench/prefill_memory.py); writes "
+                             "DIR/prefill_memory.json, .md and .png")
+    memory.add_argument("--prompt-lengths", type=_lengths, default=None,
+                        help="comma-separated prompt lengths (default: "
+                             + "; ".join(f"{', '.join(map(str, lengths))} with --preset {name}"
+                                         for name, lengths in prefill_memory.PRESET_LENGTHS.items())
+                             + f"; else {','.join(map(str, prefill_memory.DEFAULT_LENGTHS))})")
+    memory.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="chunk size (default: %(default)s)")
+    memory.add_argument("--memory-limit-gb", type=float, default=prefill_memory.DEFAULT_LIMIT_GB,
+                        help="a point whose RSS passes this is killed and recorded as such (default: %(default)s)")
+    memory.add_argument("--backends", type=_list(tuple(BACKENDS)), default=list(BACKENDS),
+                        help="comma-separated subset of " + ", ".join(BACKENDS))
+    # Ctrl-C (or a timeout's SIGINT) raises KeyboardInterrupt here, so the runner saves what it measured first.
+    parser.set_defaults(run=run, keep_keyboard_interrupt=True)
 
 
 def _mesh(text: str) -> object:
@@ -85,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
                                "pip install 'twincache[bench]'") from None
     from bench.runner import Options, run_bench
 
+    if args.prefill_memory:
+        return run_prefill_memory(args)
     if args.repeats is not None and args.repeats < 1:
         raise InputError(f"--repeats={args.repeats} must be >= 1")
     if args.sliding_window is not None and args.sliding_window < 1:
@@ -115,6 +136,45 @@ def run(args: argparse.Namespace) -> int:
     failed = [r for r in records if r["kind"] == "decode" and r["status"] not in ("ok", "unavailable")]
     print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'} and plots"
           + (f"; {len(failed)} cell(s) failed, see results.md" if failed else ""), file=sys.stderr)
+    return 0
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive prompt lengths, comma-separated, e.g. 1000,10000")
+    return lengths
+
+
+def run_prefill_memory(args: argparse.Namespace) -> int:
+    """The sweep on the preset's model (tiny by default: its random weights, seconds per point), or on --model."""
+    from bench.workload import checkpoint_dir
+
+    if args.prefill_chunk < 1:
+        raise InputError(f"--prefill-chunk={args.prefill_chunk} must be >= 1")
+    if not args.memory_limit_gb > 0:
+        raise InputError(f"--memory-limit-gb={args.memory_limit_gb} must be > 0")
+    if args.model is not None and not args.model.is_dir():
+        raise InputError(f"--prefill-memory --model {args.model} is not a checkpoint directory; the sweep runs on a "
+                         "copy of its config.json (a GGUF file has none): give an HF checkpoint directory")
+    preset = resolve(PRESETS[args.preset], args.model)
+    if args.model is None and preset.model_dir is None and preset.weights_on_device:
+        raise InputError(f"--prefill-memory measures a CPU process's RSS; preset {preset.name} builds its weights on "
+                         "a GPU: use --preset tiny, small or trained, or give --model DIR")
+    model = preset.model_dir if preset.model_dir is not None else checkpoint_dir(preset.config, preset.seed,
+                                                                                 args.cache_dir)
+    lengths = args.prompt_lengths or list(prefill_memory.DEFAULT_LENGTHS if args.model is not None
+                                          else prefill_memory.PRESET_LENGTHS.get(preset.name,
+                                                                                 prefill_memory.DEFAULT_LENGTHS))
+    out = args.out if args.out is not None else Path("bench_out") / f"prefill_memory-{preset.name}"
+    writable_directory(out, "--out", "pass --out a directory where results can be written")
+    prefill_memory.sweep(args.backends, model, lengths, args.prefill_chunk, args.memory_limit_gb, out,
+                         progress=not args.no_progress)
+    print(f"bench: wrote {out / 'prefill_memory.json'}, {out / 'prefill_memory.md'} and prefill_memory.png",
+          file=sys.stderr)
     return 0
 
 

@@ -19,12 +19,14 @@ if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
 NAME = "jax"
 # Decode modes, the default first, with what each runs.
 MODES = {
-    "fused": "jitted prefill, then the whole decode loop in one jitted lax.while_loop (tokens come back at the end)",
+    "fused": "jitted prefill, then the decode loop as jitted lax.while_loop blocks of steps (tokens come back a block "
+             "at a time)",
     "step": "jitted prefill, then one jitted, donated step per token, queued one step ahead",
 }
-STREAMING_MODES = ("step",)  # modes that hand each step's tokens to on_token as they are decoded
+STREAMING_MODES = ("step", "fused")  # modes that hand each step's tokens to on_token as they are decoded
+BLOCK_STREAMING_MODES = ("fused",)  # of those, the ones that hand them over a block of steps at a time
 
 DEFAULT_MODE = next(iter(MODES))
 MESH_PROCESSES = False  # one process drives every device of a mesh (XLA SPMD)
 
-__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE", "MESH_PROCESSES"]
+__all__ = ["NAME", "MODES", "STREAMING_MODES", "BLOCK_STREAMING_MODES", "DEFAULT_MODE", "MESH_PROCESSES"]

@@ -20,7 +20,7 @@ from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache.config import MistralConfig
-from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.generation import PREFILL_CHUNK, GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
 from twincache.mesh import MeshShape
 
 
@@ -48,20 +48,21 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, on_token: TokenCallback | None = None,
              return_logits: bool = False,
-             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+             forced_tokens: Sequence[Sequence[int]] | None = None,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """jax_cache.generate.generate in a decode mode: "fused" (default) or "step"."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, on_token is not None)
     return _generate(model, prompts, max_new_tokens, cache=cache, max_cache_len=max_cache_len, sampling=sampling,
                      fused=mode == "fused", on_token=on_token, return_logits=return_logits,
-                     forced_tokens=forced_tokens)
+                     forced_tokens=forced_tokens, prefill_chunk=prefill_chunk)
 
 
 def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_kind: str,
                 mode: str = DEFAULT_MODE) -> np.ndarray:
     """Teacher-forced logits [len(sequence) - prompt_len, V] float32 of one row: `generate` in `mode` with
-    forced_tokens, so the prompt goes through its prefill and each later token through its decode path. Row i
-    predicts sequence[prompt_len + i]. On a mesh split over `data`, generate decodes a copy of the row on each data
-    shard (twincache.mesh.pad_batch) and returns row 0's logits."""
+    forced_tokens, so the prompt goes through its (chunked) prefill and each later token through its decode path (the
+    fused blocks or the streaming step). Row i predicts sequence[prompt_len + i]. On a mesh split over `data`,
+    generate decodes a copy of the row on each data shard (twincache.mesh.pad_batch) and returns row 0's logits."""
     sequence = [int(token) for token in sequence]
     result = generate(model, [sequence[:prompt_len]], len(sequence) - prompt_len, mode=mode, cache=cache_kind,
                       return_logits=True, forced_tokens=[sequence[prompt_len:]])

@@ -2,8 +2,9 @@
 to every jitted call, so XLA updates its buffers in place.
 
 Two decode modes:
-  fused (default when nothing streams): the whole decode loop is one jitted `lax.while_loop`, stopping each row at EOS.
-  step (streaming): one jitted step per token, queued one step ahead; each step's tokens come back to the host.
+  fused (default): the decode loop runs as jitted blocks of FUSED_BLOCK_STEPS steps, each one `lax.while_loop` that
+    stops each row at EOS; each block's tokens come back to the host (and to `on_token`) when it ends.
+  step: one jitted step per token, queued one step ahead; each step's tokens come back to the host.
 Both run one decode body (`decode_body`) over a named `DecodeState`, and fold the step index into one PRNG key, so
 they sample the same tokens for the same seed (docs/design.md §5).
 """
@@ -25,9 +26,10 @@ from jax import lax
 from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, make_cache, memory_label
 from jax_cache.model import Mistral
-from twincache import cache_checks
+from twincache import cache_checks, phases
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
+    PREFILL_CHUNK,
     GenerationResult,
     SamplingParams,
     TokenCallback,
@@ -38,6 +40,7 @@ from twincache.generation import (
     pad_token_id,
     plan_cache,
     positions_from_mask,
+    prefill_chunks,
     prepare_batch,
     prepare_continuation,
     validate_attention_mask,
@@ -46,6 +49,15 @@ from twincache.generation import (
 from twincache.mesh import keep_rows, pad_batch, pad_rows
 
 MIN_PROMPT_BUCKET = 16
+# The fused mode's blocks (docs/design.md §5). Every block runs one compiled loop whose outputs hold up to
+# FUSED_BLOCK_STEPS steps; the host sizes each block from the last one's wall time to last about FUSED_BLOCK_SECONDS,
+# so tokens stream (and a KeyboardInterrupt lands) ~10 times a second on any model. Measured (bench/fused_blocks.py,
+# CPU time per token against one loop over the whole budget): a block costs ~0.3 ms of host time, nothing next to a
+# 135M model's step (blocks of 4 keep 100%), but a 2-layer random model's step is ~15 us, and it keeps ~90% of its
+# speed only from 256 steps per block (32: 56%).
+FUSED_BLOCK_STEPS = 256
+FUSED_BLOCK_SECONDS = 0.1
+FIRST_BLOCK_STEPS = 8  # before any block was timed: small, so the first tokens come soon
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
                "twincache_app.handoff.cache_from_torch), or a kind name")
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
@@ -107,7 +119,7 @@ def split_model(model: Mistral) -> tuple[ModelGraph, nnx.State]:
 
 def _forward_last(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
                   positions: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, StaticCache]:
-    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask)
+    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask, logits_to_keep=1)
     return logits[:, -1].astype(jnp.float32), sharding.place_cache(cache)  # [B, V]
 
 
@@ -218,24 +230,27 @@ class FusedCarry(NamedTuple):
     out_logits: jax.Array  # [B, N, V] float32 with return_logits, else [B, 0, V]
 
 
-_FUSED_STATIC = ("graph", "sampling", "eos", "num_steps", "vocab_size", "return_logits")
+_FUSED_STATIC = ("graph", "sampling", "eos", "block_steps", "vocab_size", "return_logits")
 
 
 @functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("state",))
 def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array,
-                  forced: jax.Array | None, sampling: SamplingParams, eos: int | None, num_steps: int,
-                  vocab_size: int, return_logits: bool) -> tuple[jax.Array, jax.Array, DecodeState]:
-    """Up to `num_steps` decode steps in one lax.while_loop; stops early once the state halts.
+                  forced: jax.Array | None, steps: jax.Array, sampling: SamplingParams, eos: int | None,
+                  block_steps: int, vocab_size: int,
+                  return_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
+    """One block: up to `steps` (<= `block_steps`, an array, so every block of a generation runs one executable)
+    decode steps in one lax.while_loop; stops early once the state halts.
 
-    `forced` ([B, N] int32 or None): the tokens to feed instead of the sampled ones (teacher forcing).
-    Returns (out_tokens [B, N], out_logits [B, N or 0, V], the final state).
+    `forced` ([B, block_steps] int32 or None): the tokens to feed instead of the sampled ones (teacher forcing).
+    Returns (out_tokens [B, N], out_logits [B, N or 0, V], for_host [2]: the step index after the block and
+    `non_finite_step`, the final state), N = block_steps.
     """
     batch, first_step = state.tokens.shape[0], state.step
-    out_tokens = jnp.full((batch, num_steps), -1, jnp.int32)  # [B, N]
-    out_logits = jnp.zeros((batch, num_steps if return_logits else 0, vocab_size), jnp.float32)  # [B, N, V]
+    out_tokens = jnp.full((batch, block_steps), -1, jnp.int32)  # [B, N]
+    out_logits = jnp.zeros((batch, block_steps if return_logits else 0, vocab_size), jnp.float32)  # [B, N, V]
 
     def cond(carry: FusedCarry) -> jax.Array:
-        return (carry.state.step - first_step < num_steps) & ~carry.state.halted()
+        return (carry.state.step - first_step < steps) & ~carry.state.halted()
 
     def body(carry: FusedCarry) -> FusedCarry:
         index = carry.state.step - first_step  # [] int32, the output column
@@ -246,15 +261,16 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
         return FusedCarry(decode_state, out_tokens, out_logits)
 
     carry = lax.while_loop(cond, body, FusedCarry(state, out_tokens, out_logits))
-    return carry.out_tokens, carry.out_logits, _placed(carry.state)  # pinned as it entered (see _placed)
+    for_host = jnp.stack([carry.state.step, carry.state.non_finite_step])  # [2]
+    return carry.out_tokens, carry.out_logits, for_host, _placed(carry.state)  # pinned as it entered (see _placed)
 
 
 _fused_executables: dict[tuple, jax.stages.Compiled] = {}
 
 
 def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compiled, float]:
-    """The compiled fused loop for these argument shapes, compiled ahead of time once per shape so its compile time is
-    measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready)."""
+    """The compiled fused block for these argument shapes, compiled ahead of time once per shape so its compile time
+    is measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready)."""
     leaves, treedef = jax.tree_util.tree_flatten(args[1:])
     signature = (args[0], treedef, tuple((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves),
                  tuple(sorted(static.items())))
@@ -263,6 +279,64 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
     start = time.perf_counter()
     _fused_executables[signature] = _fused_decode.lower(*args, **static).compile()
     return _fused_executables[signature], time.perf_counter() - start
+
+
+BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
+
+
+def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
+                 eos: int | None, num_steps: int, vocab_size: int, return_logits: bool, on_block: BlockCallback,
+                 forced: np.ndarray | None = None,
+                 block_steps: int | None = None) -> tuple[DecodeState, int, int, float]:
+    """The fused mode: up to `num_steps` decode steps as jitted blocks, each one lax.while_loop over `decode_body` of
+    at most `block_steps` (default FUSED_BLOCK_STEPS) steps. The block's step limit is an array, so every block of
+    every budget runs one compiled executable, and the host sizes each block to last about FUSED_BLOCK_SECONDS.
+
+    Bounded blocks return to Python often, so tokens stream a block at a time and Ctrl-C is seen between blocks:
+    `on_block(tokens [B, n] numpy, logits [B, n, V] or None)` after each block that ran n > 0 steps. Block k + 1 is
+    queued before block k's tokens are read, so the device does not wait for the host. `forced` ([B, num_steps]
+    int32, on the host) as in `decode_body`. Returns (the final state, steps run, the first non-finite step or -1,
+    seconds spent compiling).
+    """
+    capacity, cache = block_steps or FUSED_BLOCK_STEPS, state.cache  # the cache for its placement only (donated)
+
+    def block_forced(start: int) -> jax.Array | None:  # sliced on the host: a device slice per start would compile
+        if forced is None:
+            return None
+        chunk = forced[:, start:start + capacity]
+        return _on_rows(cache, np.pad(chunk, ((0, 0), (0, capacity - chunk.shape[1]))))  # [B, capacity]
+
+    static = dict(sampling=sampling, eos=eos, block_steps=capacity, vocab_size=vocab_size,
+                  return_logits=return_logits)
+    phases.enter("compile")
+    executable, compile_s = fused_executable(graph, params, state, key, block_forced(0), jnp.int32(capacity), **static)
+    first_step, done, non_finite_step = int(state.step), 0, -1
+    dispatched, steps = 0, min(FIRST_BLOCK_STEPS, capacity)  # steps dispatched so far; the next block's steps
+    queued, last_read = None, time.perf_counter()  # the block dispatched last: (outputs, its steps)
+    while queued is not None or dispatched < num_steps:
+        pending = None
+        if dispatched < num_steps:  # dispatch the next block on the live state (donated: it stays on the device) ...
+            steps = min(steps, num_steps - dispatched)
+            outputs = executable(params, state, key, block_forced(dispatched), jnp.int32(steps))
+            state, pending, dispatched = outputs[3], (outputs[:3], steps), dispatched + steps
+        if queued is not None:  # ... then read the one before it
+            (tokens, logits, for_host), queued_steps = queued
+            step_after, non_finite_step = np.asarray(for_host).tolist()  # waits for that block only
+            # Steps this block ran; a step whose logits were not finite ends the loop, and its token is not handed on.
+            ran = (step_after if non_finite_step < 0 else non_finite_step) - first_step - done
+            if ran:
+                on_block(np.asarray(tokens)[:, :ran], logits[:, :ran] if return_logits else None)
+            if not done:
+                phases.enter("decode")
+            done += ran
+            now = time.perf_counter()
+            if ran:  # the device ran this block while the host handled the one before: its time is this interval
+                steps = max(1, min(capacity, int(FUSED_BLOCK_SECONDS * ran / max(now - last_read, 1e-9))))
+            last_read = now
+            if non_finite_step >= 0 or ran < queued_steps:  # halted: the blocks after it run no step
+                break
+        queued = pending
+    return state, done, non_finite_step, compile_s
 
 
 def decode_step_fn(model: Mistral) -> DecodeStep:
@@ -280,51 +354,74 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
     return step
 
 
-def prompt_bucket(prompt_len: int, room: int | None) -> int:
-    """Prompts are left-padded to a power of two (>= 16) so one process compiles few prefills; `room` caps it."""
-    bucket = max(MIN_PROMPT_BUCKET, 1 << (prompt_len - 1).bit_length())
+def prompt_bucket(prompt_len: int, room: int | None, chunk_size: int = PREFILL_CHUNK) -> int:
+    """The columns a prompt is left-padded to, so that one process compiles few prefills: a power of two (>= 16) up
+    to one chunk, and beyond it a whole number of chunks, each of the one chunk shape. `room` caps it (then a first,
+    shorter chunk takes the remainder: one more shape)."""
+    if prompt_len <= chunk_size:
+        bucket = min(max(MIN_PROMPT_BUCKET, 1 << (prompt_len - 1).bit_length()), chunk_size)
+    else:
+        bucket = -(-prompt_len // chunk_size) * chunk_size
     return max(prompt_len, min(bucket, room)) if room is not None else bucket
 
 
-def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
-            cache: StaticCache) -> tuple[jax.Array, StaticCache]:
-    """Run the left-padded prompt [B, T] through the model, filling the (donated) cache.
-    Returns last-token logits [B, V] fp32 and the new cache."""
-    mask_np = np.asarray(attention_mask)
-    validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
-    positions = jnp.asarray(positions_from_mask(mask_np))  # [B, T]; padding at -1
-    model.check_inputs(input_ids, positions, attention_mask)
+def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array, cache: StaticCache,
+            chunk_size: int = PREFILL_CHUNK) -> tuple[jax.Array, StaticCache]:
+    """Run the left-padded prompt [B, T] through the model in chunks of at most `chunk_size` columns, filling the
+    (donated) cache. Returns last-token logits [B, V] fp32 and the new cache.
+
+    Each chunk attends over the cache plus itself, so memory is bounded by the chunk and the cache (a ring: W + chunk
+    keys), not by the prompt; chunks of one width share one compiled prefill. The whole prompt is checked before the
+    first chunk: a refused prefill dispatches nothing.
+    """
+    phases.enter("prefill")
+    ids_np, mask_np = np.asarray(input_ids), np.asarray(attention_mask)
+    validate_attention_mask(mask_np, tuple(ids_np.shape))  # right padding would make [:, -1] a pad's logits
+    positions_np = positions_from_mask(mask_np)  # [B, T]; padding at -1
+    chunks = prefill_chunks(ids_np.shape[1], chunk_size)
+    model.check_inputs(input_ids, positions_np, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype, model.device)
-    if cache.mesh is not None:  # the rows of every input follow the cache's batch
-        input_ids, positions, attention_mask = (sharding.place(jnp.asarray(array), sharding.batch_sharding(cache))
-                                                for array in (input_ids, positions, attention_mask))
     graph, params = split_model(model)
-    return _prefill(graph, params, cache, input_ids, positions, attention_mask)
+    for start, stop in chunks:  # sliced on the host: a device slice per start would compile one op per start
+        logits, cache = _prefill(graph, params, cache, *(_on_rows(cache, array[:, start:stop])
+                                                         for array in (ids_np, positions_np, mask_np)))
+    return logits, cache
+
+
+def _on_rows(cache: StaticCache, array: np.ndarray) -> jax.Array:
+    """A host array whose first axis is the batch ([B, ...]) on the device; on a mesh, on the cache's batch sharding,
+    as every per-row input of a jitted prefill, step or block is (one placement, so one executable)."""
+    if cache.mesh is None:
+        return jnp.asarray(array)
+    return sharding.place(jnp.asarray(array), sharding.batch_sharding(cache))
 
 
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, fused: bool = True,
              on_token: TokenCallback | None = None, return_logits: bool = False,
-             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+             forced_tokens: Sequence[Sequence[int]] | None = None,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
-    object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused=False`, or an `on_token`
-    callback, decodes one jitted step at a time. `result.max_cache_len` is the capacity planned for this generation's
-    tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too (docs/design.md §5).
+    object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused` decodes in jitted blocks
+    of steps (`on_token` then receives a block's steps when it ends); `fused=False` one jitted step at a time. The
+    prompt is prefilled in chunks of `prefill_chunk` columns. `result.max_cache_len` is the capacity planned for this
+    generation's tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too
+    (docs/design.md §5).
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
-    inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
                                                                        config)  # [rows, N]
     if model.mesh is not None and (cache is None or isinstance(cache, str)):  # any batch decodes on a data split
         inputs, on_token = pad_batch(inputs, sharding.mesh_shape(model.mesh).data, on_token)
     prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
-    sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
+    sampling, max_new_tokens, chunk = inputs.sampling, inputs.max_new_tokens, inputs.prefill_chunk
     batch, prompt_len = ids_np.shape
     forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
@@ -333,30 +430,29 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         planned_len = cache.max_cache_len
-        bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens)
+        bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
-        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
+        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
         cache = cache.reset()
     else:
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         bounded = kind == "static" or planned_len < config.sliding_window
-        bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None)
+        bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
-        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
+        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
         # Without a given max_cache_len, the cache also holds the bucket's extra padding columns.
         cache_len = planned_len if max_cache_len else bucket + max_new_tokens
         cache = make_cache(kind, config, batch, cache_len, model.dtype, model.mesh)
     if max_new_tokens == 0:
         return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
-                                          0.0, 0, 0, None, cache, "fused" if fused and on_token is None else "step"),
-                         rows)
+                                          0.0, 0, 0, None, cache, "fused" if fused else "step"), rows)
     extra = ((0, 0), (bucket - prompt_len, 0))  # the bucket's extra columns are padding too
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
     key = jax.random.key(sampling.seed)
     announce_compile("XLA")  # the prefill and the decode loop or step are jitted
     start = time.perf_counter()
-    logits, cache = prefill(model, jnp.asarray(ids_np), jnp.asarray(mask_np), cache)  # [B, V]
+    logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
     first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, eos, jnp.int32(0),
                      None if forced is None else jnp.asarray(forced[:, 0]))
     first = np.asarray(first).tolist()
@@ -392,13 +488,11 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
     # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
     check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, int(cache.length) + max_new_tokens)
-    _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
+    _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, return_logits)
     batch = len(last_tokens)
-    forced = None
+    forced = None  # [B, N] int32 on the host: sliced there per step or block, a device slice per start would compile
     if forced_tokens is not None:
-        forced = jnp.asarray(validate_forced_tokens(forced_tokens, batch, max_new_tokens, config))  # [B, N]
-        if cache.mesh is not None:  # its rows follow the cache's batch, as every per-row input's do
-            forced = sharding.place(forced, sharding.batch_sharding(cache))
+        forced = validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
@@ -408,26 +502,28 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
     all_done = eos is not None and all(t == eos for t in last_tokens)
-    if fused and on_token is None and max_new_tokens and not all_done:
-        executable, first_step_s = fused_executable(
-            graph, params, state, key, forced, sampling=static_sampling, eos=eos, num_steps=max_new_tokens,
-            vocab_size=config.vocab_size, return_logits=return_logits)
+    if fused and max_new_tokens and not all_done:
+        def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
+            for row_ids in block_tokens.T.tolist():  # one step's tokens per column
+                append_tokens(tokens, row_ids, eos)
+                if on_token is not None:
+                    on_token(row_ids)
+            if return_logits:
+                logits_per_step.append(block_logits)
+
         decode_start = time.perf_counter()
-        out_tokens, out_logits, state = executable(params, state, key, forced)
-        out_host, decode_steps = np.asarray(out_tokens), int(state.step) - _first_step
-        decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps
-        non_finite_step = int(state.non_finite_step)
+        state, decode_steps, non_finite_step, first_step_s = decode_fused(
+            graph, params, state, key, static_sampling, eos, max_new_tokens, config.vocab_size, return_logits,
+            on_block=take_block, forced=forced)
+        decode_s, timed_steps = time.perf_counter() - decode_start - first_step_s, decode_steps
         _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
-        for step in range(decode_steps):
-            append_tokens(tokens, out_host[:, step].tolist(), eos)
-        if return_logits:
-            logits_per_step = [out_logits[:, :decode_steps]]
     elif max_new_tokens and not all_done:
         decode_start = time.perf_counter()
         cache.check_live()
         def forced_at(step: int) -> jax.Array | None:
-            return None if forced is None else forced[:, step]  # [B]
+            return None if forced is None else _on_rows(cache, forced[:, step])  # [B]
 
+        phases.enter("compile")  # the first step compiles
         pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size, forced_at(0))
         while True:
             for_host, logits, state = pending
@@ -441,6 +537,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             all_done = eos is not None and all(token == eos for token in row_ids)
             if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
                 first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+                phases.enter("decode")
             if return_logits:
                 logits_per_step.append(logits[:, None])
             append_tokens(tokens, row_ids, eos)
@@ -456,18 +553,18 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         step_logits = jnp.concatenate([empty, *logits_per_step], axis=1)  # [B, steps, V]
     return GenerationResult(state.cache.kind, state.cache.max_cache_len, [[] for _ in tokens], tokens, 0.0,
                             first_step_s, decode_s, decode_steps, timed_steps, step_logits, state.cache,
-                            "fused" if fused and on_token is None else "step")
+                            "fused" if fused else "step")
 
 
-def _check_outputs_fit(batch: int, steps: int, vocab_size: int, fused: bool, return_logits: bool) -> None:
-    """The fused loop allocates its [batch, steps] tokens (and [batch, steps, vocab] logits) up front, and returned
-    logits are concatenated once more at the end: refuse what cannot fit before anything is compiled or run."""
-    needed = (batch * steps * 4 if fused else 0) + (2 * batch * steps * vocab_size * 4 if return_logits else 0)
+def _check_outputs_fit(batch: int, steps: int, vocab_size: int, return_logits: bool) -> None:
+    """Returned logits ([batch, steps, vocab] float32) are kept per step or block and concatenated once more at the
+    end: refuse what cannot fit before anything is compiled or run."""
+    if not return_logits:
+        return
     device = default_device()
-    what = f"decoding {steps} steps" + (f" with return_logits (2 x [{batch}, {steps}, {vocab_size}] float32)"
-                                        if return_logits else f" fused ([{batch}, {steps}] int32 tokens)")
-    cache_checks.check_fits(what, needed, available_memory(device), memory_label(device),
-                            "generate fewer tokens" + (" or pass return_logits=False" if return_logits else ""))
+    cache_checks.check_fits(f"decoding {steps} steps with return_logits (2 x [{batch}, {steps}, {vocab_size}] float32)",
+                            2 * batch * steps * vocab_size * 4, available_memory(device), memory_label(device),
+                            "generate fewer tokens or pass return_logits=False")
 
 
 def _without_seed(sampling: SamplingParams) -> SamplingParams:
@@ -481,6 +578,7 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
                                    f"or dtype ({dtype}) are not usable for this input")
 
 
-__all__ = ["MIN_PROMPT_BUCKET", "DecodeStep", "sample", "ModelGraph", "split_model", "DecodeState", "initial_state",
-           "decode_body", "FusedCarry", "fused_executable", "decode_step_fn", "prompt_bucket", "prefill", "generate",
-           "continue_generation", "MIN_TEMPERATURE", "filter_logits"]
+__all__ = ["MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS", "DecodeStep",
+           "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body", "FusedCarry",
+           "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket", "prefill",
+           "generate", "continue_generation", "MIN_TEMPERATURE", "filter_logits"]

@@ -190,8 +190,10 @@ class Mistral(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, cache: StaticCache,
-                 attention_mask: jax.Array | None = None) -> tuple[jax.Array, StaticCache]:
-        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens."""
+                 attention_mask: jax.Array | None = None, logits_to_keep: int = 0) -> tuple[jax.Array, StaticCache]:
+        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens.
+        Returns logits [B, S, V], or of the last `logits_to_keep` tokens only (a prefill needs the last one), and
+        the new cache."""
         embed = self.model.embed_tokens.weight[...]
         if not isinstance(input_ids, jax.core.Tracer):
             self.check_inputs(input_ids, positions, attention_mask)
@@ -205,9 +207,11 @@ class Mistral(nnx.Module):
         for layer_idx, layer in enumerate(self.model.layers):
             x, cache = layer(x, cos, sin, visible, cache, layer_idx)
         cache = cache.advance(new_positions)
+        if logits_to_keep:  # [B, S, V] logits of a long chunk would outweigh its attention; most are not needed
+            x = x[:, -logits_to_keep:]  # [B, K, hidden]
         x = self.model.norm(x)
         head = embed if self.lm_head is None else self.lm_head.weight[...]
-        return project(x, head), cache  # [B, S, V]
+        return project(x, head), cache  # [B, S or K, V]
 
     def check_inputs(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array | None) -> None:
         """Checks of ids, positions and mask before dispatch (they read values, so they wait for the device)."""

@@ -13,6 +13,7 @@ import pytest
 
 import jax_cache.generate as jg
 from twincache.errors import InputError, UnavailableError
+from twincache.generation import check_mode
 from twincache_app.backends import BACKENDS, Backend, modes_help
 
 PROMPT = [5, 17, 42, 99, 3, 8, 61]
@@ -38,7 +39,7 @@ def test_an_unimportable_backend_is_one_clear_error():
     def missing() -> None:
         raise ImportError("No module named 'jax'")
 
-    ghost = Backend("jax", "jax_cache", {"fused": ""}, (), False, missing)
+    ghost = Backend("jax", "jax_cache", {"fused": ""}, (), (), False, missing)
     with pytest.raises(UnavailableError, match=r"the jax backend is unavailable: cannot import jax_cache.backend "
                                                r"\(No module named 'jax'\); install its framework, or use --backend"):
         ghost.module()
@@ -97,14 +98,23 @@ def test_step_logits_ask_torch_for_the_compiled_step_only_in_compiled_mode(model
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_backend_generate_refuses_a_foreign_mode_and_a_callback_it_cannot_stream(models, name):
+def test_backend_generate_refuses_a_foreign_mode_and_streams_every_step_in_every_mode(models, name):
     tower, backend = BACKENDS[name].module(), BACKENDS[name]
     foreign = next(m for other in BACKENDS.values() if other is not backend for m in other.modes)
     with pytest.raises(InputError, match=f"mode '{foreign}' is not a {name} mode"):
         tower.generate(models[name], [PROMPT], 2, mode=foreign)
-    for mode in set(backend.modes) - set(backend.streaming_modes):
-        with pytest.raises(InputError, match="does not stream tokens"):
-            tower.generate(models[name], [PROMPT], 2, mode=mode, on_token=lambda _: None)
+    assert set(backend.streaming_modes) == set(backend.modes)  # the JAX fused mode streams a block at a time
+    assert set(backend.block_streaming_modes) == ({"fused"} if name == "jax" else set())
+    for mode in backend.modes:
+        streamed: list[list[int]] = []
+        result = tower.generate(models[name], [PROMPT], NEW_TOKENS, mode=mode, on_token=streamed.append)
+        assert [row[0] for row in streamed] == result.token_ids[0] and len(streamed) == NEW_TOKENS, mode
+
+
+def test_a_callback_for_a_mode_that_cannot_stream_is_refused():
+    check_mode("jax", ("fused", "step"), ("step",), "step", True)
+    with pytest.raises(InputError, match="jax mode 'fused' does not stream tokens as it decodes; use 'step'"):
+        check_mode("jax", ("fused", "step"), ("step",), "fused", True)
 
 
 def test_torch_model_reports_its_dtype_and_device(models):

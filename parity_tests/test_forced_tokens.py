@@ -134,3 +134,39 @@ def test_bad_forced_tokens_are_refused_before_anything_changes(models, tower, fo
         module.generate(model, PROMPTS, NEW_TOKENS, cache=cache, forced_tokens=forced, **mode)
     assert int(cache.length) == length, "a refused call changed the cache"
     assert isinstance(cache, cache_module.StaticCache)
+
+
+def test_forced_tokens_cross_fused_block_boundaries(models, monkeypatch):
+    """The fused mode runs its loop in blocks (jax_cache.generate.FUSED_BLOCK_STEPS, here 4 steps) and hands each
+    block its slice of the forced tokens: with 11 decode steps in blocks of 4, 4 and 3, every step still emits and
+    feeds its own forced token, and each step's logits are those of the model fed exactly those tokens."""
+    monkeypatch.setattr(jax_generate, "FUSED_BLOCK_STEPS", 4)
+    blocks: list[int] = []
+    original = jax_generate.decode_fused
+
+    def recording(*args, on_block, **kwargs):
+        def count(tokens, logits):
+            blocks.append(tokens.shape[1])
+            on_block(tokens, logits)
+        return original(*args, on_block=count, **kwargs)
+
+    monkeypatch.setattr(jax_generate, "decode_fused", recording)
+    result = run(models, "jax_fused", PROMPTS, NEW_TOKENS, cache="sliding_window", forced_tokens=FORCED)
+    assert len(blocks) >= 3 and max(blocks) <= 4 and sum(blocks) == NEW_TOKENS - 1, blocks
+    assert result.token_ids == FORCED
+    ours = logits_of(result)  # [B, N, V]
+    for row, prompt in enumerate(PROMPTS):
+        expected = uncached(models, "jax_fused", prompt + FORCED[row])[len(prompt) - 1:-1]  # [N, V]
+        np.testing.assert_allclose(ours[row], expected, rtol=0, atol=1e-5, err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_forced_tokens_after_a_chunked_prefill(models, path):
+    """A prompt prefilled in chunks of 4 columns (the 11-token row in three chunks; the 3-token row's first chunk is
+    all padding), then forced: the same tokens and the logits of the model fed exactly that sequence."""
+    result = run(models, path, PROMPTS, NEW_TOKENS, cache="sliding_window", forced_tokens=FORCED, prefill_chunk=4)
+    assert result.token_ids == FORCED
+    ours = logits_of(result)  # [B, N, V]
+    for row, prompt in enumerate(PROMPTS):
+        expected = uncached(models, path, prompt + FORCED[row])[len(prompt) - 1:-1]  # [N, V]
+        np.testing.assert_allclose(ours[row], expected, rtol=0, atol=1e-5, err_msg=f"{path} row {row}")

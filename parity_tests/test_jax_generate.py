@@ -49,10 +49,8 @@ def model(checkpoints: dict[str, Path]) -> Mistral:
     return Mistral.from_pretrained(checkpoints["gqa"], jnp.float32)
 
 
-@pytest.fixture
-def traces(monkeypatch):
-    """Clear every jit cache, then count traces of the model forward by sequence length (prefill bucket or 1)."""
-    jax.clear_caches()
+def count_forward_traces(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[int]:
+    """From now on, count traces of the model forward by sequence length (a prefill chunk or bucket, or 1)."""
     counts: collections.Counter[int] = collections.Counter()
     original = jg._forward_last
 
@@ -61,7 +59,14 @@ def traces(monkeypatch):
         return original(graphdef, state, cache, input_ids, positions, attention_mask)
 
     monkeypatch.setattr(jg, "_forward_last", counting)
-    yield counts
+    return counts
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Clear every jit cache, then count traces of the model forward by sequence length (prefill bucket or 1)."""
+    jax.clear_caches()
+    yield count_forward_traces(monkeypatch)
     chex.clear_trace_counter()
 
 
@@ -132,8 +137,8 @@ def test_compiled_decode_copies_no_kv_buffer(model, kind):
     state = jg.initial_state(jnp.asarray([3], jnp.int32), cache.next_positions(), cache, None, 0)
     key, sampling = jax.random.key(0), jg._without_seed(SamplingParams())
     step_hlo = jg._sampled_step.lower(graph, params, state, key, sampling, None, VOCAB).compile().as_text()
-    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, sampling=sampling, eos=None, num_steps=8,
-                                       vocab_size=VOCAB, return_logits=False).compile().as_text()
+    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, jnp.int32(8), sampling=sampling, eos=None,
+                                       block_steps=8, vocab_size=VOCAB, return_logits=False).compile().as_text()
     buffer_shape = cache.keys[0].shape
     assert " dynamic-update-slice(" in step_hlo, "the step writes the cache (else this test checks nothing)"
     assert buffer_copies(step_hlo, buffer_shape) == []
@@ -147,8 +152,8 @@ def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
     cache = make_cache("static", model.config, 1, 128)
     graph, params = jg.split_model(model)
     state = jg.initial_state(jnp.asarray([3], jnp.int32), jnp.asarray([0], jnp.int32), cache, None, 0)
-    executable, _ = jg.fused_executable(graph, params, state, jax.random.key(0), None,
-                                        sampling=jg._without_seed(SamplingParams()), eos=None, num_steps=8,
+    executable, _ = jg.fused_executable(graph, params, state, jax.random.key(0), None, jnp.int32(8),
+                                        sampling=jg._without_seed(SamplingParams()), eos=None, block_steps=8,
                                         vocab_size=VOCAB, return_logits=False)
     analysis = executable.memory_analysis()
     cache_bytes = sum(array.nbytes for array in cache.arrays())

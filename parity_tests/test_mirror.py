@@ -55,6 +55,11 @@ JAX_ONLY = {
     "generate.initial_state": "as DecodeState",
     "generate.decode_body": "as DecodeState",
     "generate.fused_executable": "the fused lax.while_loop is compiled ahead of time, apart from decoding",
+    "generate.FUSED_BLOCK_STEPS": "the fused mode runs its jitted loop in blocks of steps; torch loops in Python",
+    "generate.decode_fused": "as FUSED_BLOCK_STEPS",
+    "generate.FUSED_BLOCK_SECONDS": "as FUSED_BLOCK_STEPS",
+    "generate.FIRST_BLOCK_STEPS": "as FUSED_BLOCK_STEPS",
+    "generate.BlockCallback": "as FUSED_BLOCK_STEPS",
 }
 # Parameters only one tower's signature has: qualified function -> parameter names (and why).
 TORCH_ONLY_PARAMS = {

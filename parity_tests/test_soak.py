@@ -70,7 +70,6 @@ def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     (["--prompt-len", "0"], "steps=10000 and prompt_len=0 must both be >= 1"),
     (["--no-window"], "has sliding_window=null"),
     (["--backend", "jax", "--jax-missing"], "the jax backend is unavailable: cannot import jax_cache"),
-    (["--backend", "jax", "--mode", "fused"], "needs a streaming mode; jax mode fused decodes without handing steps"),
     (["--backend", "torch", "--mode", "step"], "--mode step is not a torch mode"),
 ])
 def test_soak_refusals_are_one_line_exit_2(tiny_model_dir, checkpoints, capsys, monkeypatch, argv, expected):

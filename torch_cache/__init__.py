@@ -12,8 +12,9 @@ MODES = {
     "eager": "eager prefill and eager decode steps",
 }
 STREAMING_MODES = ("compiled", "eager")  # modes that hand each step's tokens to on_token as they are decoded
+BLOCK_STREAMING_MODES = ()  # of those, the ones that hand them over a block of steps at a time
 
 DEFAULT_MODE = next(iter(MODES))
 MESH_PROCESSES = True  # one process per device (torch.distributed): `--mesh` launches them
 
-__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE", "MESH_PROCESSES"]
+__all__ = ["NAME", "MODES", "STREAMING_MODES", "BLOCK_STREAMING_MODES", "DEFAULT_MODE", "MESH_PROCESSES"]

@@ -15,7 +15,7 @@ from torch_cache.cache import StaticCache
 from torch_cache.generate import generate as _generate
 from torch_cache.model import Mistral
 from twincache.config import MistralConfig
-from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.generation import PREFILL_CHUNK, GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
 from twincache.mesh import MeshShape
 
 
@@ -40,12 +40,13 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, on_token: TokenCallback | None = None,
              return_logits: bool = False,
-             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+             forced_tokens: Sequence[Sequence[int]] | None = None,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """torch_cache.generate.generate in a decode mode: "compiled" (default) or "eager"."""
     check_mode(NAME, MODES, STREAMING_MODES, mode, on_token is not None)
     return _generate(model, prompts, max_new_tokens, cache=cache, max_cache_len=max_cache_len, sampling=sampling,
                      compile=mode == "compiled", on_token=on_token, return_logits=return_logits,
-                     forced_tokens=forced_tokens)
+                     forced_tokens=forced_tokens, prefill_chunk=prefill_chunk)
 
 
 def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_kind: str,

@@ -18,9 +18,10 @@ import torch
 from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
 from torch_cache.model import Mistral
-from twincache import cache_checks
+from twincache import cache_checks, phases
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
+    PREFILL_CHUNK,
     GenerationResult,
     SamplingParams,
     TokenCallback,
@@ -30,6 +31,7 @@ from twincache.generation import (
     check_positions,
     plan_cache,
     positions_from_mask,
+    prefill_chunks,
     prepare_batch,
     prepare_continuation,
     validate_attention_mask,
@@ -99,13 +101,25 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
 
 
 @torch.inference_mode()
-def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            cache: StaticCache) -> torch.Tensor:
-    """Run the left-padded prompt [B, T] through the model, filling the cache. Returns last-token logits [B, V] fp32."""
+def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: StaticCache,
+            chunk_size: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Run the left-padded prompt [B, T] through the model in chunks of at most `chunk_size` columns, filling the
+    cache. Returns last-token logits [B, V] fp32.
+
+    Each chunk attends over the cache plus itself, so memory is bounded by the chunk and the cache (a ring: W + chunk
+    keys), not by the prompt. The whole prompt is checked before the first chunk: a refused prefill writes nothing.
+    """
+    phases.enter("prefill")
     mask_np = attention_mask.cpu().numpy()
     validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
-    positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device)
-    return model(input_ids, positions.long(), cache, attention_mask)[:, -1].float()
+    positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device).long()  # [B, T]
+    chunks = prefill_chunks(input_ids.shape[1], chunk_size)
+    model.check_inputs(input_ids, positions, attention_mask)
+    cache.check_forward(model.config, input_ids, model.dtype, model.device)
+    for start, stop in chunks:
+        logits = model(input_ids[:, start:stop], positions[:, start:stop], cache, attention_mask[:, start:stop],
+                       logits_to_keep=1)  # [B, 1, V]
+    return logits[:, -1].float()
 
 
 @torch.inference_mode()
@@ -113,17 +127,19 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
              cache: str | StaticCache | None = None, max_cache_len: int | None = None,
              sampling: SamplingParams | None = None, compile: bool = True,
              on_token: TokenCallback | None = None, return_logits: bool = False,
-             forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+             forced_tokens: Sequence[Sequence[int]] | None = None,
+             prefill_chunk: int = PREFILL_CHUNK) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
-    object to reuse (it is reset first). `on_token` receives each step's tokens, one per row. Every input is
-    validated before a given cache is touched: a refused call changes nothing.
+    object to reuse (it is reset first). `on_token` receives each step's tokens, one per row. The prompt is prefilled
+    in chunks of `prefill_chunk` columns. Every input is validated before a given cache is touched: a refused call
+    changes nothing.
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
-    inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
                                                                        config)  # [rows, N]
@@ -154,7 +170,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         announce_compile("torch.compile")
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
-                     torch.from_numpy(inputs.attention_mask).to(device), cache)  # [B, V]
+                     torch.from_numpy(inputs.attention_mask).to(device), cache, inputs.prefill_chunk)  # [B, V]
     first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
     _, _, first = _pick(logits, torch.zeros(batch, dtype=torch.bool, device=device), sampling, generator, eos,
                         step=0, forced=first_forced)
@@ -211,6 +227,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     decode_steps = 0
     decode_start = time.perf_counter()
     all_done = eos is not None and all(t == eos for t in last_tokens)
+    phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call
     while decode_steps < max_new_tokens and not all_done:
         logits = step(next_ids[:, None], positions, cache).float()  # [B, V]
         positions = positions + 1
@@ -222,6 +239,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         all_done = eos is not None and all(token == eos for token in row_ids)
         if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
             first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+            if compile:
+                phases.enter("decode")
         append_tokens(tokens, row_ids, eos)
         if on_token is not None:
             on_token(row_ids)

@@ -164,8 +164,9 @@ class Mistral(nn.Module):
         self.parallel = sharding.SINGLE  # the collectives of that mesh; the identity on one device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens."""
+                attention_mask: torch.Tensor | None = None, logits_to_keep: int = 0) -> torch.Tensor:
+        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens.
+        Returns logits [B, S, V], or of the last `logits_to_keep` tokens only (a prefill needs the last one)."""
         embed = self.model.embed_tokens.weight
         if not torch.compiler.is_compiling():
             self.check_inputs(input_ids, positions, attention_mask)
@@ -182,9 +183,11 @@ class Mistral(nn.Module):
         for layer_idx, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, visible, cache, layer_idx)
         cache.advance(new_positions)
+        if logits_to_keep:  # [B, S, V] logits of a long chunk would outweigh its attention; most are not needed
+            x = x[:, -logits_to_keep:]  # [B, K, hidden]
         x = self.model.norm(x)
         head = embed if self.lm_head is None else self.lm_head.weight
-        return self.parallel.gather_logits(project(x, head))  # [B, S, V], the whole batch on every rank
+        return self.parallel.gather_logits(project(x, head))  # [B, S or K, V], the whole batch on every rank
 
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attention_mask: torch.Tensor | None) -> None:

@@ -10,6 +10,7 @@ import logging
 import math
 import numbers
 import operator
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,9 @@ INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both 
 # both backends take seeds in [0, 2^32) so that a seed means the same thing in either.
 SEED_LIMIT = 2**32
 DTYPES = ("float32", "bfloat16", "float16")  # by name, the same in every backend
+# Columns a prefill runs through the model at once (docs/design.md §5, "Long prompts"): a longer prompt goes through
+# the same cache in chunks, so prefill memory is bounded by the chunk and the cache, not by the prompt.
+PREFILL_CHUNK = 512
 
 # Called after each generated step with the new token of every row: list[int] of length batch.
 TokenCallback = Callable[[list[int]], None]
@@ -173,6 +177,32 @@ def parse_token_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
     return ids
 
 
+_ID_FIELD = re.compile(r"[^\s,]+")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def parse_token_id_text(text: str, source: str) -> list[int]:
+    """Token ids separated by commas and/or whitespace, newlines included (e.g. a --prompt-ids-file). As on a command
+    line, an empty field (two commas with no id between them, or a leading or trailing comma) is refused, not
+    skipped; `source` names the text in messages. Returns [] for a text with no ids (the caller refuses it)."""
+    ids: list[int] = []
+    end = 0
+    for match in _ID_FIELD.finditer(text):
+        field, line = match.group(), text.count("\n", 0, match.start()) + 1
+        if text[end:match.start()].count(",") > (1 if ids else 0):
+            raise InputError(f"{source} has an empty field before {field!r} on line {line}; separate ids with one "
+                             "comma or with whitespace, e.g. 1,2,3 or 1 2 3")
+        if not _INTEGER.fullmatch(field):
+            raise InputError(f"{source} holds {field!r} on line {line}, which is not an integer token id; separate "
+                             "ids with commas or whitespace, e.g. 1,2,3 or 1 2 3")
+        ids.append(int(field))
+        end = match.end()
+    if "," in text[end:]:
+        line = text.count("\n", 0, text.rindex(",")) + 1
+        raise InputError(f"{source} ends with an empty field (a trailing comma on line {line}); remove the comma")
+    return ids
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Left-pad prompts to one length. Returns input_ids [B, T] int32 and attention_mask [B, T] int32."""
     longest = max(len(p) for p in prompts)
@@ -208,18 +238,20 @@ class Batch:
     attention_mask: np.ndarray  # [B, T] int32
     sampling: SamplingParams
     max_new_tokens: int
+    prefill_chunk: int  # columns per prefill chunk
 
 
 def prepare_batch(prompts: Sequence[Sequence[int]], config: MistralConfig, sampling: SamplingParams | None,
-                  max_new_tokens: int) -> Batch:
+                  max_new_tokens: int, prefill_chunk: int = PREFILL_CHUNK) -> Batch:
     """Validate every input of a generation (prompts, sampling with its seed, the budget and the positions it
-    reaches) before anything is built or touched; returns them left-padded."""
+    reaches, the prefill chunk) before anything is built or touched; returns them left-padded."""
     prompt_ids = validate_prompts(prompts, config)
     sampling = (sampling or SamplingParams()).validate(config.vocab_size)
     max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+    prefill_chunk = check_count("prefill_chunk", prefill_chunk, minimum=1)
     longest = max(len(p) for p in prompt_ids)  # the last column fed is longest + max_new_tokens - 2
     check_positions(config, longest, max_new_tokens, longest + max(max_new_tokens - 1, 0))
-    return Batch(prompt_ids, *left_pad(prompt_ids, pad_token_id(config)), sampling, max_new_tokens)
+    return Batch(prompt_ids, *left_pad(prompt_ids, pad_token_id(config)), sampling, max_new_tokens, prefill_chunk)
 
 
 def prepare_continuation(last_tokens: Sequence[int], config: MistralConfig, sampling: SamplingParams | None,
@@ -268,6 +300,14 @@ def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> 
         raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
                          f"{prompt_len + max_new_tokens} exceeds the given cache's capacity {capacity}; build a larger "
                          "cache or generate fewer tokens")
+
+
+def prefill_chunks(num_columns: int, chunk_size: int) -> list[tuple[int, int]]:
+    """The [start, stop) column ranges a prefill of `num_columns` runs, each at most `chunk_size` wide. A remainder
+    comes first, so every later chunk is exactly `chunk_size` wide (one compiled shape in JAX)."""
+    chunk_size = check_count("prefill_chunk", chunk_size, minimum=1)
+    first = num_columns % chunk_size or min(chunk_size, num_columns)
+    return [(0, first)] + [(start, start + chunk_size) for start in range(first, num_columns, chunk_size)]
 
 
 def positions_from_mask(attention_mask: np.ndarray) -> np.ndarray:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,7 +57,7 @@ class BackendImpl(Impl):
         key = (cache, len(prompts), max_cache_len)
         times: list[float] = []
         # Streaming modes copy each step's tokens to the host before on_token, so these stamps follow the device; a
-        # fused loop has no steps to stamp.
+        # fused loop hands its steps over a block at a time, so it has no steps to stamp.
         on_token = (lambda _: times.append(time.perf_counter())) if self.per_step_timing else None
         start = time.perf_counter()
         result = tower.generate(model, prompts, new_tokens, mode=self.mode, cache=self._caches.get(key, cache),
@@ -84,7 +85,7 @@ def backend_impls() -> dict[str, type[Impl]]:
             name = f"{backend.name}_{mode}"
             impls[name] = type(name, (BackendImpl,), {
                 "name": name, "framework": backend.name, "backend": backend, "mode": mode,
-                "per_step_timing": mode in backend.streaming_modes})
+                "per_step_timing": mode in backend.streaming_modes and mode not in backend.block_streaming_modes})
     return impls
 
 
@@ -119,4 +120,33 @@ def mesh_record(backend: Backend, model_dir: Path, dtype: str, mesh: MeshShape, 
             "weights_bytes": memory["weights"], "kv_bytes": memory["kv"], "token_ids": result.token_ids}
 
 
-__all__ = ["bench_model", "BackendImpl", "backend_impls", "replicate_vocabulary", "mesh_record"]
+
+def fused_block_tok_s(model_dir: Path, block_sizes: Sequence[int], new_tokens: int, rounds: int,
+                      prompt: Sequence[int]) -> dict[int, list[tuple[float, float]]]:
+    """Decode speed of the JAX fused mode at each number of steps per block (jax_cache.generate.FUSED_BLOCK_STEPS),
+    `rounds` interleaved rounds after a warm-up each (compiles excluded); for choosing that constant
+    (bench/fused_blocks.py). Each run gives (decode tok/s by the wall clock, generated tokens per CPU second of the
+    whole process over the whole call: less sensitive to other processes on the machine). The constant is restored
+    afterwards."""
+    import jax_cache.generate as jax_generate
+
+    tower = BACKENDS["jax"].module()
+    model = tower.load(model_dir, "float32")
+    model.config = dataclasses.replace(model.config, eos_token_id=None)  # every run decodes its whole budget
+    chosen = jax_generate.FUSED_BLOCK_STEPS
+    speeds: dict[int, list[tuple[float, float]]] = {block: [] for block in block_sizes}
+    try:
+        for round_index in range(rounds + 1):  # round 0 warms up (compiles)
+            for block in block_sizes[round_index % len(block_sizes):] + block_sizes[:round_index % len(block_sizes)]:
+                jax_generate.FUSED_BLOCK_STEPS = block
+                cpu_start = time.process_time()
+                result = tower.generate(model, [list(prompt)], new_tokens, mode="fused")
+                cpu_s = time.process_time() - cpu_start
+                if round_index:
+                    speeds[block].append((result.decode_tok_s, new_tokens / cpu_s))
+    finally:
+        jax_generate.FUSED_BLOCK_STEPS = chosen
+    return speeds
+
+
+__all__ = ["bench_model", "BackendImpl", "backend_impls", "replicate_vocabulary", "mesh_record", "fused_block_tok_s"]

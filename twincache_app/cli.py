@@ -1,19 +1,22 @@
-"""The `twincache` command line. Every error is one line on stderr and exit code 2, without a traceback."""
+"""The `twincache` command line. Every error is one line on stderr and exit code 2, without a traceback; Ctrl-C is
+one line and exit code 130 (twincache_app.interrupts)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
-import bench.cli
 from twincache.errors import TwincacheError
-from twincache_app import generate_cmd, launch, parity, soak
+from twincache_app import interrupts, launch
 
-# The modules that contribute a subcommand: each has add_parser(subparsers), which sets args.run(args) -> int.
-SUBCOMMANDS = (generate_cmd, parity, soak, bench.cli)
+# The modules that contribute a subcommand: each has add_parser(subparsers), which sets args.run(args) -> int, and
+# may set args.keep_keyboard_interrupt (bench does, to save what it measured). They are imported by build_parser, so
+# that Ctrl-C is handled from the start of main().
+SUBCOMMANDS = ("twincache_app.generate_cmd", "twincache_app.parity", "twincache_app.soak", "bench.cli")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -25,15 +28,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="twincache", description="One KV-cache design for Mistral decoding, built twice: "
                             "torch_cache (PyTorch) and jax_cache (JAX/Flax).")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
-    for module in SUBCOMMANDS:
-        module.add_parser(subparsers)
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
+    with interrupts.exit_on_interrupt() as interrupt:
+        args = build_parser().parse_args(argv)
+        args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
+        if getattr(args, "keep_keyboard_interrupt", False):
+            interrupt.restore()
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         code = args.run(args)
         sys.stdout.flush()  # a reader that went away shows here, inside the handlers, not at interpreter exit

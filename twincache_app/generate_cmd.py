@@ -7,14 +7,16 @@ import contextlib
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from twincache import phases
 from twincache.checkpoint import load_config
 from twincache.config import MistralConfig
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError, MeshError
-from twincache.generation import CACHE_KINDS, DTYPES, NOTICES, SamplingParams, parse_token_ids
+from twincache.generation import CACHE_KINDS, DTYPES, NOTICES, SamplingParams, parse_token_id_text, parse_token_ids
 from twincache.mesh import MeshShape, parse_mesh, plan_shards
 from twincache.tokenizer import StreamDecoder, Tokenizer, has_tokenizer
 from twincache_app import launch
@@ -33,6 +35,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt-file", metavar="PATH",
+                        help="prompt text from a UTF-8 file (one trailing newline dropped); - reads stdin")
+    prompt.add_argument("--prompt-ids-file", metavar="PATH",
+                        help="prompt token ids from a file, separated by commas or whitespace; - reads stdin")
     parser.add_argument("--chat", action="store_true",
                         help="format the prompt as one user message with the checkpoint's chat template (for "
                              "-Instruct models)")
@@ -62,9 +68,30 @@ def start_mesh(args: argparse.Namespace, config: MistralConfig, backends: list[B
     if any(b.mesh_processes for b in backends):
         if not launch.in_world():
             launch.check_torch_devices(args.mesh)
-            return launch.run_ranks(args.argv, args.mesh.devices)
+            with tempfile.TemporaryDirectory(prefix="twincache-ranks-") as folder:
+                return launch.run_ranks(_rank_argv(args.argv, Path(folder)), args.mesh.devices)
         launch.init_rank()
     return None
+
+
+_STDIN_READ: list[bytes] = []  # what a prompt file "-" read from stdin, once: the ranks of a mesh cannot read it again
+
+
+def _rank_argv(argv: list[str], folder: Path) -> list[str]:
+    """The command line each rank re-runs: a prompt file read from stdin ("-") becomes a file in `folder` holding
+    what this process read, so every rank reads the same prompt."""
+    if not _STDIN_READ:
+        return argv
+    saved = folder / "stdin"
+    saved.write_bytes(_STDIN_READ[0])
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "-" and i and argv[i - 1] in ("--prompt-file", "--prompt-ids-file"):
+            arg = str(saved)
+        elif arg in ("--prompt-file=-", "--prompt-ids-file=-"):
+            arg = arg[:-1] + str(saved)
+        out.append(arg)
+    return out
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -96,18 +123,70 @@ def parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def read_prompt_source(path: str, flag: str) -> bytes:
+    """The bytes of a prompt file (`-`: stdin), or one line saying why it cannot be read."""
+    if path == "-":
+        if sys.stdin is None:  # started with stdin closed (`<&-`)
+            raise InputError(f"{flag} - reads stdin, but stdin is closed; give a file path")
+        if not _STDIN_READ:
+            _STDIN_READ.append(sys.stdin.buffer.read())
+        return _STDIN_READ[0]
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{flag} {path}: no such file; give the path of an existing file (or - for stdin)") from None
+    except IsADirectoryError:
+        raise InputError(f"{flag} {path} is a directory; give the path of a file") from None
+    except OSError as err:
+        raise InputError(f"{flag} {path} cannot be read: {err.strerror or err}; check its permissions") from None
+
+
+def read_prompt_file(path: str) -> str:
+    """--prompt-file: UTF-8 text, with one trailing newline dropped (editors end files with one)."""
+    data = read_prompt_source(path, "--prompt-file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"--prompt-file {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
+                         f"{err.start}); save it as UTF-8, or give token ids with --prompt-ids-file") from None
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text:
+        raise InputError(f"--prompt-file {path} is empty; it needs the prompt text")
+    return text
+
+
+def read_prompt_ids_file(path: str) -> list[int]:
+    """--prompt-ids-file: token ids separated by commas and/or whitespace."""
+    data = read_prompt_source(path, "--prompt-ids-file")
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as err:
+        raise InputError(f"--prompt-ids-file {path} holds byte 0x{data[err.start]:02x} at offset {err.start}, "
+                         "which is not part of a token id; give ids separated by commas or whitespace") from None
+    ids = parse_token_id_text(text, f"--prompt-ids-file {path}")
+    if not ids:
+        raise InputError(f"--prompt-ids-file {path} is empty; it needs at least one token id")
+    return ids
+
+
 def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int], Tokenizer | None]:
-    """Prompt ids from --prompt-ids or by tokenizing --prompt (in the chat template with --chat); the tokenizer is
-    None when the checkpoint has none."""
-    if args.chat and args.prompt_ids is not None:
-        raise InputError("--chat formats prompt text; it cannot apply to --prompt-ids (give --prompt instead)")
-    needs_tokenizer = args.prompt_ids is None
+    """Prompt ids from --prompt-ids(-file) or by tokenizing --prompt(-file) (in the chat template with --chat); the
+    tokenizer is None when the checkpoint has none. A prompt file is read before the tokenizer, so a bad file is
+    reported first."""
+    _STDIN_READ.clear()  # stdin is read afresh by each command (main() may run several in one process)
+    prompt_ids = args.prompt_ids if args.prompt_ids_file is None else read_prompt_ids_file(args.prompt_ids_file)
+    if args.chat and prompt_ids is not None:
+        given = "--prompt-ids" if args.prompt_ids_file is None else "--prompt-ids-file"
+        raise InputError(f"--chat formats prompt text; it cannot apply to {given} (give --prompt or --prompt-file "
+                         "instead)")
+    prompt_text = args.prompt if args.prompt_file is None else read_prompt_file(args.prompt_file)
+    needs_tokenizer = prompt_ids is None
     tokenizer = Tokenizer.from_checkpoint(model_path) if needs_tokenizer or has_tokenizer(model_path) else None
-    if args.prompt_ids is not None:
-        if not args.prompt_ids:
+    if prompt_ids is not None:
+        if not prompt_ids:
             raise InputError("--prompt-ids is empty; give at least one token id")
-        return args.prompt_ids, tokenizer
-    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+        return prompt_ids, tokenizer
+    text = prompt_text if prompt_text is not None else DEFAULT_PROMPT
     return (tokenizer.encode_chat(text) if args.chat else tokenizer.encode(text)), tokenizer
 
 
@@ -151,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    phases.enter("load")  # importing the framework is part of it
     tower = backend.module()
     model = tower.load(model_path, args.dtype, mesh=args.mesh)
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input

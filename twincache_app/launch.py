@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from twincache.mesh import MeshShape
+from twincache_app import interrupts
 
 # A rank that waits this long on another (which failed) is stopped; a compile on a busy CPU can take minutes.
 _GRACE_S = 10.0
@@ -66,8 +67,11 @@ def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app
                               stdout=None if r == 0 else subprocess.DEVNULL, stderr=None if r == 0 else logs[r])
              for r in range(world_size)]
     try:
-        return _wait(procs, logs)
-    except KeyboardInterrupt:  # Ctrl-C reached the ranks too; make sure none is left behind
+        # Ctrl-C: the CLI's interrupt exit (twincache_app.interrupts) stops the ranks first; a KeyboardInterrupt
+        # (where that exit is not installed) does the same here. Either way none is left behind.
+        with interrupts.before_interrupt_exit(lambda: _stop(procs)):
+            return _wait(procs, logs)
+    except KeyboardInterrupt:
         _stop(procs)
         raise
     finally:

@@ -1,0 +1,159 @@
+"""Ctrl-C: `twincache generate` ends with exit 130 and the one line "twincache: interrupted" in every phase (load,
+prefill, compile, decode) in both backends, never with a traceback, never with exit 0 and the full text, never with a
+crash (twincache_app/interrupts.py, docs/design.md §6).
+
+Each case is a real process. The phases are hit deterministically through the test hook TWINCACHE_INTERRUPT_AT
+(twincache/phases.py: the process sends itself SIGINT as it enters the phase); one more case sends SIGINT from here,
+at a time of our choosing, to a JAX fused decode far too long to finish: it must end within seconds (it used to
+decode every token first). The processes run concurrently to keep within the time budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from parity_tests.conftest import save_hf_checkpoint
+from parity_tests.test_cli_bad_inputs import REPO, _entry_point
+from twincache.phases import ENV
+
+# (backend, mode, phase). torch's decode phase runs eagerly: a compiled one would first spend a whole compile.
+PHASE_CASES = [("torch", "compiled", "load"), ("torch", "eager", "prefill"), ("torch", "compiled", "compile"),
+               ("torch", "eager", "decode"), ("jax", "fused", "load"), ("jax", "fused", "prefill"),
+               ("jax", "fused", "compile"), ("jax", "fused", "decode")]
+LONG_DECODE = 400_000  # tokens: minutes of fused decoding on the tiny model
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    """A tiny checkpoint whose positions reach far enough for a decode that cannot finish during the test."""
+    return save_hf_checkpoint(tmp_path_factory.mktemp("long_positions") / "ckpt", seed=3,
+                              max_position_embeddings=2 * LONG_DECODE)
+
+
+@contextlib.contextmanager
+def children_start_with_sigint(disposition: object = signal.default_int_handler) -> Iterator[None]:
+    """Processes started inside get SIGINT at its default, as a terminal's children do (exec resets a handled signal
+    to the default), or ignored with SIG_IGN, as a script's background jobs do; whatever this process has. No
+    preexec_fn: forking a multithreaded (JAX) process to run Python in the child risks a deadlock."""
+    previous = signal.signal(signal.SIGINT, disposition)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def start(backend: str, mode: str, model: Path, new_tokens: int, env: dict[str, str],
+          sigint: object = signal.default_int_handler) -> subprocess.Popen:
+    """`twincache generate` in a process whose SIGINT starts at its default (or ignored, sigint=SIG_IGN)."""
+    argv = ["generate", "--backend", backend, "--mode", mode, "--model", str(model), "--prompt-ids", "1,5,9,13",
+            "--max-new-tokens", str(new_tokens)]
+    with children_start_with_sigint(sigint):
+        return subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, cwd=REPO)
+
+
+def assert_interrupted(label: str, returncode: int, stderr: str) -> None:
+    assert returncode == 130, f"{label}: exit {returncode}, stderr {stderr!r}"
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, f"{label}: {stderr!r}"
+    *notices, last = stderr.splitlines() or [""]
+    assert last == "twincache: interrupted", f"{label}: the last stderr line is {last!r}"
+    assert all(line.startswith("twincache: ") and "interrupt" not in line for line in notices), \
+        f"{label}: more than the one line: {stderr!r}"
+
+
+def test_sigint_in_every_phase_exits_130_with_one_line(long_model):
+    procs = {case: start(case[0], case[1], long_model, 300, {ENV: case[2]}) for case in PHASE_CASES}
+    # A process that started with SIGINT ignored (`nohup`, `cmd &` in a script) keeps ignoring it, as Python does.
+    ignoring = start("jax", "fused", long_model, 20, {ENV: "decode"}, sigint=signal.SIG_IGN)
+    for case, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert_interrupted("/".join(case), proc.returncode, err)
+        assert len(out.split()) < 300, f"{'/'.join(case)}: it decoded every token before stopping"
+    out, err = ignoring.communicate(timeout=300)
+    assert ignoring.returncode == 0 and len(out.split()) == 20, f"an ignored SIGINT ended the run: {err!r}"
+
+
+def test_sigint_during_a_long_fused_decode_ends_it_within_seconds(long_model):
+    """SIGINT arrives while the main thread waits on XLA for a block of the fused loop; before the loop ran in
+    bounded blocks, it decoded all the tokens first (minutes here; 15 s for 2M tokens in the field)."""
+    proc = start("jax", "fused", long_model, LONG_DECODE, {})
+    try:
+        first = proc.stdout.read(1)  # the first block of tokens has been streamed: the loop is running
+        assert first, f"no output before the end: {proc.communicate()[1]!r}"
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_interrupted("jax/fused during decode", proc.returncode, err)
+    assert waited < 20, f"SIGINT took {waited:.1f} s to end the decode"  # generous: a loaded 2-core machine
+    assert len((first + out).split()) < LONG_DECODE
+
+
+def test_the_cli_restores_python_interrupt_handling_after_a_command(capsys):
+    """In-process callers (these tests) get Python's KeyboardInterrupt back once main() returns."""
+    from twincache_app.cli import main
+
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts (unless SIGINT is ignored)
+    try:
+        assert main(["generate", "--backend", "torch", "--mode", "nope"]) == 2
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.set_wakeup_fd(-1) == -1, "the wakeup fd was left installed"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, outer)
+    capsys.readouterr()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="signals as on Linux")
+def test_interrupt_handler_is_installed_before_the_subcommands_are_imported():
+    """The console script's import is small, so the window before Ctrl-C is handled is Python's own start-up."""
+    code = "import sys; import twincache_app.cli; print(sorted(m for m in sys.modules if m.startswith(('torch', " \
+           "'jax', 'numpy', 'bench', 'tokenizers'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert out.strip() == "[]", out
+
+
+BLOCKED_IN_C = """
+import hashlib, mmap, os, signal, sys, threading, time
+from twincache_app.interrupts import exit_on_interrupt
+
+# Read-only anonymous memory reads as zeros and costs no RAM. Size it so hashing takes about two minutes here.
+zeros = mmap.mmap(-1, 64 * 2**30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
+start = time.perf_counter()
+hashlib.sha256(memoryview(zeros)[:2**26]).digest()
+size = min(len(zeros), int(2**26 * 120 / (time.perf_counter() - start)))
+with exit_on_interrupt():
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    print("hashing", flush=True)
+    hashlib.sha256(memoryview(zeros)[:size]).digest()  # one C call, GIL released, no Python signal handler runs
+print("finished", flush=True)
+"""
+
+
+def test_sigint_ends_the_process_while_the_main_thread_is_inside_one_long_c_call():
+    """As during a long torch op or an XLA compile: the main thread runs no Python signal handler until the call
+    returns (here ~2 minutes of hashing), but the watcher thread exits at once."""
+    start = time.monotonic()
+    with children_start_with_sigint():
+        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_IN_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO)
+    stdout, stderr = proc.communicate(timeout=600)
+    elapsed = time.monotonic() - start
+    assert stdout == "hashing\n", stdout
+    assert_interrupted("inside one C call", proc.returncode, stderr)
+    assert elapsed < 30, f"the process took {elapsed:.0f} s: it waited for the C call to return"
