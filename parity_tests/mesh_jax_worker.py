@@ -38,6 +38,11 @@ CASES = (
 )
 HANDOFF = ("gqa", 2, 4, "sliding_window")  # a torch cache continues on this JAX mesh
 HANDOFF_TORCH_TOKENS = 6
+# A chunked prefill on this mesh (each mode): chunks of 4 columns, shorter than the window of 8, over 3 rows (padded
+# to 4 for the data axis) whose prompts of up to 13 tokens wrap the ring during the prefill.
+CHUNKED = ("gqa", 2, 4, "sliding_window")
+CHUNKED_LENGTHS = (13, 6, 10)
+CHUNK = 4
 
 
 def prompts(vocab: int, salt: int = 0) -> list[list[int]]:
@@ -98,6 +103,7 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
             record["cases"].append(case)
         write_hlo(out, sharded[("gqa", 2, 4)], single["gqa"].config.vocab_size, record)
         record["handoff"] = handoff(checkpoints, sharded)
+        record["chunked"] = chunked(single, sharded, logits)
     record["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     (out / "jax.json").write_text(json.dumps(record))
     np.savez(out / "jax_logits.npz", **logits)
@@ -152,6 +158,27 @@ def handoff(checkpoints: dict[str, Path], sharded: dict[tuple, Mistral]) -> dict
                                   fused=False)  # the step a case above compiled for this mesh and batch
     return {"torch_tokens": whole.token_ids, "handed_over": [a + b for a, b in zip(first.token_ids, rest.token_ids)],
             "cache_spec": str(rest.cache.keys[0].sharding.spec), "mesh": str(sharding.mesh_shape(model.mesh))}
+
+
+def chunked(single: dict[str, Mistral], sharded: dict[tuple, Mistral],
+            logits: dict[str, np.ndarray]) -> list[dict[str, object]]:
+    """Each mode on the mesh, prefilling in chunks of CHUNK, against one device prefilling in one chunk (fused)."""
+    name, data, model_ways, kind = CHUNKED
+    vocab = single[name].config.vocab_size
+    rows = [[1] + [(5 * row + 3 * i + 1) % (vocab - 2) + 2 for i in range(length - 1)]
+            for row, length in enumerate(CHUNKED_LENGTHS)]
+    reference = jg.generate(single[name], rows, NEW_TOKENS, cache=kind, return_logits=True)
+    cases = []
+    for mode in ("step", "fused"):
+        result = jg.generate(sharded[(name, data, model_ways)], rows, NEW_TOKENS, cache=kind, fused=mode == "fused",
+                             return_logits=True, prefill_chunk=CHUNK)
+        logits[f"chunked_{mode}"] = np.asarray(result.step_logits)
+        cases.append({"checkpoint": name, "data": data, "model": model_ways, "cache": kind, "mode": mode,
+                      "chunk": CHUNK, "prompts": rows, "tokens": result.token_ids,
+                      "reference_tokens": reference.token_ids, "cache_rows": int(result.cache.keys[0].shape[0]),
+                      "cache_spec": str(result.cache.keys[0].sharding.spec)})
+    logits["chunked_reference"] = np.asarray(reference.step_logits)
+    return cases
 
 
 if __name__ == "__main__":
