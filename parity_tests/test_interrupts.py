@@ -157,3 +157,46 @@ def test_sigint_ends_the_process_while_the_main_thread_is_inside_one_long_c_call
     assert stdout == "hashing\n", stdout
     assert_interrupted("inside one C call", proc.returncode, stderr)
     assert elapsed < 30, f"the process took {elapsed:.0f} s: it waited for the C call to return"
+
+
+LAUNCHER = """
+import sys
+from twincache_app import interrupts, launch
+
+with interrupts.exit_on_interrupt():  # as the CLI runs a --mesh command that starts its ranks
+    launch.run_ranks(["-n", "1", "-r", "1", "import time; time.sleep(120)"], 2, module="timeit")
+print("finished", flush=True)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc and signals as on Linux")
+def test_sigint_to_a_mesh_launcher_alone_stops_the_ranks_it_started():
+    """`kill -INT` (or a timeout's SIGINT) reaches the launcher of a torch --mesh run, not its ranks: its exit 130
+    stops them first, or they would wait in a collective for half an hour. The ranks here sleep (python -m timeit)."""
+    with children_start_with_sigint():
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=REPO)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            ranks = _children(proc.pid)
+        assert len(ranks) == 2, f"the launcher did not start its 2 ranks: {ranks}"
+        time.sleep(1.0)  # the ranks are running their sleep
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert stdout == "" and "finished" not in stdout
+        assert_interrupted("a mesh launcher", proc.returncode, stderr)
+        alive = [rank for rank in ranks if Path(f"/proc/{rank}").exists()]
+        assert alive == [], f"ranks {alive} outlived their launcher"
+    finally:
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

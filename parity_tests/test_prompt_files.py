@@ -158,3 +158,20 @@ def test_chat_with_an_ids_file_is_one_line(checkpoints, tmp_path, capsys):
     code, _, err = run_in_process(["generate", "--model", str(checkpoints["gqa"]), "--prompt-ids-file", str(path),
                                    "--chat"], capsys)
     assert_one_line_error(code, err, "--chat formats prompt text; it cannot apply to --prompt-ids-file")
+
+
+def test_a_prompt_read_from_stdin_reaches_every_rank_of_a_mesh(tmp_path, stdin_bytes):
+    """A torch --mesh run re-runs its command line in one process per device, after this process read stdin: each
+    rank gets a file holding what was read instead of "-" (which would read an exhausted stdin)."""
+    from twincache_app import generate_cmd
+
+    stdin_bytes(b"1, 5 9\n")
+    assert generate_cmd.read_prompt_ids_file("-") == [1, 5, 9]
+    argv = generate_cmd._rank_argv(["generate", "--prompt-ids-file", "-", "--mesh", "model=2"], tmp_path)
+    assert argv[:2] == ["generate", "--prompt-ids-file"] and argv[3:] == ["--mesh", "model=2"]
+    assert Path(argv[2]).read_bytes() == b"1, 5 9\n"
+    joined = generate_cmd._rank_argv(["parity", "--prompt-file=-", "--mesh=model=2"], tmp_path)
+    assert joined[1] == f"--prompt-file={tmp_path / 'stdin'}" and joined[2] == "--mesh=model=2"
+    generate_cmd._STDIN_READ.clear()  # as the next command starts (resolve_prompt)
+    assert generate_cmd._rank_argv(["generate", "--prompt-ids", "1,2", "--mesh", "model=2"], tmp_path) == [
+        "generate", "--prompt-ids", "1,2", "--mesh", "model=2"]

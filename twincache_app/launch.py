@@ -19,9 +19,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from twincache.mesh import MeshShape
 from twincache_app import interrupts
+
+if TYPE_CHECKING:  # twincache.mesh imports numpy: the CLI imports this module before it handles Ctrl-C
+    from twincache.mesh import MeshShape
 
 # A rank that waits this long on another (which failed) is stopped; a compile on a busy CPU can take minutes.
 _GRACE_S = 10.0
