@@ -32,6 +32,9 @@ CASES = (
     ("gqa", 1, 2, "sliding_window", "compiled"),
 )
 
+CHUNKED_LENGTHS = (13, 6, 10)  # a chunked prefill's prompts (as in mesh_jax_worker), in chunks of CHUNK
+CHUNK = 4
+
 
 def prompts(vocab: int, salt: int = 0) -> list[list[int]]:
     return [[1] + [(7 * row + 3 * i + salt) % (vocab - 2) + 2 for i in range(length - 1)]
@@ -79,9 +82,26 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
         logits[f"case{index}"] = result.step_logits.numpy()
         logits[f"case{index}_reference"] = reference.step_logits.numpy()
         record["cases"].append(case)
+    record["chunked"] = chunked(checkpoints["gqa"], single["gqa"], meshes)
     (out / f"torch_rank{rank}.json").write_text(json.dumps(record))
     np.savez(out / f"torch_rank{rank}.npz", **logits)
     launch.finish_rank()
+
+
+def chunked(checkpoint: Path, single: Mistral, meshes: dict[tuple, object]) -> list[dict[str, object]]:
+    """A prefill in chunks of CHUNK on each mesh (every rank runs the same chunks, so their collectives pair up),
+    3 rows (padded to 4 on data=2) whose prompts wrap the ring of 8: against one device prefilling at once."""
+    vocab = single.config.vocab_size
+    rows = [[1] + [(5 * row + 3 * i + 1) % (vocab - 2) + 2 for i in range(length - 1)]
+            for row, length in enumerate(CHUNKED_LENGTHS)]
+    reference = tg.generate(single, rows, NEW_TOKENS, cache="sliding_window", compile=False)
+    cases = []
+    for (data, model_ways), mesh in meshes.items():
+        model = Mistral.from_pretrained(checkpoint, mesh=mesh)
+        result = tg.generate(model, rows, NEW_TOKENS, cache="sliding_window", compile=False, prefill_chunk=CHUNK)
+        cases.append({"data": data, "model": model_ways, "chunk": CHUNK, "prompts": rows, "tokens": result.token_ids,
+                      "reference_tokens": reference.token_ids})
+    return cases
 
 
 if __name__ == "__main__":

@@ -341,6 +341,17 @@ def expected_slice(name: str, shape: tuple[int, ...], rank: int, model: int, kv_
     return (slice(None), part) if module in ("o_proj", "down_proj") else (part,)
 
 
+def test_torch_a_chunked_prefill_on_a_mesh_decodes_as_one_device_prefilling_at_once(mesh_runs):
+    """Chunks of 4 through a ring of 8 on model=2 and on data=2 (3 rows padded to 4): every rank ran the same chunks
+    (a mismatch would hang or fail a collective) and decoded the greedy tokens of one device prefilling at once."""
+    for rank_record in mesh_runs["torch"]:
+        cases = rank_record["chunked"]
+        assert {(case["data"], case["model"]) for case in cases} == {(1, 2), (2, 1)}
+        for case in cases:
+            assert case["chunk"] < max(map(len, case["prompts"])) and len(case["tokens"]) == 3
+            assert case["tokens"] == case["reference_tokens"], (rank_record["rank"], case["data"], case["model"])
+
+
 def test_torch_each_rank_holds_its_own_slice_of_the_weights_and_the_cache(mesh_runs):
     from safetensors.numpy import load_file
 
