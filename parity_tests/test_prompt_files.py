@@ -91,8 +91,6 @@ BAD_FILES = {  # case -> (flag, file content or None for no file, what the one l
 @pytest.mark.parametrize("case", list(BAD_FILES))
 def test_a_bad_prompt_file_is_one_line_exit_2(checkpoints, tmp_path, capsys, command, case):
     flag, content, says = BAD_FILES[case]
-    if command == "parity" and case == "id_outside_vocab":
-        pytest.skip("parity checks ids after loading every model (seconds); generate covers the message")
     path = tmp_path / "prompt"
     if content == "<dir>":
         path.mkdir()
