@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from twincache import cache_checks
+from twincache import buckets, cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError, StaleCacheError
 
@@ -37,25 +37,54 @@ class StaticCache:
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: jnp.dtype = jnp.float32) -> None:
         batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.batch_size = batch_size
-        self.max_cache_len = max_cache_len
-        self.cache_len = self._buffer_len(config, max_cache_len)
-        self.dtype = jnp.dtype(dtype)
+        dtype = jnp.dtype(dtype)
+        shape = (batch_size, config.num_key_value_heads, self._buffer_len(config, max_cache_len), config.head_dim)
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
         device = default_device()  # where jnp.zeros puts the buffers below (also while a jit traces this)
-        cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), memory_label(device))
-        shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
-        self.keys = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-        self.values = [jnp.zeros(shape, self.dtype) for _ in range(self.num_layers)]
-        self.slot_positions = jnp.full((batch_size, self.cache_len), -1, jnp.int32)
+        cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
+                                      available_memory(device), memory_label(device))
+        self.keys = [jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
+        self.values = [jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
+        self.slot_positions = jnp.full(shape[:1] + shape[2:3], -1, jnp.int32)
         self.length = jnp.zeros((), jnp.int32)
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
         return max_cache_len
+
+    # --- sizes: read from the arrays themselves, so they are no pytree metadata: two caches whose buffers have the
+    # --- same shapes are the same jit input, whatever max_cache_len they were asked for ------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def cache_len(self) -> int:
+        """Slots in each buffer."""
+        return self.keys[0].shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys[0].shape[3]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.keys[0].dtype)
+
+    @property
+    def max_cache_len(self) -> int:
+        """The buffer length. A ring asked for more slots than its window holds the window (and has no capacity
+        limit), so its max_cache_len is the window too."""
+        return self.cache_len
 
     @property
     def capacity(self) -> int | None:
@@ -65,7 +94,8 @@ class StaticCache:
     # --- pytree protocol: arrays are children, sizes are static ----------------------------------------------------
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
-        return tuple(getattr(self, name) for name in self.ARRAY_FIELDS), tuple(cache_fields(self).items())
+        static = tuple((k, v) for k, v in vars(self).items() if k not in self.ARRAY_FIELDS)  # the window, if any
+        return tuple(getattr(self, name) for name in self.ARRAY_FIELDS), static
 
     @classmethod
     def tree_unflatten(cls, static: tuple, children: tuple) -> StaticCache:
@@ -104,14 +134,22 @@ class StaticCache:
 
     # --- the forward-pass protocol: attended_positions, update per layer, then advance ------------------------------
 
-    def attended_positions(self, new_positions: jax.Array) -> jax.Array:
-        """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
+    def attended_positions(self, new_positions: jax.Array, attend_len: int | None = None) -> jax.Array:
+        """Positions of the keys attention reads in this forward. new_positions: [B, S] (-1 = padding).
+
+        `attend_len` (twincache.buckets): attention reads only the first attend_len slots, which must hold every live
+        key; None reads them all. A forward that attends over the old buffers plus its new tokens (a ring's
+        multi-token write) reads them all regardless.
+        """
         num_new = new_positions.shape[1]
         if not isinstance(new_positions, jax.core.Tracer):  # the first call of a forward: refuse before any write
             self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if self._attends_in_place(num_new):
-            return self._write(self.slot_positions, new_positions[:, num_new - kept:], slots, axis=1)  # [B, L]
+            if attend_len is not None and not isinstance(self.length, jax.core.Tracer):
+                buckets.check_attend_len(attend_len, int(self.length), num_new, self.cache_len)
+            positions = self._write(self.slot_positions, new_positions[:, num_new - kept:], slots, axis=1)  # [B, L]
+            return positions if attend_len is None else positions[:, :attend_len]  # [B, attend_len]
         return jnp.concatenate([self.slot_positions, new_positions], axis=1)  # [B, L + S]
 
     def update(self, layer_idx: int, key_states: jax.Array,
@@ -264,8 +302,10 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
 
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:
-    """The static description of a cache (everything but its arrays), for comparisons and handoff."""
-    return {k: v for k, v in vars(cache).items() if k not in cache.ARRAY_FIELDS}
+    """The description of a cache (everything but its arrays), for comparisons and handoff."""
+    names = ("kind", "num_layers", "batch_size", "num_kv_heads", "cache_len", "head_dim", "max_cache_len", "dtype")
+    return {name: getattr(cache, name) for name in names} | {k: v for k, v in vars(cache).items()
+                                                            if k not in cache.ARRAY_FIELDS}
 
 
 __all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "default_device",

@@ -24,7 +24,8 @@ from jax import lax
 
 from jax_cache.cache import StaticCache, available_memory, default_device, make_cache, memory_label
 from jax_cache.model import Mistral
-from twincache import cache_checks
+from twincache import buckets, cache_checks
+from twincache.buckets import decode_buckets, step_attend_len
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     GenerationResult,
@@ -47,7 +48,7 @@ MIN_PROMPT_BUCKET = 16
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
                "twincache_app.handoff.cache_from_torch), or a kind name")
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
-DecodeStep = Callable[[jax.Array, jax.Array, StaticCache], tuple[jax.Array, StaticCache]]
+DecodeStep = Callable[[jax.Array, jax.Array, StaticCache, int | None], tuple[jax.Array, StaticCache]]
 
 
 def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
@@ -104,21 +105,22 @@ def split_model(model: Mistral) -> tuple[ModelGraph, nnx.State]:
 
 
 def _forward_last(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
-                  positions: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, StaticCache]:
-    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask)
+                  positions: jax.Array, attention_mask: jax.Array | None,
+                  attend_len: int | None) -> tuple[jax.Array, StaticCache]:
+    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask, attend_len)
     return logits[:, -1].astype(jnp.float32), cache  # [B, V]
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graph", "attend_len"), donate_argnames=("cache",))
 def _prefill(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array, positions: jax.Array,
-             attention_mask: jax.Array) -> tuple[jax.Array, StaticCache]:
-    return _forward_last(graph, params, cache, input_ids, positions, attention_mask)
+             attention_mask: jax.Array, attend_len: int | None) -> tuple[jax.Array, StaticCache]:
+    return _forward_last(graph, params, cache, input_ids, positions, attention_mask, attend_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graph", "attend_len"), donate_argnames=("cache",))
 def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
-                 positions: jax.Array) -> tuple[jax.Array, StaticCache]:
-    return _forward_last(graph, params, cache, input_ids, positions, None)
+                 positions: jax.Array, attend_len: int | None) -> tuple[jax.Array, StaticCache]:
+    return _forward_last(graph, params, cache, input_ids, positions, None, attend_len)
 
 
 def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: int | None,
@@ -156,25 +158,29 @@ def initial_state(tokens: jax.Array, positions: jax.Array, cache: StaticCache, e
 
 
 def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams, eos: int | None,
-                state: DecodeState, forced: jax.Array | None = None) -> tuple[jax.Array, DecodeState]:
+                state: DecodeState, attend_len: int | None,
+                forced: jax.Array | None = None) -> tuple[jax.Array, DecodeState]:
     """One decode step, the body of both loops: feed `state.tokens` at `state.positions`, sample the next tokens.
 
-    `forced` ([B] int32, optional) replaces the sampled tokens: teacher forcing on the real decode path, for parity
-    (give eos=None with it: a teacher-forced run never stops early).
+    `attend_len`: the step's attention bucket (twincache.buckets; None: every slot). `forced` ([B] int32, optional)
+    replaces the sampled tokens: teacher forcing on the real decode path, for parity (give eos=None with it: a
+    teacher-forced run never stops early).
     Returns this step's logits [B, V] fp32 and the next state.
     """
-    logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None)
+    logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None,
+                                  attend_len)
     tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step, forced)
     first_bad = (state.non_finite_step < 0) & ~jnp.isfinite(logits).all()
     non_finite_step = jnp.where(first_bad, state.step, state.non_finite_step)
     return logits, DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size", "attend_len"),
+                   donate_argnames=("state",))
 def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
-                  eos: int | None, vocab_size: int,
+                  eos: int | None, vocab_size: int, attend_len: int | None,
                   forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, DecodeState]:
-    """One streaming step: `decode_body`, unless the state has halted.
+    """One streaming step: `decode_body` with the step's attention bucket `attend_len`, unless the state has halted.
 
     The streaming loop dispatches step k + 1 before it reads step k's tokens, so a step queued after the last one
     must change nothing. `forced` ([B] int32 or None) as in `decode_body`. Returns (for_host [B + 1]: the tokens,
@@ -182,7 +188,7 @@ def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     """
     def body(carry: tuple[jax.Array, DecodeState, jax.Array]) -> tuple[jax.Array, DecodeState, jax.Array]:
         _, decode_state, trips = carry
-        logits, decode_state = decode_body(graph, params, key, sampling, eos, decode_state, forced)
+        logits, decode_state = decode_body(graph, params, key, sampling, eos, decode_state, attend_len, forced)
         return logits, decode_state, trips - 1
 
     # A loop of zero or one trip rather than lax.cond: XLA-CPU updates the cache in place through a while loop, but
@@ -195,42 +201,46 @@ def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
 
 
 class FusedCarry(NamedTuple):
-    """The fused loop's carry: the decode state plus the outputs it fills, one column per step."""
+    """The fused loop's carry: the decode state plus the outputs it fills, one column per step. Carried (and donated)
+    from one bucket's loop to the next."""
 
     state: DecodeState
     out_tokens: jax.Array  # [B, N] int32: step i's tokens in column i; -1 where no step ran
     out_logits: jax.Array  # [B, N, V] float32 with return_logits, else [B, 0, V]
 
 
-_FUSED_STATIC = ("graph", "sampling", "eos", "num_steps", "vocab_size", "return_logits")
+def initial_carry(state: DecodeState, num_steps: int, vocab_size: int, return_logits: bool) -> FusedCarry:
+    """The carry before the first fused step: no tokens, no logits (their shapes fix N and whether logits are kept)."""
+    batch = state.tokens.shape[0]
+    return FusedCarry(state, jnp.full((batch, num_steps), -1, jnp.int32),
+                      jnp.zeros((batch, num_steps if return_logits else 0, vocab_size), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("state",))
-def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array,
-                  forced: jax.Array | None, sampling: SamplingParams, eos: int | None, num_steps: int,
-                  vocab_size: int, return_logits: bool) -> tuple[jax.Array, jax.Array, DecodeState]:
-    """Up to `num_steps` decode steps in one lax.while_loop; stops early once the state halts.
+@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "attend_len"), donate_argnames=("carry",))
+def _fused_decode(graph: ModelGraph, params: nnx.State, carry: FusedCarry, key: jax.Array, forced: jax.Array | None,
+                  first_step: jax.Array, stop_step: jax.Array, sampling: SamplingParams, eos: int | None,
+                  attend_len: int | None) -> FusedCarry:
+    """Decode steps in one lax.while_loop until the state's step reaches `stop_step` ([] int32) or the state halts.
 
-    `forced` ([B, N] int32 or None): the tokens to feed instead of the sampled ones (teacher forcing).
-    Returns (out_tokens [B, N], out_logits [B, N or 0, V], the final state).
+    Step `first_step + i` fills output column i (`first_step` [] int32: the generation's first step). Every step
+    reads the same attention bucket `attend_len`: one executable per bucket, the host runs one loop per bucket
+    (twincache.buckets.decode_buckets). `forced` ([B, N] int32 or None): the tokens to feed instead of the sampled
+    ones (teacher forcing). The sizes come from the carry's shapes, so only these static arguments make variants.
     """
-    batch, first_step = state.tokens.shape[0], state.step
-    out_tokens = jnp.full((batch, num_steps), -1, jnp.int32)  # [B, N]
-    out_logits = jnp.zeros((batch, num_steps if return_logits else 0, vocab_size), jnp.float32)  # [B, N, V]
+    return_logits = carry.out_logits.shape[1] > 0
 
     def cond(carry: FusedCarry) -> jax.Array:
-        return (carry.state.step - first_step < num_steps) & ~carry.state.halted()
+        return (carry.state.step < stop_step) & ~carry.state.halted()
 
     def body(carry: FusedCarry) -> FusedCarry:
         index = carry.state.step - first_step  # [] int32, the output column
         forced_now = None if forced is None else forced[:, index]  # [B]
-        logits, decode_state = decode_body(graph, params, key, sampling, eos, carry.state, forced_now)
+        logits, decode_state = decode_body(graph, params, key, sampling, eos, carry.state, attend_len, forced_now)
         out_tokens = carry.out_tokens.at[:, index].set(decode_state.tokens)
         out_logits = carry.out_logits.at[:, index].set(logits) if return_logits else carry.out_logits
         return FusedCarry(decode_state, out_tokens, out_logits)
 
-    carry = lax.while_loop(cond, body, FusedCarry(state, out_tokens, out_logits))
-    return carry.out_tokens, carry.out_logits, carry.state
+    return lax.while_loop(cond, body, carry)
 
 
 _fused_executables: dict[tuple, jax.stages.Compiled] = {}
@@ -248,17 +258,42 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
     return _fused_executables[signature], time.perf_counter() - start
 
 
+def run_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, forced: jax.Array | None,
+              num_steps: int, length: int, *, sampling: SamplingParams, eos: int | None, vocab_size: int,
+              return_logits: bool) -> tuple[FusedCarry, float]:
+    """Up to `num_steps` fused decode steps from a cache holding `length` columns: one while_loop per attention bucket
+    the steps pass through, each compiled once (ahead of time, apart from decoding). Returns (the final carry,
+    seconds spent compiling). Loops after a halt are skipped; the host waits for the device only between buckets."""
+    carry = initial_carry(state, num_steps, vocab_size, return_logits)
+    first_step = int(state.step)
+    compile_s, done = 0.0, 0
+    for attend, steps in decode_buckets(length, num_steps, state.cache.cache_len):
+        if done and bool(carry.state.halted()):  # every row ended: the next bucket is never compiled
+            break
+        first, stop = jnp.int32(first_step), jnp.int32(first_step + done + steps)
+        executable, seconds = fused_executable(graph, params, carry, key, forced, first, stop, sampling=sampling,
+                                               eos=eos, attend_len=attend)
+        compile_s += seconds
+        carry = executable(params, carry, key, forced, first, stop)
+        done += steps
+    return carry, compile_s
+
+
 def decode_step_fn(model: Mistral) -> DecodeStep:
-    """The one-token step `(input_ids [B, 1], positions [B, 1], cache) -> (logits [B, V], cache)`, jitted once, with
-    the cache donated: the input cache is consumed and the returned one reuses its buffers."""
+    """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> (logits [B, V], cache)`,
+    jitted once per attention bucket `attend_len` (twincache.buckets; None: every slot), with the cache donated: the
+    input cache is consumed and the returned one reuses its buffers."""
     graph, params = split_model(model)
 
-    def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache) -> tuple[jax.Array, StaticCache]:
+    def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache,
+             attend_len: int | None = None) -> tuple[jax.Array, StaticCache]:
         # The model's own checks are skipped under tracing, and inside the jitted step an out-of-range write position
         # would be clamped silently by dynamic_update_slice: refuse it (and bad ids, batch, dtype) before dispatch.
         model.check_inputs(input_ids, positions, None)
         cache.check_forward(model.config, input_ids, model.dtype, model.device)
-        return _decode_step(graph, params, cache, input_ids, positions)
+        if attend_len is not None:
+            buckets.check_attend_len(attend_len, int(cache.length), 1, cache.cache_len)
+        return _decode_step(graph, params, cache, input_ids, positions, attend_len)
 
     return step
 
@@ -279,7 +314,8 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
     model.check_inputs(input_ids, positions, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype, model.device)
     graph, params = split_model(model)
-    return _prefill(graph, params, cache, input_ids, positions, attention_mask)
+    attend = buckets.step_attend_len(int(cache.length), input_ids.shape[1], cache.cache_len)
+    return _prefill(graph, params, cache, input_ids, positions, attention_mask, attend)
 
 
 def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -380,14 +416,15 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
     all_done = eos is not None and all(t == eos for t in last_tokens)
+    length = int(cache.length)  # the host's copy of the cache length picks each step's attention bucket
     if fused and on_token is None and max_new_tokens and not all_done:
-        executable, first_step_s = fused_executable(
-            graph, params, state, key, forced, sampling=static_sampling, eos=eos, num_steps=max_new_tokens,
-            vocab_size=config.vocab_size, return_logits=return_logits)
         decode_start = time.perf_counter()
-        out_tokens, out_logits, state = executable(params, state, key, forced)
+        carry, first_step_s = run_fused(graph, params, state, key, forced, max_new_tokens, length,
+                                        sampling=static_sampling, eos=eos, vocab_size=config.vocab_size,
+                                        return_logits=return_logits)
+        state, out_tokens, out_logits = carry
         out_host, decode_steps = np.asarray(out_tokens), int(state.step) - _first_step
-        decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps
+        decode_s, timed_steps = time.perf_counter() - decode_start - first_step_s, decode_steps
         non_finite_step = int(state.non_finite_step)
         _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
         for step in range(decode_steps):
@@ -395,24 +432,36 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         if return_logits:
             logits_per_step = [out_logits[:, :decode_steps]]
     elif max_new_tokens and not all_done:
-        decode_start = time.perf_counter()
         cache.check_live()
+
         def forced_at(step: int) -> jax.Array | None:
             return None if forced is None else forced[:, step]  # [B]
 
-        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size, forced_at(0))
+        def bucket(index: int) -> int:
+            return step_attend_len(length + index, 1, cache.cache_len)  # step `index` of this call
+
+        stamp = time.perf_counter()
+        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size, bucket(0),
+                                forced_at(0))
         while True:
             for_host, logits, state = pending
+            # Dispatching a step of a new bucket traces and compiles it: that wait is timed apart from the steady state.
+            compiles = decode_steps == 0
             decode_steps += 1
             if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
+                compiles |= bucket(decode_steps) != bucket(decode_steps - 1)
                 pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size,
-                                        forced_at(decode_steps))
+                                        bucket(decode_steps), forced_at(decode_steps))
                 state = pending[2]  # the live state; a step queued after the last token holds it unchanged
             *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
             _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
             all_done = eos is not None and all(token == eos for token in row_ids)
-            if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
-                first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+            now = time.perf_counter()
+            if compiles:
+                first_step_s += now - stamp
+            else:
+                decode_s, timed_steps = decode_s + now - stamp, timed_steps + 1
+            stamp = now
             if return_logits:
                 logits_per_step.append(logits[:, None])
             append_tokens(tokens, row_ids, eos)
@@ -420,8 +469,6 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 on_token(row_ids)
             if all_done or decode_steps == max_new_tokens:
                 break
-        if decode_steps > 1:
-            decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps - 1
     step_logits = None
     if return_logits:
         empty = jnp.zeros((batch, 0, config.vocab_size), jnp.float32)
@@ -454,5 +501,5 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
 
 
 __all__ = ["MIN_PROMPT_BUCKET", "DecodeStep", "sample", "ModelGraph", "split_model", "DecodeState", "initial_state",
-           "decode_body", "FusedCarry", "fused_executable", "decode_step_fn", "prompt_bucket", "prefill", "generate",
-           "continue_generation", "MIN_TEMPERATURE", "filter_logits"]
+           "decode_body", "FusedCarry", "initial_carry", "fused_executable", "run_fused", "decode_step_fn",
+           "prompt_bucket", "prefill", "generate", "continue_generation", "MIN_TEMPERATURE", "filter_logits"]

@@ -42,6 +42,8 @@ JAX_ONLY = {
     "generate.initial_state": "as DecodeState",
     "generate.decode_body": "as DecodeState",
     "generate.fused_executable": "the fused lax.while_loop is compiled ahead of time, apart from decoding",
+    "generate.initial_carry": "as FusedCarry",
+    "generate.run_fused": "the fused loop runs one lax.while_loop per attention bucket; torch decodes step by step",
 }
 # Parameters only one tower's signature has: qualified function -> parameter names (and why).
 TORCH_ONLY_PARAMS = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from twincache import cache_checks
+from twincache import buckets, cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
 
@@ -30,27 +30,58 @@ class StaticCache:
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.batch_size = batch_size
-        self.max_cache_len = max_cache_len
-        self.cache_len = self._buffer_len(config, max_cache_len)
-        self.dtype = dtype
-        self.device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
+        device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
+        shape = (batch_size, config.num_key_value_heads, self._buffer_len(config, max_cache_len), config.head_dim)
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
-        cache_checks.check_cache_fits(self, dtype.itemsize, available_memory(self.device), memory_label(self.device))
-        shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.slot_positions = torch.full((batch_size, self.cache_len), -1, dtype=torch.int32, device=self.device)
-        self.length = torch.zeros((), dtype=torch.int32, device=self.device)
+        cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
+                                      available_memory(device), memory_label(device))
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.slot_positions = torch.full(shape[:1] + shape[2:3], -1, dtype=torch.int32, device=device)
+        self.length = torch.zeros((), dtype=torch.int32, device=device)
         for buffer in self.arrays():
             torch._dynamo.mark_static_address(buffer)  # cudagraphs may keep pointers to these across replays
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
         return max_cache_len
+
+    # --- sizes: read from the buffers themselves, as jax_cache does (there they are the pytree's only sizes) -------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def cache_len(self) -> int:
+        """Slots in each buffer."""
+        return self.keys[0].shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys[0].shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    @property
+    def max_cache_len(self) -> int:
+        """The buffer length. A ring asked for more slots than its window holds the window (and has no capacity
+        limit), so its max_cache_len is the window too."""
+        return self.cache_len
 
     @property
     def capacity(self) -> int | None:
@@ -74,14 +105,22 @@ class StaticCache:
 
     # --- the forward-pass protocol: attended_positions, update per layer, then advance ------------------------------
 
-    def attended_positions(self, new_positions: torch.Tensor) -> torch.Tensor:
-        """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
+    def attended_positions(self, new_positions: torch.Tensor, attend_len: int | None = None) -> torch.Tensor:
+        """Positions of the keys attention reads in this forward. new_positions: [B, S] (-1 = padding).
+
+        `attend_len` (twincache.buckets): attention reads only the first attend_len slots, which must hold every live
+        key; None reads them all. A forward that attends over the old buffers plus its new tokens (a ring's
+        multi-token write) reads them all regardless.
+        """
         num_new = new_positions.shape[1]
         if not torch.compiler.is_compiling():  # the first call of a forward: refuse before index_copy's IndexError
             self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if self._attends_in_place(num_new):
-            return self.slot_positions.index_copy(1, slots, new_positions[:, num_new - kept:])  # [B, L]
+            if attend_len is not None and not torch.compiler.is_compiling():
+                buckets.check_attend_len(attend_len, int(self.length), num_new, self.cache_len)
+            positions = self.slot_positions.index_copy(1, slots, new_positions[:, num_new - kept:])  # [B, L]
+            return positions if attend_len is None else positions.narrow(1, 0, attend_len)  # [B, attend_len]
         return torch.cat([self.slot_positions, new_positions], dim=1)  # [B, L + S]
 
     def update(self, layer_idx: int, key_states: torch.Tensor,
@@ -207,8 +246,10 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
 
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:
-    """The static description of a cache (everything but its tensors), for comparisons and handoff."""
-    return {k: v for k, v in vars(cache).items() if k not in cache.ARRAY_FIELDS}
+    """The description of a cache (everything but its tensors), for comparisons and handoff."""
+    names = ("kind", "num_layers", "batch_size", "num_kv_heads", "cache_len", "head_dim", "max_cache_len", "dtype")
+    return {name: getattr(cache, name) for name in names} | {k: v for k, v in vars(cache).items()
+                                                            if k not in cache.ARRAY_FIELDS}
 
 
 __all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "memory_label"]

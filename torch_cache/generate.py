@@ -8,6 +8,7 @@ so compiling it would only add that compile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -18,6 +19,7 @@ import torch
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
 from torch_cache.model import Mistral
 from twincache import cache_checks
+from twincache.buckets import step_attend_len
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     GenerationResult,
@@ -39,7 +41,7 @@ MAX_DECODE_VARIANTS = 64
 _CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy a jax_cache one with "
                "twincache_app.handoff.cache_to_torch), or a kind name")
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
-DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache], torch.Tensor]
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache, int | None], torch.Tensor]
 _compiled_steps: weakref.WeakKeyDictionary[Mistral, DecodeStep] = weakref.WeakKeyDictionary()
 
 
@@ -75,22 +77,31 @@ def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gene
 
 
 def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
-    """The one-token step `(input_ids [B, 1], positions [B, 1], cache) -> logits [B, V]`, compiled once per model."""
-    def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-        return model(input_ids, positions, cache)[:, -1]
+    """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]`, compiled
+    once per model. `attend_len` is the step's attention bucket (twincache.buckets; None: every slot)."""
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
+             attend_len: int | None = None) -> torch.Tensor:
+        return model(input_ids, positions, cache, attend_len=attend_len)[:, -1]
 
     if not compile:
         return step
     if model not in _compiled_steps:
-        # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype) a process
-        # decodes with is one entry; the default limit of 8 would make the 9th a hard error under fullgraph=True.
-        # A generation itself still compiles exactly once (the tests assert it with fail_on_recompile).
+        # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype, bucket
+        # kind) a process decodes with is one entry; the default limit of 8 would make the 9th a hard error under
+        # fullgraph=True. The tests count the compiles of a generation with fail_on_recompile.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+        # Static shapes (batch and cache sizes specialise), but the bucket is symbolic where this torch can say so:
+        # one graph then serves every partial bucket, and the whole cache is one more (a full-length slice is
+        # contiguous, which SDPA's lowering tells apart). Elsewhere each bucket compiles once.
+        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")
+                           if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
 
-        def inference_step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-            with torch.inference_mode():  # grad mode is guarded on: entering it here keeps it one graph for all callers
-                return compiled(input_ids, positions, cache)
+        def inference_step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
+                           attend_len: int | None = None) -> torch.Tensor:
+            # grad mode is guarded on: entering inference mode here keeps it one graph for all callers
+            with torch.inference_mode(), symbolic_bucket:
+                return compiled(input_ids, positions, cache, attend_len)
 
         _compiled_steps[model] = inference_step
     return _compiled_steps[model]
@@ -103,7 +114,8 @@ def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tenso
     mask_np = attention_mask.cpu().numpy()
     validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
     positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device)
-    return model(input_ids, positions.long(), cache, attention_mask)[:, -1].float()
+    attend = step_attend_len(int(cache.length), input_ids.shape[1], cache.cache_len)
+    return model(input_ids, positions.long(), cache, attention_mask, attend)[:, -1].float()
 
 
 @torch.inference_mode()
@@ -200,32 +212,35 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     tokens: list[list[int]] = [[] for _ in last_tokens]
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0
-    decode_steps = 0
-    decode_start = time.perf_counter()
+    decode_steps = timed_steps = 0
+    length, bucket = int(cache.length), None  # the host's copy of the cache length picks each step's bucket
     all_done = eos is not None and all(t == eos for t in last_tokens)
+    stamp = time.perf_counter()
     while decode_steps < max_new_tokens and not all_done:
-        logits = step(next_ids[:, None], positions, cache).float()  # [B, V]
-        positions = positions + 1
+        attend = step_attend_len(length, 1, cache.cache_len)
+        logits = step(next_ids[:, None], positions, cache, attend).float()  # [B, V]
+        positions, length = positions + 1, length + 1
         decode_steps += 1
         if return_logits:
             step_logits.append(logits.clone())  # cudagraph outputs are overwritten by the next replay
         next_ids, finished, row_ids = _pick(logits, finished, sampling, generator, eos, decode_steps,
                                             None if forced is None else forced[decode_steps - 1])
         all_done = eos is not None and all(token == eos for token in row_ids)
-        if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
-            first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+        now = time.perf_counter()
+        if attend != bucket:  # the first step of each bucket may compile: timed apart from the steady state
+            first_step_s, bucket = first_step_s + now - stamp, attend
+        else:
+            decode_s, timed_steps = decode_s + now - stamp, timed_steps + 1
+        stamp = now
         append_tokens(tokens, row_ids, eos)
         if on_token is not None:
             on_token(row_ids)
-    if decode_steps > 1:
-        decode_s = time.perf_counter() - decode_start
     logits_out = None
     if return_logits:  # [B, steps, V]; steps is 0 when every row had already ended
         empty = torch.zeros(len(tokens), 0, config.vocab_size, device=device)
         logits_out = torch.stack(step_logits, dim=1) if step_logits else empty
     return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
-                            decode_s, decode_steps, max(decode_steps - 1, 0), logits_out, cache,
-                            "compiled" if compile else "eager")
+                            decode_s, decode_steps, timed_steps, logits_out, cache, "compiled" if compile else "eager")
 
 
 def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.device) -> None:

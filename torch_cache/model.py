@@ -106,7 +106,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, Lkv, D]
+        keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
+        # Attention reads as many slots as the mask covers: a prefix of the buffers when the forward was given an
+        # attend_len bucket (every live key is in it), else all of them.
+        keys, values = keys.narrow(2, 0, visible.shape[-1]), values.narrow(2, 0, visible.shape[-1])  # [B, Hkv, Lkv, D]
         # Grouped-query attention without repeating K/V: the G query heads of one KV head become G*S query rows.
         q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
         mask = visible[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * seq_len, -1)
@@ -149,7 +152,8 @@ class MistralModel(nn.Module):
 
 
 class Mistral(nn.Module):
-    """Mistral causal LM. `forward(input_ids, positions, cache, attention_mask=None) -> logits [B, S, V]`."""
+    """Mistral causal LM. `forward(input_ids, positions, cache, attention_mask=None, attend_len=None)
+    -> logits [B, S, V]`."""
 
     def __init__(self, config: MistralConfig) -> None:
         super().__init__()
@@ -158,15 +162,16 @@ class Mistral(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens."""
+                attention_mask: torch.Tensor | None = None, attend_len: int | None = None) -> torch.Tensor:
+        """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens.
+        attend_len: the cache slots attention reads (twincache.buckets.step_attend_len), None = all of them."""
         embed = self.model.embed_tokens.weight
         if not torch.compiler.is_compiling():
             self.check_inputs(input_ids, positions, attention_mask)
             cache.check_forward(self.config, input_ids, embed.dtype, embed.device)
         query_valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         new_positions = torch.where(query_valid, positions, -1).to(torch.int32)  # [B, S]; padding is never a key
-        key_positions = cache.attended_positions(new_positions)  # [B, Lkv]
+        key_positions = cache.attended_positions(new_positions, attend_len)  # [B, Lkv]
         visible = attention_visibility(positions, key_positions, query_valid, self.config.sliding_window)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, embed.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
