@@ -19,6 +19,8 @@ MODULES = ("", "cache", "model", "generate", "backend")  # "" is the package its
 # Public names only one tower has (module.name or module.Class.member) -> why.
 TORCH_ONLY = {
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
+    "model.compile_region": "regional compilation for torch.compile (one decoder layer compiled once); XLA compiles "
+                            "a whole step in seconds",
 }
 JAX_ONLY = {
     "model.Embedding": "torch uses nn.Embedding; NNX builds the HF [vocab, hidden] table itself",
