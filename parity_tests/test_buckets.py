@@ -220,3 +220,30 @@ def test_jax_caches_with_equal_buffers_share_their_executables(gqa, monkeypatch)
     jg.generate(model, [PROMPT], 20, cache="sliding_window", max_cache_len=40)
     jg.generate(model, [PROMPT], 20, cache="sliding_window", max_cache_len=400)
     assert len(jg._fused_executables) == 1
+
+
+def test_torch_compiled_greedy_decode_copies_to_the_host_once_per_step(torch_bucket_runs, monkeypatch):
+    """The greedy choice, the EOS bookkeeping and the NaN flag are in the compiled step (issue 13 §2): each further
+    step costs exactly one device-to-host copy, whatever happens at the bucket edges."""
+    model = torch_bucket_runs["model"]
+    copies = {"n": 0}
+    for name in ("tolist", "item", "__int__", "__bool__", "__float__", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            copies["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def copies_for(steps: int) -> int:
+        with torch.inference_mode():
+            cache = torch_cache("static", model.config, 1, CACHE_LEN)
+            tg.prefill(model, torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long), cache)
+        before = copies["n"]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            result = tg.continue_generation(model, cache, [7], steps)
+        assert result.decode_steps == steps
+        return copies["n"] - before
+
+    assert copies_for(40) - copies_for(20) == 20

@@ -42,7 +42,6 @@ _CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy
                "twincache_app.handoff.cache_to_torch), or a kind name")
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache, int | None], torch.Tensor]
-_compiled_steps: weakref.WeakKeyDictionary[Mistral, DecodeStep] = weakref.WeakKeyDictionary()
 
 
 def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -76,35 +75,67 @@ def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gene
     return torch.multinomial(filter_logits(logits, sampling).softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
-def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
-    """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]`, compiled
-    once per model. `attend_len` is the step's attention bucket (twincache.buckets; None: every slot)."""
-    def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
-             attend_len: int | None = None) -> torch.Tensor:
-        return model(input_ids, positions, cache, attend_len=attend_len)[:, -1]
+DecodeOne = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+_compiled_decode: weakref.WeakKeyDictionary[Mistral, DecodeOne] = weakref.WeakKeyDictionary()
+
+
+def _greedy_choice(logits: torch.Tensor, finished: torch.Tensor,
+                   eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy step's decisions from fp32 logits [B, V], written to run inside the compiled step: the tokens [B]
+    (finished rows keep emitting `eos`, [] int64, -1 for none), the new finished flags [B], and what the host reads,
+    its one copy per step: [B + 1] int64, the tokens then 1 if any logit is NaN or Inf."""
+    next_ids = torch.where(finished, eos, logits.argmax(dim=-1))  # [B]
+    finished = finished | ((next_ids == eos) & (eos >= 0))
+    return next_ids, finished, torch.cat([next_ids, (~torch.isfinite(logits).all()).long()[None]])
+
+
+def _decode_one_fn(model: Mistral, compile: bool) -> DecodeOne:
+    """The whole greedy decode step, compiled once per model: `(input_ids [B, 1], positions [B, 1], cache, attend_len,
+    finished [B], eos []) -> (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], for_host [B + 1])`.
+    The forward, the greedy choice, the EOS bookkeeping and the finiteness flag are one graph; sampled decoding uses
+    its logits and draws on the host's torch.Generator."""
+    def decode_one(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, attend_len: int | None,
+                   finished: torch.Tensor, eos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = model(input_ids, positions, cache, attend_len=attend_len)[:, -1].float()  # [B, V]
+        next_ids, finished, for_host = _greedy_choice(logits, finished, eos)
+        return logits, next_ids, finished, positions + 1, for_host
 
     if not compile:
-        return step
-    if model not in _compiled_steps:
+        return decode_one
+    if model not in _compiled_decode:
         # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype, bucket
         # kind) a process decodes with is one entry; the default limit of 8 would make the 9th a hard error under
         # fullgraph=True. The tests count the compiles of a generation with fail_on_recompile.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
         # Static shapes (batch and cache sizes specialise), but the bucket is symbolic where this torch can say so:
-        # one graph then serves every partial bucket, and the whole cache is one more (a full-length slice is
-        # contiguous, which SDPA's lowering tells apart). Elsewhere each bucket compiles once.
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        # one graph then serves every partial bucket, and the whole cache is one more (docs/design.md §7.13).
+        # Elsewhere each bucket compiles once.
+        compiled = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
         symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")
                            if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
 
-        def inference_step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
-                           attend_len: int | None = None) -> torch.Tensor:
+        def inference_step(*args: object) -> tuple[torch.Tensor, ...]:
             # grad mode is guarded on: entering inference mode here keeps it one graph for all callers
             with torch.inference_mode(), symbolic_bucket:
-                return compiled(input_ids, positions, cache, attend_len)
+                return compiled(*args)
 
-        _compiled_steps[model] = inference_step
-    return _compiled_steps[model]
+        _compiled_decode[model] = inference_step
+    return _compiled_decode[model]
+
+
+def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
+    """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]` fp32,
+    compiled once per model: the graph generate runs (its greedy choice unused here). `attend_len` is the step's
+    attention bucket (twincache.buckets; None: every slot)."""
+    decode_one = _decode_one_fn(model, compile)
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
+             attend_len: int | None = None) -> torch.Tensor:
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # [B]
+        no_eos = torch.tensor(-1, device=input_ids.device)
+        return decode_one(input_ids, positions, cache, attend_len, finished, no_eos)[0]
+
+    return step
 
 
 @torch.inference_mode()
@@ -206,9 +237,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     if generator is None and not sampling.greedy:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
+    eos_id = torch.tensor(-1 if eos is None else eos, device=device)  # [] int64, -1 for none
     next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
-    finished = next_ids == eos if eos is not None else torch.zeros_like(next_ids, dtype=torch.bool)
-    step = decode_step_fn(model, compile)
+    finished = next_ids == eos_id  # [B]
+    decode_one = _decode_one_fn(model, compile)
     tokens: list[list[int]] = [[] for _ in last_tokens]
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0
@@ -218,13 +250,19 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     stamp = time.perf_counter()
     while decode_steps < max_new_tokens and not all_done:
         attend = step_attend_len(length, 1, cache.cache_len)
-        logits = step(next_ids[:, None], positions, cache, attend).float()  # [B, V]
-        positions, length = positions + 1, length + 1
-        decode_steps += 1
+        logits, greedy_ids, greedy_finished, positions, for_host = decode_one(next_ids[:, None], positions, cache,
+                                                                              attend, finished, eos_id)
+        length, decode_steps = length + 1, decode_steps + 1
+        positions = positions.clone()  # cudagraph outputs are overwritten by the next replay
         if return_logits:
-            step_logits.append(logits.clone())  # cudagraph outputs are overwritten by the next replay
-        next_ids, finished, row_ids = _pick(logits, finished, sampling, generator, eos, decode_steps,
-                                            None if forced is None else forced[decode_steps - 1])
+            step_logits.append(logits.clone())
+        if sampling.greedy and forced is None:  # decided inside the step: one host copy carries tokens and NaN flag
+            *row_ids, non_finite = for_host.tolist()
+            _raise_if_non_finite(non_finite, decode_steps, logits.dtype)
+            next_ids, finished = greedy_ids.clone(), greedy_finished.clone()
+        else:
+            next_ids, finished, row_ids = _pick(logits, finished, sampling, generator, eos, decode_steps,
+                                                None if forced is None else forced[decode_steps - 1])
         all_done = eos is not None and all(token == eos for token in row_ids)
         now = time.perf_counter()
         if attend != bucket:  # the first step of each bucket may compile: timed apart from the steady state
@@ -265,10 +303,14 @@ def _pick(logits: torch.Tensor, finished: torch.Tensor, sampling: SamplingParams
         next_ids = torch.where(finished, eos, next_ids)
         finished = finished | (next_ids == eos)
     *row_ids, non_finite = torch.cat([next_ids, (~finite_rows.all())[None].long()]).tolist()
+    _raise_if_non_finite(non_finite, step, logits.dtype)
+    return next_ids, finished, row_ids
+
+
+def _raise_if_non_finite(non_finite: int, step: int, dtype: torch.dtype) -> None:
     if non_finite:
         raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
-                                   f"or dtype ({logits.dtype}) are not usable for this input")
-    return next_ids, finished, row_ids
+                                   f"or dtype ({dtype}) are not usable for this input")
 
 
 __all__ = ["MAX_DECODE_VARIANTS", "DecodeStep", "sample", "decode_step_fn", "prefill", "generate",
