@@ -28,8 +28,6 @@ JAX_ONLY = {
                                           "by multiply-and-sum on XLA-CPU, docs/design.md §7.2)",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
     "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
-    "cache.StaticCache.device": "a JAX cache reads its placement off its arrays (a label); a torch cache stores the "
-                                "torch.device it was built on",
     "cache.default_device": "a torch cache takes a device argument; JAX places new arrays on its default device",
     "cache.device_label": "a JAX array may span several devices, so placements are compared as labels",
     "cache.StaticCache.tree_flatten": "the pytree protocol",

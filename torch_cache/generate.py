@@ -75,8 +75,8 @@ def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gene
     return torch.multinomial(filter_logits(logits, sampling).softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
-DecodeOne = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-_compiled_decode: weakref.WeakKeyDictionary[Mistral, DecodeOne] = weakref.WeakKeyDictionary()
+_DecodeOne = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+_compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeOne] = weakref.WeakKeyDictionary()
 
 
 def _greedy_choice(logits: torch.Tensor, finished: torch.Tensor,
@@ -89,7 +89,7 @@ def _greedy_choice(logits: torch.Tensor, finished: torch.Tensor,
     return next_ids, finished, torch.cat([next_ids, (~torch.isfinite(logits).all()).long()[None]])
 
 
-def _decode_one_fn(model: Mistral, compile: bool) -> DecodeOne:
+def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
     """The whole greedy decode step, compiled once per model: `(input_ids [B, 1], positions [B, 1], cache, attend_len,
     finished [B], eos []) -> (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], for_host [B + 1])`.
     The forward, the greedy choice, the EOS bookkeeping and the finiteness flag are one graph; sampled decoding uses

@@ -6,6 +6,7 @@ checkpoint's, so loading is a strict name-for-name copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def compile_region(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.
     writes its cache in place, and a mutating region needs the invoke_subgraph functionalization 2.12 brought."""
     if TorchVersion(torch.__version__) < "2.12" or not hasattr(torch.compiler, "nested_compile_region"):
         return forward
-    return torch.compiler.nested_compile_region(forward)
+    return functools.wraps(forward)(torch.compiler.nested_compile_region(forward))  # keeps the signature visible
 
 
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
