@@ -21,12 +21,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from twincache import buckets, cache_checks
+from twincache.cache_layout import BufferSizes
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError, StaleCacheError
 
 
 @jax.tree_util.register_pytree_node_class
-class StaticCache:
+class StaticCache(BufferSizes):
     """Per-layer K/V buffers written with `lax.dynamic_update_slice`; with donation XLA writes them in place."""
 
     kind = "static"
@@ -52,46 +53,14 @@ class StaticCache:
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
         return max_cache_len
 
-    # --- sizes: read from the arrays themselves, so they are no pytree metadata: two caches whose buffers have the
-    # --- same shapes are the same jit input, whatever max_cache_len they were asked for ------------------------------
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.keys[0].shape[1]
-
-    @property
-    def cache_len(self) -> int:
-        """Slots in each buffer."""
-        return self.keys[0].shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.keys[0].shape[3]
+    # --- sizes are read off the buffers (twincache.cache_layout.BufferSizes), and so is the dtype: no size is pytree
+    # --- metadata, so two caches whose buffers have the same shapes are the same jit input ---------------------------
 
     @property
     def dtype(self) -> jnp.dtype:
         return jnp.dtype(self.keys[0].dtype)
 
-    @property
-    def max_cache_len(self) -> int:
-        """The buffer length. A ring asked for more slots than its window holds the window (and has no capacity
-        limit), so its max_cache_len is the window too."""
-        return self.cache_len
-
-    @property
-    def capacity(self) -> int | None:
-        """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
-        return self.max_cache_len
-
-    # --- pytree protocol: arrays are children, sizes are static ----------------------------------------------------
+    # --- pytree protocol: arrays are children, the window is static metadata --------------------------------------
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
         static = tuple((k, v) for k, v in vars(self).items() if k not in self.ARRAY_FIELDS)  # the window, if any

@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from twincache import buckets, cache_checks
+from twincache.cache_layout import BufferSizes
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
 
 
-class StaticCache:
+class StaticCache(BufferSizes):
     """Per-layer K/V buffers written in place with `index_copy_`; addresses never change."""
 
     kind = "static"
@@ -46,28 +47,7 @@ class StaticCache:
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
         return max_cache_len
 
-    # --- sizes: read from the buffers themselves, as jax_cache does (there they are the pytree's only sizes) -------
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.keys[0].shape[1]
-
-    @property
-    def cache_len(self) -> int:
-        """Slots in each buffer."""
-        return self.keys[0].shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.keys[0].shape[3]
+    # --- sizes are read off the buffers (twincache.cache_layout.BufferSizes), and so is the dtype ------------------
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,17 +56,6 @@ class StaticCache:
     @property
     def device(self) -> torch.device:
         return self.keys[0].device
-
-    @property
-    def max_cache_len(self) -> int:
-        """The buffer length. A ring asked for more slots than its window holds the window (and has no capacity
-        limit), so its max_cache_len is the window too."""
-        return self.cache_len
-
-    @property
-    def capacity(self) -> int | None:
-        """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
-        return self.max_cache_len
 
     def arrays(self) -> list[torch.Tensor]:
         """Every tensor of the cache: keys and values of each layer, slot_positions, length."""

@@ -2,8 +2,9 @@
 
 Both caches fill their slots from 0 upwards (a ring wraps only once all W are live), so every live key sits in the
 first `filled` slots. Attention reads a prefix of the buffers that covers them, rounded up to a bucket:
-ATTEND_BLOCK * 2^i, capped at the buffer length. A static cache's attention cost then follows its filled length, and
-each backend compiles one variant per bucket a process reaches: at most ceil(log2(cache_len / ATTEND_BLOCK)) + 1.
+ATTEND_BLOCK * 2^i while that is less than half the buffer, else the whole buffer. A static cache's attention cost
+then follows its filled length (it reads at most 2x the live slots in a partial bucket, 4x in the whole buffer), and
+each backend compiles one variant per bucket a process reaches: at most ceil(log2(cache_len / ATTEND_BLOCK)) in all.
 The slots past the prefix hold no visible key (position -1), so reading fewer of them changes no logit beyond
 rounding.
 """
@@ -20,11 +21,12 @@ ATTEND_BLOCK = 256
 
 def attend_len(filled: int, cache_len: int) -> int:
     """Slots attention reads when the first `filled` of `cache_len` slots hold every live key: the smallest
-    ATTEND_BLOCK * 2^i >= filled, capped at cache_len."""
+    ATTEND_BLOCK * 2^i >= filled, or all cache_len slots once that bucket would be half the buffer or more (a bucket
+    that close to the whole would be one more compiled variant for little saved)."""
     bucket = ATTEND_BLOCK
     while bucket < filled:
         bucket *= 2
-    return min(bucket, cache_len)
+    return bucket if 2 * bucket < cache_len else cache_len
 
 
 def step_attend_len(length: int, num_new: int, cache_len: int) -> int:
