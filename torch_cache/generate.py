@@ -177,12 +177,14 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
+        planned_len = cache.max_cache_len
     else:
         kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
+        planned_len = cache_len  # reported as planned: a ring holds only min(W, it) slots (docs/design.md §5)
         cache = make_cache(kind, config, batch, cache_len, dtype, device)
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:
-        return GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
+        return GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
                                 0, 0, None, cache, "compiled" if compile else "eager")
     generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
     if compile and max_new_tokens > 1:  # the first decode step compiles
@@ -202,7 +204,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
-    return dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
+    return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
+                               prefill_s=prefill_s,
                                step_logits=step_logits)
 
 
