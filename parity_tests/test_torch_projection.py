@@ -39,8 +39,16 @@ def traced_graph(model: Mistral, batch: int) -> torch.fx.GraphModule:
 
 
 def linear_calls(graph: torch.fx.GraphModule) -> int:
+    """F.linear calls a step makes: in the graph, and in each call of a compiled region (a decoder layer traced once,
+    torch_cache.model.compile_region) as many times as the graph calls it."""
     targets = (F.linear, torch._C._nn.linear)
-    return sum(node.op == "call_function" and node.target in targets for node in graph.graph.nodes)
+    count = 0
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            count += 1
+        elif node.op == "call_function" and "invoke_subgraph" in str(node.target):
+            count += linear_calls(getattr(graph, node.args[0].target))
+    return count
 
 
 def projections(config: object) -> int:
