@@ -22,10 +22,12 @@ import jax_cache.generate as jg
 import torch_cache.generate as tg
 from jax_cache.model import Mistral as JaxMistral
 from parity_tests.conftest import save_hf_checkpoint
+from parity_tests.sampling_oracle import oracle_draw
 from torch_cache.cache import make_cache as torch_cache
 from torch_cache.model import Mistral as TorchMistral
 from twincache import buckets
 from twincache.buckets import attend_len, decode_buckets, step_attend_len
+from twincache.generation import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -225,9 +227,9 @@ def test_jax_caches_with_equal_buffers_share_their_executables(gqa, monkeypatch)
     assert len(jg._fused_executables) == 1
 
 
-def test_torch_compiled_greedy_decode_copies_to_the_host_once_per_step(torch_bucket_runs, monkeypatch):
-    """The greedy choice, the EOS bookkeeping and the NaN flag are in the compiled step (issue 13 §2): each further
-    step costs exactly one device-to-host copy, whatever happens at the bucket edges."""
+def test_torch_compiled_decode_copies_to_the_host_once_per_step(torch_bucket_runs, torch_sampled_runs, monkeypatch):
+    """The choice (greedy or a seeded draw), the EOS bookkeeping and the NaN flag are in the compiled step (issue 13
+    §2): each further step costs exactly one device-to-host copy, whatever happens at the bucket edges."""
     model = torch_bucket_runs["model"]
     copies = {"n": 0}
     for name in ("tolist", "item", "__int__", "__bool__", "__float__", "numpy", "cpu"):
@@ -239,14 +241,77 @@ def test_torch_compiled_greedy_decode_copies_to_the_host_once_per_step(torch_buc
 
         monkeypatch.setattr(torch.Tensor, name, counting)
 
-    def copies_for(steps: int) -> int:
+    def copies_for(steps: int, sampling: SamplingParams | None = None) -> int:
         with torch.inference_mode():
             cache = torch_cache("static", model.config, 1, CACHE_LEN)
             tg.prefill(model, torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long), cache)
         before = copies["n"]
         with torch.compiler.set_stance("fail_on_recompile"):
-            result = tg.continue_generation(model, cache, [7], steps)
+            result = tg.continue_generation(model, cache, [7], steps, sampling=sampling)
         assert result.decode_steps == steps
         return copies["n"] - before
 
     assert copies_for(40) - copies_for(20) == 20
+    # a seeded draw is in the graph too (the sampled graph is torch_sampled_runs', within the partial buckets)
+    assert copies_for(40, SAMPLED[0]) - copies_for(20, SAMPLED[0]) == 20
+
+
+# --- torch: the seeded draw inside the compiled step (issue 13 §2) ----------------------------------------------------
+
+# Two settings of one sampling kind ("filtered": top-k / top-p sort the vocabulary), and the first with another seed.
+SAMPLED = [SamplingParams(0.8, top_k=20, top_p=0.9, seed=5), SamplingParams(1.3, top_k=7, top_p=0.95, seed=6),
+           SamplingParams(0.8, top_k=20, top_p=0.9, seed=9)]
+SAMPLED_TOKENS = 40  # from 5 columns to 44: partial buckets only (one graph where the bucket is symbolic)
+
+
+@pytest.fixture(scope="module")
+def torch_sampled_runs(torch_bucket_runs) -> dict:
+    """Compiled sampled generations on the bucket model: the first compiles the "filtered" graph; the others (the
+    same setting again, another setting, another seed) run under fail_on_recompile."""
+    from torch._dynamo.utils import counters
+
+    model = torch_bucket_runs["model"]
+
+    def run(sampling: SamplingParams) -> object:
+        return tg.generate(model, [PROMPT], SAMPLED_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                           sampling=sampling, return_logits=True)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(buckets, "ATTEND_BLOCK", BLOCK)
+        before = counters["stats"]["unique_graphs"]
+        first = run(SAMPLED[0])
+        compiles = counters["stats"]["unique_graphs"] - before
+        with torch.compiler.set_stance("fail_on_recompile"):
+            again, *others = (run(sampling) for sampling in SAMPLED)
+    return dict(model=model, compiles=compiles, first=first, again=again, others=others)
+
+
+def test_torch_compiled_sampling_compiles_one_graph_for_every_setting_of_its_kind(torch_sampled_runs):
+    visited = set(visited_buckets(len(PROMPT), SAMPLED_TOKENS - 1, CACHE_LEN))
+    assert CACHE_LEN not in visited and len(visited) == 3
+    assert 1 <= torch_sampled_runs["compiles"] <= len(visited)
+    if hasattr(torch.compiler.config, "dynamic_sources"):
+        assert torch_sampled_runs["compiles"] == 1
+
+
+def test_torch_compiled_sampling_reproduces_a_seed_and_seeds_matter(torch_sampled_runs):
+    first, again, (other_setting, other_seed) = (torch_sampled_runs[name] for name in ("first", "again", "others"))
+    assert len(first.token_ids[0]) == SAMPLED_TOKENS
+    assert again.token_ids == first.token_ids
+    assert other_seed.token_ids != first.token_ids and other_setting.token_ids != first.token_ids
+
+
+def test_torch_compiled_sampling_draws_the_defined_tokens(torch_sampled_runs):
+    """Each step's token is the independent oracle's draw (numpy filters, numpy hash noise, the step folded into the
+    seed) on that step's logits: the compiled graph computes the floor's definition, step index included."""
+    for result, sampling in zip([torch_sampled_runs["first"], *torch_sampled_runs["others"]],
+                                [SAMPLED[0], SAMPLED[1], SAMPLED[2]]):
+        logits = result.step_logits.numpy()  # [1, steps, V]
+        expected = [int(oracle_draw(logits[:, step], sampling, step)[0]) for step in range(logits.shape[1])]
+        assert result.token_ids[0] == expected, str(sampling)
+
+
+def test_torch_eager_sampling_draws_the_tokens_of_the_compiled_step(torch_sampled_runs):
+    eager = tg.generate(torch_sampled_runs["model"], [PROMPT], SAMPLED_TOKENS, cache="static",
+                        max_cache_len=CACHE_LEN, sampling=SAMPLED[0], compile=False)
+    assert eager.token_ids == torch_sampled_runs["first"].token_ids

@@ -53,16 +53,16 @@ TORCH_ONLY_PARAMS = {
     "model.Mistral.from_pretrained": ("device",),
     "generate.decode_step_fn": ("compile",),  # torch.compile or eager; JAX's step is always jitted
     "generate.generate": ("compile",),  # the tower's own decode knob; backend.generate(mode=...) is the neutral one
-    "generate.continue_generation": ("compile", "generator"),  # the RNG stream continues in a torch.Generator
+    "generate.continue_generation": ("compile",),
 }
 JAX_ONLY_PARAMS = {
     # NNX creates parameters at construction, in a dtype; torch modules are built first and converted afterwards.
     **{f"model.{cls}.__init__": ("dtype",) for cls in ("Linear", "RMSNorm", "Attention", "MLP", "DecoderLayer",
                                                       "MistralModel", "Mistral")},
     "generate.generate": ("fused",),  # the tower's own decode knob, as torch's `compile`
-    "generate.continue_generation": ("fused", "_first_step"),  # the RNG stream continues by folding in the step
+    "generate.continue_generation": ("fused",),
 }
-RENAMED_PARAMS = {"generator": "key"}  # a torch.Generator where JAX takes a PRNG key
+RENAMED_PARAMS: dict[str, str] = {}  # none today: both towers take a key and fold the step into it
 METHOD_NAMES = {"forward": "__call__"}  # torch modules compute in forward, NNX modules in __call__
 
 
