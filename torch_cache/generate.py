@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
-from torch_cache.model import Mistral
+from torch_cache.model import Mistral, _pack_projections
 from twincache import cache_checks
 from twincache.buckets import step_attend_len
 from twincache.errors import NonFiniteLogitsError
@@ -198,10 +198,11 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
         symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")
                            if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
 
-        def inference_step(*args: object) -> tuple[torch.Tensor, ...]:
+        def inference_step(input_ids: torch.Tensor, *args: object) -> tuple[torch.Tensor, ...]:
             # grad mode is guarded on: entering inference mode here keeps it one graph for all callers
             with torch.inference_mode(), symbolic_bucket:
-                return compiled(*args)
+                _pack_projections(model, input_ids.shape[0])  # batched CPU steps read packed weights (model.py)
+                return compiled(input_ids, *args)
 
         _compiled_decode[model] = inference_step
     return _compiled_decode[model]
