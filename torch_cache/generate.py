@@ -279,7 +279,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
                      torch.from_numpy(inputs.attention_mask).to(device), cache)  # [B, V]
     first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
-    first = _pick(logits, sampling, eos, first_forced)
+    first = _first_tokens(logits, sampling, eos, first_forced)
     prefill_s = time.perf_counter() - start
     if on_token is not None:
         on_token(first)
@@ -382,7 +382,8 @@ def _no_draw_args(device: torch.device) -> tuple[torch.Tensor, ...]:
     return zero, zero, *_knobs(SamplingParams(), device)
 
 
-def _pick(logits: torch.Tensor, sampling: SamplingParams, eos: int | None, forced: torch.Tensor | None) -> list[int]:
+def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | None,
+                  forced: torch.Tensor | None) -> list[int]:
     """The prefill's tokens (generated-token index 0), chosen as every later step chooses (`_choose`, eagerly), or
     the `forced` ones [B]. Raises on non-finite logits. Returns them on the host, in the one copy of this step."""
     batch = logits.shape[0]
