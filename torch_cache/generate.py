@@ -144,22 +144,22 @@ def _draw(scaled: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return (scaled + _gumbel(key, tuple(scaled.shape))).argmax(dim=-1)
 
 
-def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor | None,
-            key: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-            top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor,
+            forcing: torch.Tensor, key: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor,
+            top_k: torch.Tensor, top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's decisions from fp32 logits [B, V], written to run inside the compiled step (and eagerly for the
-    prefill's token): the tokens [B] (`forced` ones if given; finished rows keep emitting `eos`, [] int64, -1 for
-    none), the new finished flags [B], and what the host reads, its one copy per step: [B + 1] int64, the tokens
-    then 1 if any logit is NaN or Inf. A sampled step draws with `key` folded with `step`, the generated-token index.
+    prefill's token): the tokens [B] (the `forced` ones [B] when `forcing`, [] bool: a tensor, so teacher forcing
+    runs the greedy graph; finished rows keep emitting `eos`, [] int64, -1 for none), the new finished flags [B], and
+    what the host reads, its one copy per step: [B + 1] int64, the tokens then 1 if any logit is NaN or Inf. A
+    sampled step draws with `key` folded with `step`, the generated-token index.
     """
     finite_rows = torch.isfinite(logits).all(dim=-1, keepdim=True)  # [B, 1]
-    if forced is not None:
-        next_ids = forced  # [B]
-    elif kind == "greedy":
+    if kind == "greedy":
         next_ids = logits.argmax(dim=-1)
     else:  # a row with NaN/Inf is drawn from zeros: its draw is reported, never used
         scaled = _filter(logits.where(finite_rows, 0.0), temperature, top_k, top_p, kind == "filtered")  # [B, V]
         next_ids = _draw(scaled, _fold_in(key, step))
+    next_ids = torch.where(forcing, forced, next_ids)  # [B]
     next_ids = torch.where(finished, eos, next_ids)  # [B]
     finished = finished | ((next_ids == eos) & (eos >= 0))
     return next_ids, finished, torch.cat([next_ids, (~finite_rows.all()).long()[None]])
@@ -171,17 +171,17 @@ _compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeOne] = weakref.WeakK
 
 def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
     """The whole decode step, compiled once per model: `(input_ids [B, 1], positions [B, 1], cache, attend_len,
-    finished [B], eos [], forced [B] | None, key [], step [], temperature [], top_k [], top_p [], kind) ->
+    finished [B], eos [], forced [B], forcing [], key [], step [], temperature [], top_k [], top_p [], kind) ->
     (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], next step [], for_host [B + 1])`.
-    The forward, the choice (greedy or a seeded draw), the EOS bookkeeping and the finiteness flag are one graph:
-    one per sampling kind (`_sampling_kind`), and one more when tokens are forced."""
+    The forward, the choice (greedy or a seeded draw), the EOS bookkeeping and the finiteness flag are one graph per
+    sampling kind (`_sampling_kind`); teacher forcing runs the greedy one."""
     def decode_one(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, attend_len: int | None,
-                   finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor | None, key: torch.Tensor,
-                   step: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   kind: str) -> tuple[torch.Tensor, ...]:
+                   finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor, forcing: torch.Tensor,
+                   key: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
         logits = model(input_ids, positions, cache, attend_len=attend_len)[:, -1].float()  # [B, V]
-        next_ids, finished, for_host = _choose(logits, finished, eos, forced, key, step, temperature, top_k, top_p,
-                                               kind)
+        next_ids, finished, for_host = _choose(logits, finished, eos, forced, forcing, key, step, temperature, top_k,
+                                               top_p, kind)
         return logits, next_ids, finished, positions + 1, step + 1, for_host
 
     if not compile:
@@ -219,8 +219,8 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
         device = input_ids.device
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)  # [B]
         no_eos = torch.tensor(-1, device=device)
-        return decode_one(input_ids, positions, cache, attend_len, finished, no_eos, None, *_no_draw_args(device),
-                          "greedy")[0]
+        return decode_one(input_ids, positions, cache, attend_len, finished, no_eos,
+                          *_no_draw_args(input_ids.shape[0], device), "greedy")[0]
 
     return step
 
@@ -328,6 +328,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
     finished = next_ids == eos_id  # [B]
     kind = "greedy" if forced is not None else _sampling_kind(sampling)  # forcing replaces the choice
+    not_forced = torch.zeros(len(last_tokens), dtype=torch.long, device=device)  # [B]
+    forcing = torch.tensor(forced is not None, device=device)  # [] bool
     key = torch.tensor(sampling.seed, dtype=torch.long, device=device)  # [] int64
     step = torch.tensor(_first_step, dtype=torch.long, device=device)  # [] int64, the generated-token index
     knobs = _knobs(sampling, device)
@@ -341,9 +343,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     stamp = time.perf_counter()
     while decode_steps < max_new_tokens and not all_done:
         attend = step_attend_len(length, 1, cache.cache_len)
-        forced_now = None if forced is None else forced[decode_steps]  # [B]
+        forced_now = not_forced if forced is None else forced[decode_steps]  # [B]
         logits, next_ids, finished, positions, step, for_host = decode_one(
-            next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, key, step, *knobs, kind)
+            next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing, key, step, *knobs,
+            kind)
         length, decode_steps = length + 1, decode_steps + 1
         *row_ids, non_finite = for_host.tolist()  # the step's one host copy: its tokens and the NaN flag
         _raise_if_non_finite(non_finite, decode_steps, logits.dtype)
@@ -376,10 +379,11 @@ def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.dev
                             "generate fewer tokens or pass return_logits=False")
 
 
-def _no_draw_args(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """key, step, temperature, top_k, top_p for a step whose choice draws nothing (greedy or forced)."""
+def _no_draw_args(batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """forced, forcing, key, step, temperature, top_k, top_p for a greedy step that forces nothing."""
     zero = torch.tensor(0, dtype=torch.long, device=device)
-    return zero, zero, *_knobs(SamplingParams(), device)
+    return (torch.zeros(batch, dtype=torch.long, device=device), torch.tensor(False, device=device), zero, zero,
+            *_knobs(SamplingParams(), device))
 
 
 def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | None,
@@ -392,8 +396,10 @@ def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | Non
     key = torch.tensor(sampling.seed, dtype=torch.long, device=device)
     step = torch.tensor(0, dtype=torch.long, device=device)
     kind = "greedy" if forced is not None else _sampling_kind(sampling)
-    _, _, for_host = _choose(logits, torch.zeros(batch, dtype=torch.bool, device=device), eos_id, forced, key, step,
-                             *_knobs(sampling, device), kind)
+    forcing = torch.tensor(forced is not None, device=device)
+    forced = torch.zeros(batch, dtype=torch.long, device=device) if forced is None else forced
+    _, _, for_host = _choose(logits, torch.zeros(batch, dtype=torch.bool, device=device), eos_id, forced, forcing,
+                             key, step, *_knobs(sampling, device), kind)
     *row_ids, non_finite = for_host.tolist()
     _raise_if_non_finite(non_finite, 0, logits.dtype)
     return row_ids
