@@ -288,7 +288,7 @@ def torch_sampled_runs(torch_bucket_runs) -> dict:
 
 def test_torch_compiled_sampling_compiles_one_graph_for_every_setting_of_its_kind(torch_sampled_runs):
     visited = set(visited_buckets(len(PROMPT), SAMPLED_TOKENS - 1, CACHE_LEN))
-    assert CACHE_LEN not in visited and len(visited) == 3
+    assert visited == {8, 16, 32, 64}  # partial buckets only
     assert 1 <= torch_sampled_runs["compiles"] <= len(visited)
     if hasattr(torch.compiler.config, "dynamic_sources"):
         assert torch_sampled_runs["compiles"] == 1
