@@ -76,6 +76,16 @@ def test_filters_keep_exactly_the_defined_set_on_hand_made_logits(backend, row, 
     assert drawn(backend, row, sampling) == expected, "draws must reach every kept token and nothing else"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_with_top_p_one_keeps_tokens_below_float32_resolution(backend):
+    """top_p = 1 filters nothing, also next to top-k: tokens of probability ~1e-13 sit where a float32 cumsum of the
+    mass above them rounds to 1, and must stay (they are never drawn in practice, so only the filter is asked)."""
+    row = [0.0, -30.0, -30.0, 5.0]
+    sampling = SamplingParams(1.0, top_k=4)
+    assert oracle_kept(np.asarray([row]), sampling) == [{0, 1, 2, 3}]
+    assert filtered(backend, np.asarray([row]), sampling) == [{0, 1, 2, 3}]
+
+
 @pytest.fixture(scope="module")
 def model_logits(checkpoints: dict[str, Path]) -> np.ndarray:
     """Real step logits [24, V] of the gqa model: 3 prompts x 8 steps."""
