@@ -143,3 +143,19 @@ def test_compiled_batched_decode_reads_packed_weights_and_equals_eager(checkpoin
     assert eager_after.token_ids != eager.token_ids
     assert compiled_after.token_ids == eager_after.token_ids
     torch.testing.assert_close(compiled_after.step_logits, eager_after.step_logits, rtol=0, atol=1e-4)
+
+
+@packed_only
+def test_packing_that_would_crowd_the_host_is_skipped_and_drops_stale_copies(checkpoints: dict[str, Path],
+                                                                            monkeypatch):
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    tm._pack_projections(model, 8)
+    assert model._packed_head is not None and model.model.layers[0].mlp.up_proj._packed is not None
+    monkeypatch.setattr(tm, "available_memory", lambda device: 1024)  # 1 KB free
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    tm._pack_projections(model, 8)
+    assert model._packed_head is None and model.model.layers[0].mlp.up_proj._packed is None, "a stale copy stays"
+    fresh = Mistral.from_pretrained(checkpoints["gqa"])
+    tm._pack_projections(fresh, 8)
+    assert fresh._packed_head is None

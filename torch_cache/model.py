@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.torch_version import TorchVersion
 
-from torch_cache.cache import StaticCache
+from torch_cache.cache import StaticCache, available_memory
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
@@ -302,6 +302,12 @@ def _pack_projections(model: Mistral, rows: int) -> None:
     made_from = [(weight.data_ptr(), 0 if weight.is_inference() else weight._version) for weight in weights]
     if made_from == model._packed_from:
         return
+    model._packed_head, model._packed_from = None, []  # a stale copy is never read, even if repacking stops here
+    for linear in linears:
+        linear._packed = None
+    free = available_memory(model.device)
+    if free is not None and 2 * sum(weight.nbytes for weight in weights) > free:
+        return  # the copies would crowd the host: F.linear reads the weights themselves (slower, same results)
     with torch.no_grad():
         for linear in linears:
             linear._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
