@@ -198,11 +198,10 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
         symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")
                            if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
 
-        def inference_step(input_ids: torch.Tensor, *args: object) -> tuple[torch.Tensor, ...]:
+        def inference_step(*args: object) -> tuple[torch.Tensor, ...]:
             # grad mode is guarded on: entering inference mode here keeps it one graph for all callers
             with torch.inference_mode(), symbolic_bucket:
-                _pack_projections(model, input_ids.shape[0])  # batched CPU steps read packed weights (model.py)
-                return compiled(input_ids, *args)
+                return compiled(*args)
 
         _compiled_decode[model] = inference_step
     return _compiled_decode[model]
@@ -217,6 +216,8 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
     def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
              attend_len: int | None = None) -> torch.Tensor:
         device = input_ids.device
+        if compile:  # batched CPU steps read packed weights (torch_cache/model.py), checked once per call
+            _pack_projections(model, input_ids.shape[0])
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)  # [B]
         no_eos = torch.tensor(-1, device=device)
         return decode_one(input_ids, positions, cache, attend_len, finished, no_eos,
@@ -334,6 +335,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     step = torch.tensor(_first_step, dtype=torch.long, device=device)  # [] int64, the generated-token index
     knobs = _knobs(sampling, device)
     decode_one = _decode_one_fn(model, compile)
+    if compile:  # batched CPU steps read packed weights (torch_cache/model.py): made or checked once per call
+        _pack_projections(model, len(last_tokens))
     tokens: list[list[int]] = [[] for _ in last_tokens]
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0
