@@ -61,7 +61,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which remaining curve and batch points are skipped (recorded as such)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--meshes", nargs="+", type=_mesh, default=None, metavar="MESH",
+                        help="instead of the decode table: each backend on each mesh (model=N[,data=M]), recording "
+                             "per-device bytes of weights and KV and tok/s in DIR/mesh.json and DIR/mesh.md; --impls "
+                             "picks backends and modes (default: each backend in its default mode)")
     parser.set_defaults(run=run)
+
+
+def _mesh(text: str) -> object:
+    from twincache.errors import MeshError
+    from twincache.mesh import parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except MeshError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"preset {preset.name} needs a CUDA GPU; none is visible (use --preset small on CPU)")
     out = args.out if args.out is not None else Path("bench_out") / preset.name
     writable_directory(out, "--out", "pass --out a directory where results can be written")  # before hours of work
+    if args.meshes:
+        from bench.mesh import mesh_impls, run_mesh_bench
+
+        modes = mesh_impls(args.impls)
+        run_mesh_bench(preset, out, args.meshes, list(modes), args.cache_dir, modes)
+        print(f"bench: wrote {out / 'mesh.json'} and {out / 'mesh.md'}", file=sys.stderr)
+        return 0
     opts = Options(preset=preset, out=out, impls=args.impls or list(preset.impls), caches=args.caches,
                    repeats=args.repeats, curves=not args.no_curves, batch=not args.no_batch, cache_dir=args.cache_dir,
                    fresh_compile_cache=not args.warm_compile_cache, deadline_s=args.deadline,

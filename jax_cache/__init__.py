@@ -25,5 +25,6 @@ MODES = {
 STREAMING_MODES = ("step",)  # modes that hand each step's tokens to on_token as they are decoded
 
 DEFAULT_MODE = next(iter(MODES))
+MESH_PROCESSES = False  # one process drives every device of a mesh (XLA SPMD)
 
-__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE"]
+__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE", "MESH_PROCESSES"]

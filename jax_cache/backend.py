@@ -11,8 +11,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES
+from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from jax_cache import generate as _jax_generate
 from jax_cache.cache import StaticCache
 from jax_cache.generate import _fused_executables
@@ -20,11 +21,17 @@ from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache.config import MistralConfig
 from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.mesh import MeshShape
 
 
-def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
+def load(path: str | Path, dtype: str = "float32", device: str | None = None,
+         mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: JAX's default
-    device; "cuda" and "gpu" both mean the first GPU). Needs no torch."""
+    device; "cuda" and "gpu" both mean the first GPU), or split over a `mesh` of the devices JAX sees
+    (docs/design.md §10). Needs no torch."""
+    if mesh is not None:
+        return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)),
+                                       mesh=sharding.make_mesh(mesh.model, mesh.data))
     placement = contextlib.nullcontext()
     if device is not None:
         placement = jax.default_device(jax.devices("gpu" if device.startswith("cuda") else device)[0])
@@ -53,7 +60,8 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
                 mode: str = DEFAULT_MODE) -> np.ndarray:
     """Teacher-forced logits [len(sequence) - prompt_len, V] float32 of one row: `generate` in `mode` with
     forced_tokens, so the prompt goes through its prefill and each later token through its decode path. Row i
-    predicts sequence[prompt_len + i]."""
+    predicts sequence[prompt_len + i]. On a mesh split over `data`, generate decodes a copy of the row on each data
+    shard (twincache.mesh.pad_batch) and returns row 0's logits."""
     sequence = [int(token) for token in sequence]
     result = generate(model, [sequence[:prompt_len]], len(sequence) - prompt_len, mode=mode, cache=cache_kind,
                       return_logits=True, forced_tokens=[sequence[prompt_len:]])
@@ -67,10 +75,18 @@ def compiled_variants() -> int:
     return sum(int(fn._cache_size()) for fn in jitted) + len(_fused_executables)
 
 
+def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
+    """Bytes of the model's weights and of the cache's K/V on each device, read from the arrays' addressable shards
+    (on a mesh, each device's share; docs/design.md §10)."""
+    weights = [variable.get_value() for _, variable in nnx.to_flat_state(nnx.state(model))]
+    return {"weights": sharding.device_bytes(weights), "kv": sharding.device_bytes([*cache.keys, *cache.values])}
+
+
 def device_memory_mb() -> float | None:
     """Device memory JAX holds now on its default device, in MiB; None where the device does not report it (CPU)."""
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     return stats["bytes_in_use"] / 2**20 if stats else None
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "memory_per_device",
+           "device_memory_mb"]

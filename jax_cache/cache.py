@@ -10,16 +10,23 @@ A column indexes the left-padded batch layout; for an unpadded row it equals the
   SlidingWindowCache:  a ring of W = min(sliding_window, max_cache_len) slots; column c lives in slot c % W.
 Visibility comes from slot_positions (the model's mask), never from slot order: RoPE is applied before caching.
 
-Arrays are leaves; everything else (sizes, dtype) is static pytree metadata. A cache passed to a jitted call with
+On a mesh (`mesh=`, docs/design.md §10) every array is one global array: K/V with the batch on `data` and the KV
+heads on `model`, slot_positions following the batch, length replicated (jax_cache.sharding places them).
+
+Arrays are leaves; everything else (sizes, dtype, mesh) is static pytree metadata. A cache passed to a jitted call with
 donation is consumed: using it again raises StaleCacheError instead of JAX's bare "Array has been deleted".
 """
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
 
+from jax_cache import sharding
 from twincache import buckets, cache_checks
 from twincache.cache_layout import BufferSizes
 from twincache.config import MistralConfig
@@ -36,18 +43,35 @@ class StaticCache(BufferSizes):
     ARRAY_FIELDS = ("keys", "values", "slot_positions", "length")
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
-                 dtype: jnp.dtype = jnp.float32) -> None:
+                 dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> None:
         batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
+        if mesh is not None:  # a mesh that cannot split this model or batch is refused before anything is built
+            sharding.plan(mesh, config)
+            sharding.check_batch_size(mesh, batch_size)
+        self.mesh = mesh
         dtype = jnp.dtype(dtype)
         shape = (batch_size, config.num_key_value_heads, self._buffer_len(config, max_cache_len), config.head_dim)
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
-        device = default_device()  # where jnp.zeros puts the buffers below (also while a jit traces this)
+        device = default_device() if mesh is None else mesh.devices.flat[0]  # also while a jit traces this
+        shards = 1 if mesh is None else sharding.kv_shards_per_device(mesh, config.num_key_value_heads)
         cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
-                                      available_memory(device), memory_label(device))
-        self.keys = [jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
-        self.values = [jnp.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
-        self.slot_positions = jnp.full(shape[:1] + shape[2:3], -1, jnp.int32)
-        self.length = jnp.zeros((), jnp.int32)
+                                      available_memory(device), memory_label(device), shards)
+        places = self._placements(config.num_hidden_layers, config.num_key_value_heads)
+        self.keys = [jnp.zeros(shape, dtype, device=places[0]) for _ in range(config.num_hidden_layers)]
+        self.values = [jnp.zeros(shape, dtype, device=places[0]) for _ in range(config.num_hidden_layers)]
+        self.slot_positions = jnp.full(shape[:1] + shape[2:3], -1, jnp.int32, device=places[-2])
+        self.length = jnp.zeros((), jnp.int32, device=places[-1])
+
+    def _placements(self, num_layers: int | None = None,
+                    num_kv_heads: int | None = None) -> list[NamedSharding | None]:
+        """Where each array of `arrays()` goes: its mesh sharding, or None (the default device). The sizes default to
+        the buffers' (given while they are being built)."""
+        num_layers = self.num_layers if num_layers is None else num_layers
+        if self.mesh is None:
+            return [None] * (2 * num_layers + 2)
+        num_kv_heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return sharding.cache_shardings(types.SimpleNamespace(mesh=self.mesh, num_layers=num_layers,
+                                                              num_kv_heads=num_kv_heads))
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
@@ -149,11 +173,12 @@ class StaticCache(BufferSizes):
         return self.replace(slot_positions=slot_positions, length=self.length + num_new)
 
     def reset(self) -> StaticCache:
-        """An empty cache of the same type and shapes: using it is identical to using a fresh one."""
-        return self.replace(keys=[jnp.zeros_like(k) for k in self.keys],
-                            values=[jnp.zeros_like(v) for v in self.values],
-                            slot_positions=jnp.full_like(self.slot_positions, -1),
-                            length=jnp.zeros_like(self.length))
+        """An empty cache of the same type, shapes and placement: using it is identical to using a fresh one."""
+        places = self._placements()
+        return self.replace(keys=[jnp.zeros_like(k, device=places[0]) for k in self.keys],
+                            values=[jnp.zeros_like(v, device=places[0]) for v in self.values],
+                            slot_positions=jnp.full_like(self.slot_positions, -1, device=places[-2]),
+                            length=jnp.zeros_like(self.length, device=places[-1]))
 
     # --- checks before dispatch (JAX would clamp or drop out-of-range writes silently) ------------------------------
 
@@ -167,7 +192,7 @@ class StaticCache(BufferSizes):
 
     @property
     def device(self) -> str:
-        """The device(s) holding the buffers, as a label: "TFRT_CPU_0", "cuda:0", or several joined by "+"."""
+        """The device(s) holding the buffers, as a label: "TFRT_CPU_0", "cuda:0", or the mesh."""
         return device_label(self.keys[0])
 
     def check_compatible(self, config: MistralConfig, batch_size: int, model_dtype: jnp.dtype,
@@ -195,7 +220,8 @@ class StaticCache(BufferSizes):
     def _check_states(self, layer_idx: int, key_states: jax.Array, value_states: jax.Array) -> None:
         self.check_live()
         for name, states in (("key_states", key_states), ("value_states", value_states)):
-            cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype)
+            cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype,
+                                      tuple(self.keys[0].shape))
         self._check_write_range(key_states.shape[2])
 
 
@@ -206,12 +232,12 @@ class SlidingWindowCache(StaticCache):
     kind = "sliding_window"
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
-                 dtype: jnp.dtype = jnp.float32) -> None:
+                 dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> None:
         if config.sliding_window is None:
             raise CacheError("a SlidingWindowCache needs a config with sliding_window set, but it is null; "
                              "use StaticCache")
         self.sliding_window = config.sliding_window
-        super().__init__(config, batch_size, max_cache_len, dtype)
+        super().__init__(config, batch_size, max_cache_len, dtype, mesh)
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
@@ -235,7 +261,10 @@ class SlidingWindowCache(StaticCache):
 
 
 def device_label(array: jax.Array) -> str:
-    """The device(s) an array lives on, as a label for comparisons and messages."""
+    """The device(s) an array lives on, as a label for comparisons and messages: the device, or the mesh."""
+    placement = array.sharding
+    if isinstance(placement, NamedSharding) and placement.mesh.size > 1 and "data" in placement.mesh.axis_names:
+        return sharding.mesh_label(placement.mesh)
     return "+".join(sorted(str(device) for device in array.devices()))
 
 
@@ -262,12 +291,12 @@ def memory_label(device: jax.Device) -> str:
 
 
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
-               dtype: jnp.dtype = jnp.float32) -> StaticCache:
-    """Build a cache by name: "static" or "sliding_window"."""
+               dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> StaticCache:
+    """Build a cache by name: "static" or "sliding_window", on one device or on `mesh`."""
     classes = {cls.kind: cls for cls in (StaticCache, SlidingWindowCache)}
     if kind not in classes:
         raise InputError(f"cache={kind!r} is not one of {', '.join(classes)}")
-    return classes[kind](config, batch_size, max_cache_len, dtype)
+    return classes[kind](config, batch_size, max_cache_len, dtype, mesh)
 
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, make_cache, memory_label
 from jax_cache.model import Mistral
 from twincache import buckets, cache_checks
@@ -43,6 +44,7 @@ from twincache.generation import (
     validate_attention_mask,
     validate_forced_tokens,
 )
+from twincache.mesh import keep_rows, pad_batch, pad_rows
 
 MIN_PROMPT_BUCKET = 16
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
@@ -108,7 +110,7 @@ def _forward_last(graph: ModelGraph, params: nnx.State, cache: StaticCache, inpu
                   positions: jax.Array, attention_mask: jax.Array | None,
                   attend_len: int | None) -> tuple[jax.Array, StaticCache]:
     logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask, attend_len)
-    return logits[:, -1].astype(jnp.float32), cache  # [B, V]
+    return logits[:, -1].astype(jnp.float32), sharding.place_cache(cache)  # [B, V]
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "attend_len"), donate_argnames=("cache",))
@@ -154,7 +156,20 @@ def initial_state(tokens: jax.Array, positions: jax.Array, cache: StaticCache, e
                   first_step: int) -> DecodeState:
     """The state before the first decode step: rows whose token is EOS are finished already."""
     finished = tokens == eos if eos is not None else jnp.zeros(tokens.shape, bool)  # [B]
-    return DecodeState(tokens, positions, finished, jnp.int32(first_step), jnp.int32(-1), cache)
+    return _placed(DecodeState(tokens, positions, finished, jnp.int32(first_step), jnp.int32(-1), cache))
+
+
+def _placed(state: DecodeState) -> DecodeState:
+    """On a mesh: the per-row arrays on `data`, the counters replicated, the cache on its shardings. Every jitted
+    step takes the state placed so, and pins the state it returns the same way (a sharding constraint on a returned
+    value is that output's out_sharding), which keeps each donated buffer in place. Off a mesh: unchanged."""
+    cache = state.cache
+    if cache.mesh is None:
+        return state
+    rows, whole = sharding.batch_sharding(cache), sharding.replicated(cache)
+    return DecodeState(*(sharding.place(array, rows) for array in (state.tokens, state.positions, state.finished)),
+                       *(sharding.place(array, whole) for array in (state.step, state.non_finite_step)),
+                       sharding.place_cache(cache))
 
 
 def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams, eos: int | None,
@@ -172,7 +187,7 @@ def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: 
     tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step, forced)
     first_bad = (state.non_finite_step < 0) & ~jnp.isfinite(logits).all()
     non_finite_step = jnp.where(first_bad, state.step, state.non_finite_step)
-    return logits, DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache)
+    return logits, _placed(DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache))
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size", "attend_len"),
@@ -196,6 +211,7 @@ def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     no_logits = jnp.zeros((state.tokens.shape[0], vocab_size), jnp.float32)  # [B, V]
     trips = (~state.halted()).astype(jnp.int32)
     logits, state, _ = lax.while_loop(lambda carry: carry[2] > 0, body, (no_logits, state, trips))
+    state = _placed(state)  # a loop's result takes the sharding XLA picks for its carry: pin the returned state
     for_host = jnp.concatenate([state.tokens, state.non_finite_step[None]])  # [B + 1]
     return for_host, logits, state
 
@@ -240,7 +256,8 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, carry: FusedCarry, key: 
         out_logits = carry.out_logits.at[:, index].set(logits) if return_logits else carry.out_logits
         return FusedCarry(decode_state, out_tokens, out_logits)
 
-    return lax.while_loop(cond, body, carry)
+    carry = lax.while_loop(cond, body, carry)
+    return carry._replace(state=_placed(carry.state))  # pinned as it entered (see _placed)
 
 
 _fused_executables: dict[tuple, jax.stages.Compiled] = {}
@@ -250,7 +267,8 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
     """The compiled fused loop for these argument shapes, compiled ahead of time once per shape so its compile time is
     measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready)."""
     leaves, treedef = jax.tree_util.tree_flatten(args[1:])
-    signature = (args[0], treedef, tuple((leaf.shape, leaf.dtype) for leaf in leaves), tuple(sorted(static.items())))
+    signature = (args[0], treedef, tuple((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves),
+                 tuple(sorted(static.items())))
     if signature in _fused_executables:
         return _fused_executables[signature], 0.0
     start = time.perf_counter()
@@ -313,6 +331,9 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array,
     positions = jnp.asarray(positions_from_mask(mask_np))  # [B, T]; padding at -1
     model.check_inputs(input_ids, positions, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype, model.device)
+    if cache.mesh is not None:  # the rows of every input follow the cache's batch
+        input_ids, positions, attention_mask = (sharding.place(jnp.asarray(array), sharding.batch_sharding(cache))
+                                                for array in (input_ids, positions, attention_mask))
     graph, params = split_model(model)
     attend = buckets.step_attend_len(int(cache.length), input_ids.shape[1], cache.cache_len)
     return _prefill(graph, params, cache, input_ids, positions, attention_mask, attend)
@@ -334,10 +355,15 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """
     config = model.config
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    rows = len(inputs.prompt_ids)
+    forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
+                                                                       config)  # [rows, N]
+    if model.mesh is not None and (cache is None or isinstance(cache, str)):  # any batch decodes on a data split
+        inputs, on_token = pad_batch(inputs, sharding.mesh_shape(model.mesh).data, on_token)
     prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = ids_np.shape
-    forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
+    forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
@@ -356,10 +382,11 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, fused and on_token is None, return_logits)
         # Without a given max_cache_len, the cache also holds the bucket's extra padding columns.
         cache_len = planned_len if max_cache_len else bucket + max_new_tokens
-        cache = make_cache(kind, config, batch, cache_len, model.dtype)
+        cache = make_cache(kind, config, batch, cache_len, model.dtype, model.mesh)
     if max_new_tokens == 0:
-        return GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
-                                0, 0, None, cache, "fused" if fused and on_token is None else "step")
+        return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
+                                          0.0, 0, 0, None, cache, "fused" if fused and on_token is None else "step"),
+                         rows)
     extra = ((0, 0), (bucket - prompt_len, 0))  # the bucket's extra columns are padding too
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
@@ -380,8 +407,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
-    return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
-                               prefill_s=prefill_s, step_logits=step_logits)  # step_logits: [B, steps, V]
+    return keep_rows(dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
+                                         prefill_s=prefill_s, step_logits=step_logits), rows)  # [B, steps, V] logits
 
 
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
@@ -407,6 +434,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     forced = None
     if forced_tokens is not None:
         forced = jnp.asarray(validate_forced_tokens(forced_tokens, batch, max_new_tokens, config))  # [B, N]
+        if cache.mesh is not None:  # its rows follow the cache's batch, as every per-row input's do
+            forced = sharding.place(forced, sharding.batch_sharding(cache))
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)

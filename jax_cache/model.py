@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh
 from safetensors import safe_open
 
+from jax_cache import sharding
 from jax_cache.cache import StaticCache, device_label
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
@@ -187,6 +189,7 @@ class Mistral(nnx.Module):
 
     def __init__(self, config: MistralConfig, dtype: jnp.dtype = jnp.float32) -> None:
         self.config = config
+        self.mesh: Mesh | None = None  # the mesh the weights are split over (docs/design.md §10); None: one device
         self.model = MistralModel(config, dtype)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, dtype)
 
@@ -242,8 +245,10 @@ class Mistral(nnx.Module):
         return device_label(self.model.embed_tokens.weight[...])
 
     @classmethod
-    def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array]) -> Mistral:
-        """Build a model from HF-named arrays (no copy of the arrays themselves)."""
+    def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array], mesh: Mesh | None = None) -> Mistral:
+        """Build a model from HF-named arrays (no copy of the arrays themselves), or place them on `mesh`."""
+        if mesh is not None:
+            weights = sharding.shard_weights(config, weights, mesh)
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(config, jnp.float32)))
         flat = []
         for path, variable in nnx.to_flat_state(abstract_state):
@@ -251,25 +256,42 @@ class Mistral(nnx.Module):
             if name not in weights:
                 raise CheckpointError(f"weights lack tensor {name}")
             flat.append((path, variable.replace(weights[name])))
-        return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+        model.mesh = mesh
+        return model
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.float32) -> Mistral:
+    def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.float32,
+                        mesh: Mesh | None = None) -> Mistral:
         """Load an HF Mistral checkpoint directory (safetensors only, torch not needed) or a GGUF file, converting
-        to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted."""
+        to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted. On
+        `mesh`, each device reads only its own slice of every safetensors tensor (as each host would, on many
+        hosts); a GGUF is dequantized whole, then placed."""
         if is_gguf_file(path):
             checkpoint = open_gguf(path)
-            weights = {name: jnp.asarray(array, dtype) for name, array in checkpoint.arrays()}
-            return cls.from_weights(checkpoint.config, weights)
+            config = checkpoint.config
+            if mesh is not None:
+                sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
+            weights = {name: jnp.asarray(array, dtype) if mesh is None else
+                       jax.device_put(jnp.asarray(array, dtype), sharding.weight_sharding(name, config, mesh))
+                       for name, array in checkpoint.arrays()}
+            return cls.from_weights(config, weights, mesh)
         config, files = open_checkpoint(path)
+        if mesh is not None:
+            sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
         wanted = expected_tensor_shapes(config)
         weights = {}
         for file in sorted(set(files.values())):
             with safe_open(str(file), framework="flax") as f:
                 for name in f.keys():
-                    if name in wanted:
+                    if name in wanted and mesh is None:
                         weights[name] = f.get_tensor(name).astype(dtype)
-        return cls.from_weights(config, weights)
+                    elif name in wanted:
+                        tensor = f.get_slice(name)
+                        weights[name] = jax.make_array_from_callback(
+                            tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh),
+                            lambda index, tensor=tensor: tensor[index].astype(dtype))
+        return cls.from_weights(config, weights, mesh)
 
 
 __all__ = ["project", "Linear", "Embedding", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility",

@@ -38,7 +38,7 @@ def test_an_unimportable_backend_is_one_clear_error():
     def missing() -> None:
         raise ImportError("No module named 'jax'")
 
-    ghost = Backend("jax", "jax_cache", {"fused": ""}, (), missing)
+    ghost = Backend("jax", "jax_cache", {"fused": ""}, (), False, missing)
     with pytest.raises(UnavailableError, match=r"the jax backend is unavailable: cannot import jax_cache.backend "
                                                r"\(No module named 'jax'\); install its framework, or use --backend"):
         ghost.module()

@@ -14,15 +14,31 @@ from types import ModuleType
 import pytest
 
 TOWERS = ("torch_cache", "jax_cache")
-MODULES = ("", "cache", "model", "generate", "backend")  # "" is the package itself
+MODULES = ("", "cache", "model", "generate", "backend", "sharding")  # "" is the package itself
 
 # Public names only one tower has (module.name or module.Class.member) -> why.
+_TORCH_RANK = "torch runs one process per device, each holding plain local tensors and calling its collectives itself"
+_JAX_SPMD = ("JAX holds global arrays placed by NamedShardings, and jitted calls pin them in and out (donation needs "
+             "equal shardings); XLA SPMD inserts the collectives")
 TORCH_ONLY = {
+    "cache.StaticCache.batch_size": "a torch rank on a mesh holds a shard of the K/V buffers, so the whole cache's "
+                                    "batch is read off slot_positions; JAX arrays are global (cache_layout reads them)",
+    "cache.StaticCache.num_kv_heads": "as batch_size: the whole cache's KV heads, not the rank's shard's",
+    "sharding.TensorParallel": f"{_TORCH_RANK} (functional collectives, as gpt-fast's tp.py)",
+    "sharding.SINGLE": "the identity TensorParallel an unsplit torch model calls",
+    "sharding.parallelize": "a torch rank's model takes its local head counts and collectives; a JAX model is the same "
+                            "module on any mesh",
+    "sharding.weight_slice": f"{_TORCH_RANK}; JAX's weight_sharding places the global array instead",
+    "sharding.local_device": f"{_TORCH_RANK}; one JAX process drives every device of its mesh",
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
     "model.compile_region": "regional compilation for torch.compile (one decoder layer compiled once); XLA compiles "
                             "a whole step in seconds",
 }
 JAX_ONLY = {
+    "sharding.MODEL": "the model axis of the (data, model_kv, model_copy) view JAX places arrays on",
+    "sharding.weight_sharding": f"{_JAX_SPMD}; torch's weight_slice cuts the rank's slice instead",
+    **{f"sharding.{name}": _JAX_SPMD for name in ("cache_shardings", "batch_sharding", "replicated", "place",
+                                                    "place_cache")},
     "model.Embedding": "torch uses nn.Embedding; NNX builds the HF [vocab, hidden] table itself",
     "model.scaled_dot_product_attention": "torch has F.scaled_dot_product_attention; JAX spells it out (and contracts "
                                           "by multiply-and-sum on XLA-CPU, docs/design.md §7.2)",

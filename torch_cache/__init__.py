@@ -14,5 +14,6 @@ MODES = {
 STREAMING_MODES = ("compiled", "eager")  # modes that hand each step's tokens to on_token as they are decoded
 
 DEFAULT_MODE = next(iter(MODES))
+MESH_PROCESSES = True  # one process per device (torch.distributed): `--mesh` launches them
 
-__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE"]
+__all__ = ["NAME", "MODES", "STREAMING_MODES", "DEFAULT_MODE", "MESH_PROCESSES"]

@@ -10,17 +10,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES
+from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from torch_cache.cache import StaticCache
 from torch_cache.generate import generate as _generate
 from torch_cache.model import Mistral
 from twincache.config import MistralConfig
 from twincache.generation import GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.mesh import MeshShape
 
 
-def load(path: str | Path, dtype: str = "float32", device: str | None = None) -> Mistral:
+def load(path: str | Path, dtype: str = "float32", device: str | None = None,
+         mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: CUDA when torch
-    sees one)."""
+    sees one), or this rank's part of it on a `mesh` of the torch.distributed world's processes
+    (docs/design.md §10)."""
+    if mesh is not None:
+        return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)),
+                                       mesh=sharding.make_mesh(mesh.model, mesh.data))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)), device)
 
@@ -46,7 +52,8 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
                 mode: str = DEFAULT_MODE) -> np.ndarray:
     """Teacher-forced logits [len(sequence) - prompt_len, V] float32 of one row: `generate` in `mode` with
     forced_tokens, so the prompt goes through its prefill and each later token through its decode path. Row i
-    predicts sequence[prompt_len + i]."""
+    predicts sequence[prompt_len + i]. On a mesh split over `data`, generate decodes a copy of the row on each data
+    shard (twincache.mesh.pad_batch) and returns row 0's logits; every rank of a torch mesh must make this call."""
     sequence = [int(token) for token in sequence]
     result = generate(model, [sequence[:prompt_len]], len(sequence) - prompt_len, mode=mode, cache=cache_kind,
                       return_logits=True, forced_tokens=[sequence[prompt_len:]])
@@ -60,9 +67,17 @@ def compiled_variants() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
+    """Bytes of the model's weights and of the cache's K/V on each device this process holds, read from the tensors'
+    storage (on a mesh, this rank's shards; docs/design.md §10)."""
+    return {"weights": sharding.device_bytes(list(model.parameters())),
+            "kv": sharding.device_bytes([*cache.keys, *cache.values])}
+
+
 def device_memory_mb() -> float | None:
     """Device memory torch holds now, in MiB; None on CPU."""
     return torch.cuda.memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
-__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "device_memory_mb"]
+__all__ = ["load", "from_weights", "generate", "step_logits", "compiled_variants", "memory_per_device",
+           "device_memory_mb"]

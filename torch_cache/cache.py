@@ -8,12 +8,18 @@ A column indexes the left-padded batch layout; for an unpadded row it equals the
   StaticCache:         column c lives in slot c; cache_len = max_cache_len.
   SlidingWindowCache:  a ring of W = min(sliding_window, max_cache_len) slots; column c lives in slot c % W.
 Visibility comes from slot_positions (the model's mask), never from slot order: RoPE is applied before caching.
+
+On a mesh (`mesh=`, docs/design.md §10) a cache still describes the whole cache (batch_size, num_kv_heads), and each
+rank holds its K/V shard [batch_size / data, KV heads of its group, cache_len, head_dim] on its own device;
+slot_positions and length are whole on every rank (torch_cache.sharding).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
+from torch_cache import sharding
 from twincache import buckets, cache_checks
 from twincache.cache_layout import BufferSizes
 from twincache.config import MistralConfig
@@ -29,16 +35,28 @@ class StaticCache(BufferSizes):
     ARRAY_FIELDS = ("keys", "values", "slot_positions", "length")
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 mesh: DeviceMesh | None = None) -> None:
         batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
+        rows, kv_heads, shards = batch_size, config.num_key_value_heads, 1
+        if mesh is not None:  # a mesh that cannot split this model or batch is refused before anything is built
+            split = sharding.plan(mesh, config)
+            sharding.check_batch_size(mesh, batch_size)
+            rows, kv_heads = batch_size // split.mesh.data, split.num_kv_heads
+            shards = sharding.kv_shards_per_device(mesh, config.num_key_value_heads)
+            device = sharding.local_device(mesh)
+        self.mesh = mesh
+        self._num_kv_heads = config.num_key_value_heads  # the whole cache's: a rank on a mesh holds some of them
         device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
-        shape = (batch_size, config.num_key_value_heads, self._buffer_len(config, max_cache_len), config.head_dim)
+        cache_len = self._buffer_len(config, max_cache_len)
+        shape = (batch_size, config.num_key_value_heads, cache_len, config.head_dim)  # the whole cache
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
         cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
-                                      available_memory(device), memory_label(device))
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.slot_positions = torch.full(shape[:1] + shape[2:3], -1, dtype=torch.int32, device=device)
+                                      available_memory(device), memory_label(device), shards)
+        local = (rows, kv_heads, cache_len, config.head_dim)  # this rank's shard on a mesh
+        self.keys = [torch.zeros(local, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(local, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.slot_positions = torch.full((batch_size, cache_len), -1, dtype=torch.int32, device=device)
         self.length = torch.zeros((), dtype=torch.int32, device=device)
         for buffer in self.arrays():
             torch._dynamo.mark_static_address(buffer)  # cudagraphs may keep pointers to these across replays
@@ -48,6 +66,14 @@ class StaticCache(BufferSizes):
         return max_cache_len
 
     # --- sizes are read off the buffers (twincache.cache_layout.BufferSizes), and so is the dtype ------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self.slot_positions.shape[0]  # whole on every rank; a mesh rank's K/V hold its rows only
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_kv_heads  # the whole cache's; a mesh rank's K/V hold its group's
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,7 +177,8 @@ class StaticCache(BufferSizes):
 
     def _check_states(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         for name, states in (("key_states", key_states), ("value_states", value_states)):
-            cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype)
+            cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype,
+                                      tuple(self.keys[0].shape))
             if states.device != self.device:
                 raise CacheError(f"{name} is on {states.device} but the cache is on {self.device}")
         self._check_write_range(key_states.shape[2])
@@ -163,12 +190,13 @@ class SlidingWindowCache(StaticCache):
     kind = "sliding_window"
 
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 mesh: DeviceMesh | None = None) -> None:
         if config.sliding_window is None:
             raise CacheError("a SlidingWindowCache needs a config with sliding_window set, but it is null; "
                              "use StaticCache")
         self.sliding_window = config.sliding_window
-        super().__init__(config, batch_size, max_cache_len, dtype, device)
+        super().__init__(config, batch_size, max_cache_len, dtype, device, mesh)
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
@@ -206,12 +234,13 @@ def memory_label(device: torch.device) -> str:
 
 
 def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len: int,
-               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StaticCache:
-    """Build a cache by name: "static" or "sliding_window"."""
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               mesh: DeviceMesh | None = None) -> StaticCache:
+    """Build a cache by name: "static" or "sliding_window", on one device or as this rank's part of `mesh`."""
     classes = {cls.kind: cls for cls in (StaticCache, SlidingWindowCache)}
     if kind not in classes:
         raise InputError(f"cache={kind!r} is not one of {', '.join(classes)}")
-    return classes[kind](config, batch_size, max_cache_len, dtype, device)
+    return classes[kind](config, batch_size, max_cache_len, dtype, device, mesh)
 
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
 from torch_cache.model import Mistral, _pack_projections
 from twincache import cache_checks
@@ -36,6 +37,7 @@ from twincache.generation import (
     validate_attention_mask,
     validate_forced_tokens,
 )
+from twincache.mesh import keep_rows, pad_batch, pad_rows
 
 MAX_DECODE_VARIANTS = 64
 _CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy a jax_cache one with "
@@ -253,9 +255,14 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """
     config = model.config
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens)
+    rows = len(inputs.prompt_ids)
+    forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
+                                                                       config)  # [rows, N]
+    if model.mesh is not None and (cache is None or isinstance(cache, str)):  # any batch decodes on a data split
+        inputs, on_token = pad_batch(inputs, sharding.mesh_shape(model.mesh).data, on_token)
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = inputs.input_ids.shape  # [B, T]
-    forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
+    forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     device, dtype = model.device, model.dtype
     if return_logits:
@@ -263,17 +270,18 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
+        model._check_mesh(cache)
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
         planned_len = cache.max_cache_len
     else:
         kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         planned_len = cache_len  # reported as planned: a ring holds only min(W, it) slots (docs/design.md §5)
-        cache = make_cache(kind, config, batch, cache_len, dtype, device)
+        cache = make_cache(kind, config, batch, cache_len, dtype, device, model.mesh)
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:
-        return GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0, 0.0,
-                                0, 0, None, cache, "compiled" if compile else "eager")
+        return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
+                                          0.0, 0, 0, None, cache, "compiled" if compile else "eager"), rows)
     if compile and max_new_tokens > 1:  # the first decode step compiles
         announce_compile("torch.compile")
     start = time.perf_counter()
@@ -290,9 +298,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
-    return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
-                               prefill_s=prefill_s,
-                               step_logits=step_logits)
+    return keep_rows(dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
+                                         prefill_s=prefill_s, step_logits=step_logits), rows)
 
 
 @torch.inference_mode()

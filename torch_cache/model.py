@@ -14,12 +14,14 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
+from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
-from twincache.errors import CheckpointError, InputError
+from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX
 from twincache.gguf_checkpoint import is_gguf_file, open_gguf
 
@@ -137,6 +139,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
+        self.parallel = sharding.SINGLE  # on a mesh: local head counts, and o_proj's partial sums are all-reduced
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
                 cache: StaticCache, layer_idx: int) -> torch.Tensor:
@@ -155,7 +158,7 @@ class Attention(nn.Module):
         mask = visible[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * seq_len, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*S, D]
         out = out.view(batch, self.num_heads, seq_len, self.head_dim).transpose(1, 2)  # [B, S, H, D]
-        return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim))
+        return self.parallel.reduce(self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -164,9 +167,10 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.parallel = sharding.SINGLE  # on a mesh: down_proj's partial sums are all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.parallel.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -203,6 +207,8 @@ class Mistral(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self._packed_head: torch.Tensor | None = None  # the head's oneDNN copy (_pack_projections), when made
         self._packed_from: list[tuple[int, int]] = []  # (data_ptr, version) of each weight the copies were made from
+        self.mesh: DeviceMesh | None = None  # the mesh this rank's weights are a part of (docs/design.md §10)
+        self.parallel = sharding.SINGLE  # the collectives of that mesh; the identity on one device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
                 attention_mask: torch.Tensor | None = None, attend_len: int | None = None) -> torch.Tensor:
@@ -212,18 +218,21 @@ class Mistral(nn.Module):
         if not torch.compiler.is_compiling():
             self.check_inputs(input_ids, positions, attention_mask)
             cache.check_forward(self.config, input_ids, embed.dtype, embed.device)
+            self._check_mesh(cache)
         query_valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         new_positions = torch.where(query_valid, positions, -1).to(torch.int32)  # [B, S]; padding is never a key
         key_positions = cache.attended_positions(new_positions, attend_len)  # [B, Lkv]
         visible = attention_visibility(positions, key_positions, query_valid, self.config.sliding_window)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, embed.dtype)
-        x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
+        # On a mesh this rank computes its rows of the batch (the whole batch on one device).
+        input_ids, visible, cos, sin = (self.parallel.rows(t) for t in (input_ids, visible, cos, sin))
+        x = self.parallel.embed(embed, input_ids)  # [B, S, hidden]
         for layer_idx, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, visible, cache, layer_idx)
         cache.advance(new_positions)
         x = self.model.norm(x)
         head = embed if self.lm_head is None else self.lm_head.weight
-        return _project(x, head, self._packed_head)  # [B, S, V]
+        return self.parallel.gather_logits(_project(x, head, self._packed_head))  # [B, S, V], the whole batch
 
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attention_mask: torch.Tensor | None) -> None:
@@ -247,6 +256,14 @@ class Mistral(nn.Module):
                 raise InputError(f"positions of real tokens must be in [0, {INT32_MAX}] (int32), got "
                                  f"{low if low < 0 else high}")
 
+    def _check_mesh(self, cache: StaticCache) -> None:
+        """Refuse a cache split over another mesh than the model (the torch device alone cannot tell)."""
+        if cache.mesh != self.mesh:
+            def where(mesh: DeviceMesh | None) -> str:
+                return "one device" if mesh is None else sharding.mesh_label(mesh)
+            raise CacheError(f"the model is on {where(self.mesh)} but the cache is on {where(cache.mesh)}; build the "
+                             "cache with mesh=model.mesh")
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
@@ -256,36 +273,57 @@ class Mistral(nn.Module):
         return self.model.embed_tokens.weight.device
 
     @classmethod
-    def from_weights(cls, config: MistralConfig, weights: dict[str, torch.Tensor]) -> Mistral:
-        """Build a model from HF-named tensors (no copy: the model holds the tensors themselves)."""
+    def from_weights(cls, config: MistralConfig, weights: dict[str, torch.Tensor],
+                     mesh: DeviceMesh | None = None) -> Mistral:
+        """Build a model from HF-named tensors (no copy: the model holds the tensors themselves). On `mesh`, the
+        tensors are whole and this rank keeps copies of its slices of them."""
         missing = [name for name in expected_tensor_shapes(config) if name not in weights]
         if missing:
             raise CheckpointError(f"weights lack tensor {missing[0]}")
+        if mesh is not None:
+            weights = sharding.shard_weights(config, weights, mesh)
+        return cls._assemble(config, weights, mesh)
+
+    @classmethod
+    def _assemble(cls, config: MistralConfig, weights: dict[str, torch.Tensor], mesh: DeviceMesh | None) -> Mistral:
+        """A model holding `weights` (this rank's slices on a mesh) as its parameters."""
         with torch.device("meta"):
             model = cls(config)
-        model.load_state_dict(weights, strict=True, assign=True)
+        if mesh is None:
+            model.load_state_dict(weights, strict=True, assign=True)
+        else:
+            sharding.parallelize(model, mesh, weights)
         return model.eval().requires_grad_(False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> Mistral:
+                        device: str | torch.device = "cpu", mesh: DeviceMesh | None = None) -> Mistral:
         """Load an HF Mistral checkpoint directory (safetensors only) or a GGUF file, converting to `dtype` on
-        `device`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted."""
-        if is_gguf_file(path):
-            checkpoint = open_gguf(path)
-            config = checkpoint.config
-            state = {name: _aligned(torch.from_numpy(array).to(device=device, dtype=dtype))
-                     for name, array in checkpoint.arrays()}
-            return cls.from_weights(config, state)
-        config, files = open_checkpoint(path)
+        `device`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted. On `mesh`,
+        this rank reads only its slice of every safetensors tensor, onto its own device (a GGUF is dequantized
+        whole, then sliced)."""
+        gguf = open_gguf(path) if is_gguf_file(path) else None
+        config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
+        if mesh is not None:
+            sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
+            device = sharding.local_device(mesh)
+        if gguf is not None:
+            state = {}
+            for name, array in gguf.arrays():
+                part = () if mesh is None else sharding.weight_slice(name, config, mesh)
+                tensor = torch.from_numpy(array)
+                state[name] = _aligned((tensor[part] if part else tensor).to(device=device, dtype=dtype).contiguous())
+            return cls._assemble(config, state, mesh)
         wanted = expected_tensor_shapes(config)
         state = {}
         for file in sorted(set(files.values())):
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():
-                    if name in wanted:
-                        state[name] = _aligned(f.get_tensor(name).to(dtype))
-        return cls.from_weights(config, state)
+                    if name not in wanted:
+                        continue
+                    part = () if mesh is None else sharding.weight_slice(name, config, mesh)
+                    state[name] = _aligned(f.get_slice(name)[part].to(dtype) if part else f.get_tensor(name).to(dtype))
+        return cls._assemble(config, state, mesh)
 
 
 def _pack_projections(model: Mistral, rows: int) -> None:

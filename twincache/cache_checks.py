@@ -87,13 +87,15 @@ def cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, cache_len: 
 
 
 def check_cache_fits(kind: str, num_layers: int, shape: tuple[int, int, int, int], dtype: object, itemsize: int,
-                     available: int | None, memory: str) -> None:
+                     available: int | None, memory: str, shards: int = 1) -> None:
     """Refuse, before allocating, a cache of `num_layers` K and V buffers of `shape` [batch, kv_heads, cache_len,
-    head_dim] larger than the `memory` available to hold it (None: unknown, not checked)."""
+    head_dim] larger than the `memory` available to hold it (None: unknown, not checked). On a mesh each device holds
+    1/`shards` of it (docs/design.md §10)."""
     batch, kv_heads, cache_len, head_dim = shape
     needed = cache_bytes(num_layers, batch, kv_heads, cache_len, head_dim, itemsize)
     check_fits(f"a {kind} cache of {num_layers} layers x batch {batch} x {kv_heads} kv heads x {cache_len} slots x "
-               f"head_dim {head_dim} in {dtype}", needed, available, memory,
+               f"head_dim {head_dim} in {dtype}" + (f", split {shards} ways," if shards > 1 else ""),
+               -(-needed // shards), available, memory,
                "lower max_cache_len (--max-cache-len) or max_new_tokens, or use the sliding_window cache")
 
 
@@ -139,13 +141,16 @@ def check_write_range(cache: Any, start: int, num_new: int) -> None:
                          "limit of cache columns and lengths; reset() the cache")
 
 
-def check_states(cache: Any, layer_idx: int, name: str, shape: tuple[int, ...], dtype: object) -> None:
-    """Refuse key/value states of the wrong layer index, shape or dtype for a direct `update` call."""
+def check_states(cache: Any, layer_idx: int, name: str, shape: tuple[int, ...], dtype: object,
+                 buffer_shape: tuple[int, ...]) -> None:
+    """Refuse key/value states of the wrong layer index, shape or dtype for a direct `update` call. `buffer_shape`
+    is the shape of the K/V buffers the states go into (on a torch mesh: this rank's shard)."""
     if not 0 <= layer_idx < cache.num_layers:
         raise CacheError(f"layer_idx={layer_idx} is outside [0, {cache.num_layers})")
-    batch, heads, _, head_dim = shape if len(shape) == 4 else (None,) * 4
-    if (batch, heads, head_dim) != (cache.batch_size, cache.num_kv_heads, cache.head_dim):
-        raise CacheError(f"{name} has shape {list(shape)}; this cache needs [{cache.batch_size}, "
-                         f"{cache.num_kv_heads}, seq_len, {cache.head_dim}]")
+    rows, kv_heads, _, head_dim = buffer_shape
+    batch, heads, _, states_head_dim = shape if len(shape) == 4 else (None,) * 4
+    if (batch, heads, states_head_dim) != (rows, kv_heads, head_dim):
+        raise CacheError(f"{name} has shape {list(shape)}; this cache needs [{rows}, {kv_heads}, seq_len, "
+                         f"{head_dim}]")
     if dtype != cache.dtype:
         raise CacheError(f"{name} dtype {dtype} differs from cache dtype {cache.dtype}")

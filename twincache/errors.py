@@ -42,3 +42,7 @@ class StorageError(TwincacheError):
 
 class UnavailableError(TwincacheError):
     """A backend or an optional dependency that the command needs is not installed."""
+
+
+class MeshError(TwincacheError):
+    """A mesh that cannot split this model or batch, or that needs more devices than there are."""

@@ -22,6 +22,7 @@ class Backend:
     package: str
     modes: Mapping[str, str]  # mode -> what it runs; the first is the default
     streaming_modes: tuple[str, ...]  # modes that hand each step's tokens to on_token as they are decoded
+    mesh_processes: bool  # a mesh runs one process per device (torch), not one process for all (JAX)
     importer: Callable[[], ModuleType]
 
     @property
@@ -60,7 +61,8 @@ def _jax_backend() -> ModuleType:
 
 
 BACKENDS: dict[str, Backend] = {
-    package.NAME: Backend(package.NAME, package.__name__, package.MODES, package.STREAMING_MODES, importer)
+    package.NAME: Backend(package.NAME, package.__name__, package.MODES, package.STREAMING_MODES,
+                          package.MESH_PROCESSES, importer)
     for package, importer in ((torch_cache, _torch_backend), (jax_cache, _jax_backend))
 }
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 from bench.impls import Impl, Run
 from bench.workload import Workload
 from twincache.errors import UnavailableError
+from twincache.mesh import MeshShape
 from twincache_app.backends import BACKENDS, Backend
 
 
@@ -87,4 +89,35 @@ def backend_impls() -> dict[str, type[Impl]]:
     return impls
 
 
-__all__ = ["bench_model", "BackendImpl", "backend_impls"]
+def replicate_vocabulary(model: Any) -> None:
+    """A JAX model on a mesh with its embedding and LM head replicated instead of split over the vocabulary: the
+    other side of the measurement behind that choice (docs/design.md §10)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    for module in (model.model.embed_tokens, model.lm_head):
+        if module is not None:
+            weight = module.weight.get_value()
+            module.weight.set_value(jax.device_put(weight, NamedSharding(weight.sharding.mesh, PartitionSpec())))
+
+
+def mesh_record(backend: Backend, model_dir: Path, dtype: str, mesh: MeshShape, prompts: Sequence[Sequence[int]],
+                new_tokens: int, cache: str, vocabulary: str = "split", mode: str | None = None) -> dict[str, Any]:
+    """One generation of `backend` on `mesh` in `mode` (default: the backend's) after a warm-up (the compile): its
+    steady decode tok/s and the bytes of weights and K/V each device holds, read from the arrays (a torch rank reads
+    its own). `vocabulary="replicated"` (JAX only) replicates the embedding and LM head for the comparison."""
+    tower, mode = backend.module(), backend.check_mode(mode)
+    model = tower.load(model_dir, dtype, mesh=mesh)
+    if vocabulary == "replicated":
+        replicate_vocabulary(model)
+    warm = tower.generate(model, prompts, new_tokens, mode=mode, cache=cache)
+    result = tower.generate(model, prompts, new_tokens, mode=mode, cache=warm.cache)
+    memory = tower.memory_per_device(model, result.cache)
+    return {"kind": "mesh", "backend": backend.name, "mode": mode, "mesh": str(mesh), "data": mesh.data,
+            "model": mesh.model,
+            "vocabulary": vocabulary, "cache": cache, "batch": len(prompts), "prompt_len": len(prompts[0]),
+            "new_tokens": new_tokens, "decode_tok_s": result.decode_tok_s, "first_step_s": warm.first_step_s,
+            "weights_bytes": memory["weights"], "kv_bytes": memory["kv"], "token_ids": result.token_ids}
+
+
+__all__ = ["bench_model", "BackendImpl", "backend_impls", "replicate_vocabulary", "mesh_record"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import bench.cli
 from twincache.errors import TwincacheError
-from twincache_app import generate_cmd, parity, soak
+from twincache_app import generate_cmd, launch, parity, soak
 
 # The modules that contribute a subcommand: each has add_parser(subparsers), which sets args.run(args) -> int.
 SUBCOMMANDS = (generate_cmd, parity, soak, bench.cli)
@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
     try:
         code = args.run(args)
         sys.stdout.flush()  # a reader that went away shows here, inside the handlers, not at interpreter exit
@@ -52,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"twincache: error: unexpected {type(err).__name__}: {err} (set TWINCACHE_DEBUG=1 for a traceback)",
               file=sys.stderr)
+    finally:
+        launch.finish_rank()  # a rank of a --mesh run leaves its torch.distributed world
     return 2
 
 

@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from twincache.checkpoint import load_config
+from twincache.config import MistralConfig
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
-from twincache.errors import InputError
+from twincache.errors import InputError, MeshError
 from twincache.generation import CACHE_KINDS, DTYPES, NOTICES, SamplingParams, parse_token_ids
+from twincache.mesh import MeshShape, parse_mesh, plan_shards
 from twincache.tokenizer import StreamDecoder, Tokenizer, has_tokenizer
-from twincache_app.backends import BACKENDS, modes_help
+from twincache_app import launch
+from twincache_app.backends import BACKENDS, Backend, modes_help
 
 # With the default model's window of 64, the default prompt (13 tokens) plus 64 new tokens wraps the ring buffer.
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
@@ -35,6 +38,33 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "-Instruct models)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--mesh", type=mesh_argument,
+                        help="split the model and its cache over devices: model=N[,data=M] (Megatron-style over N, "
+                             "the batch over M; docs/design.md §10). torch starts N*M processes itself")
+
+
+def mesh_argument(text: str) -> MeshShape:
+    try:
+        return parse_mesh(text)
+    except MeshError as err:  # argparse replaces a ValueError's message with its own; this keeps ours
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def start_mesh(args: argparse.Namespace, config: MistralConfig, backends: list[Backend]) -> int | None:
+    """Before a model loads on `--mesh`: refuse a mesh the model cannot use, in one line; re-run this command in one
+    process per device when a backend needs it (torch), returning the exit code; or, in a rank, join its world.
+    None: go on in this process."""
+    if args.mesh is None:
+        return None
+    plan_shards(config, args.mesh)
+    if any(b.name == "jax" for b in backends):
+        launch.simulate_cpu_devices(args.mesh)  # read when JAX starts, in this process or in the ranks
+    if any(b.mesh_processes for b in backends):
+        if not launch.in_world():
+            launch.check_torch_devices(args.mesh)
+            return launch.run_ranks(args.argv, args.mesh.devices)
+        launch.init_rank()
+    return None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -103,8 +133,12 @@ def run(args: argparse.Namespace) -> int:
     backend = BACKENDS[args.backend]
     mode = backend.check_mode(args.mode)
     model_path = args.model if args.model is not None else default_model_dir()
-    eos = load_config(model_path).eos_token_id  # also fails on a bad path or config before a framework loads
+    config = load_config(model_path)  # also fails on a bad path or config before a framework loads
+    eos = config.eos_token_id
     prompt_ids, tokenizer = resolve_prompt(args, model_path)
+    code = start_mesh(args, config, [backend])
+    if code is not None:
+        return code
     streaming = not args.json and mode in backend.streaming_modes
     decoder = StreamDecoder(tokenizer) if tokenizer is not None and streaming else None
 
@@ -118,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tower = backend.module()
-    model = tower.load(model_path, args.dtype)
+    model = tower.load(model_path, args.dtype, mesh=args.mesh)
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
         result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
                                 max_cache_len=args.max_cache_len, sampling=sampling,
@@ -128,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "backend": args.backend, "mode": result.mode, "cache": result.cache_kind, "model": str(model_path),
+            "mesh": None if args.mesh is None else str(args.mesh),
             "dtype": args.dtype, "max_cache_len": result.max_cache_len, "prompt_ids": prompt_ids,
             "token_ids": token_ids, "text": text,
             "prefill_s": round(result.prefill_s, 6), "first_step_s": round(result.first_step_s, 6),
@@ -141,7 +176,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text if text is not None else " ".join(map(str, token_ids)))
     sys.stdout.write("\n")
     sys.stdout.flush()  # a closed pipe ends the run here, before the summary below
-    print(f"[{args.backend} {result.cache_kind} cache: {result.mode} mode, prefill {result.prefill_s * 1000:.1f} ms, "
-          f"first step {result.first_step_s:.2f} s, decode {result.decode_tok_s:.1f} tok/s over "
-          f"{result.decode_steps} steps]", file=sys.stderr)
+    if launch.rank() == 0:
+        mesh = "" if args.mesh is None else f" on mesh {args.mesh}"
+        print(f"[{args.backend} {result.cache_kind} cache{mesh}: {result.mode} mode, prefill "
+              f"{result.prefill_s * 1000:.1f} ms, first step {result.first_step_s:.2f} s, decode "
+              f"{result.decode_tok_s:.1f} tok/s over {result.decode_steps} steps]", file=sys.stderr)
     return 0

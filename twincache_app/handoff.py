@@ -11,13 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.sharding import Mesh
 
 import torch_cache.cache as torch_caches
 import torch_cache.model as torch_model
 from jax_cache import cache as jax_caches
+from jax_cache import sharding as jax_sharding
 from jax_cache.model import Mistral
+from torch_cache import sharding as torch_sharding
 from twincache import cache_checks
 from twincache.config import MistralConfig
+from twincache.errors import CacheError
 
 
 def _to_jax(tensor: torch.Tensor) -> jax.Array:
@@ -71,6 +75,10 @@ def _check_handoff(cache: object, own_type: type, config: MistralConfig, where: 
     arrays of the shapes it describes: the copy is built from both, so neither is trusted alone."""
     backend = own_type.__module__.split(".")[0]
     cache_checks.check_cache_type(cache, own_type, backend, f"{where} copies a {backend} cache")
+    if isinstance(cache, torch_caches.StaticCache) and cache.mesh is not None:
+        raise CacheError(f"{where} copies a torch cache held whole by one process, but this one is split over "
+                         f"{torch_sharding.mesh_label(cache.mesh)} (each rank holds a shard); hand over from a "
+                         "single-device torch cache")
     if isinstance(cache, jax_caches.StaticCache):
         cache.check_live()
     cache_checks.check_model_geometry(cache, config)
@@ -79,14 +87,19 @@ def _check_handoff(cache: object, own_type: type, config: MistralConfig, where: 
                               length.shape, where)
 
 
-def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig) -> jax_caches.StaticCache:
-    """A jax_cache copy of a live torch cache: same kind, sizes, contents, positions and length."""
+def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
+                     mesh: Mesh | None = None) -> jax_caches.StaticCache:
+    """A jax_cache copy of a live torch cache: same kind, sizes, contents, positions and length, on one device or
+    split over a JAX `mesh` (docs/design.md §10): a cache decoded by torch continues on the mesh."""
     _check_handoff(cache, torch_caches.StaticCache, config, "cache_from_torch")
     jax_cache = jax_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
-                                      _jax_dtype(cache.dtype))
+                                      _jax_dtype(cache.dtype), mesh)
     # Both caches list their arrays in the same order (ARRAY_FIELDS); each copy is an owned JAX buffer.
-    treedef = jax.tree_util.tree_structure(jax_cache)
-    return jax.tree_util.tree_unflatten(treedef, [jnp.array(_to_jax(t.clone())) for t in cache.arrays()])
+    copies = [jnp.array(_to_jax(t.clone())) for t in cache.arrays()]
+    if mesh is not None:
+        copies = [jax.device_put(copy, placement)
+                  for copy, placement in zip(copies, jax_sharding.cache_shardings(jax_cache), strict=True)]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax_cache), copies)
 
 
 def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig,

@@ -32,6 +32,7 @@ from twincache.checkpoint import load_config
 from twincache.default_model import default_model_dir
 from twincache.errors import InputError
 from twincache.generation import CACHE_KINDS, validate_prompts
+from twincache.mesh import MeshShape
 from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
 from twincache_app.generate_cmd import add_model_arguments, resolve_prompt
@@ -323,6 +324,16 @@ class Models:
     floor: Any
     reference: Any
     why_not_transformers: str = NOT_INSTALLED  # said in the output when torch_cache is the reference and floor
+    mesh: MeshShape | None = None  # the mesh the towers are split over (docs/design.md §10); None: one device each
+
+    def label(self, impl: str) -> str:
+        """An implementation's name in the table: "torch:eager", or "torch:eager@model=2,data=1" on a mesh."""
+        return impl if self.mesh is None else f"{impl}@{self.mesh}"
+
+    def holds_whole_cache(self, impl: str) -> bool:
+        """Whether this process sees the implementation's whole cache: not so for torch on a mesh, whose ranks each
+        hold their own KV-head (and batch) shard; its K/V distance is then left unmeasured (None)."""
+        return self.mesh is None or not BACKENDS[impl.split(":")[0]].mesh_processes
 
 
 @dataclasses.dataclass
@@ -373,10 +384,27 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
     return Models(towers, floor, TorchMistral.from_pretrained(model_dir, torch.float64, device), why_not)
 
 
+def judged_row(cache: str, name: str, kind: str, found: Distance, floor: Distance, dtype: str) -> Row:
+    """A row of the table: `found` judged against the floor's distance by the rule (twincache.parity_metrics)."""
+    return Row(cache, name, kind, found, parity_metrics.failures(found, floor, dtype),
+               parity_metrics.ratios(found, floor))
+
+
+def direct_distance(first: Run, second: Run, decisive: np.ndarray, lengths: list[int], cache: str,
+                    sliding_window: int | None, whole_caches: bool = True) -> Distance:
+    """Two runs' distance from each other (a direct row); K/V unmeasured (None) unless both caches are whole here."""
+    return dataclasses.replace(parity_metrics.distance(first.logits, second.logits, decisive),
+                               max_abs_kv_diff=runs_kv_distance(first, second, lengths, cache, sliding_window)
+                               if whole_caches else None)
+
+
 def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, dtype: str, caches: Sequence[str],
-                  impls: Sequence[str] = IMPLEMENTATIONS, reference: Reference | None = None) -> ParityReport:
+                  impls: Sequence[str] = IMPLEMENTATIONS, reference: Reference | None = None,
+                  single: Models | None = None) -> ParityReport:
     """The table: the floor, then each implementation and each direct torch-vs-JAX pair, per cache kind.
-    `reference` may be given (computed once for several dtypes); else the float64 model computes it."""
+    `reference` may be given (computed once for several dtypes); else the float64 model computes it. With `single`
+    (the same implementations on one device, when `models` is split over a mesh), each implementation also gets a
+    direct row against itself on one device, judged like the torch-vs-JAX rows."""
     if steps < 1:
         raise InputError(f"max_new_tokens={steps} must be >= 1 for a parity run")
     config = next(iter(models.towers.values())).config
@@ -397,18 +425,21 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
         runs = {}
         for impl in impls:
             runs[impl] = run_implementation(impl, models, prompts, reference.tokens, cache)
+            whole = models.holds_whole_cache(impl)
             found = dataclasses.replace(parity_metrics.distance(reference.logits, runs[impl].logits, decisive),
-                                        max_abs_kv_diff=kv_distance(reference, runs[impl], cache, window))
-            rows.append(Row(cache, impl, "implementation", found,
-                            parity_metrics.failures(found, floor_distance, dtype),
-                            parity_metrics.ratios(found, floor_distance)))
+                                        max_abs_kv_diff=kv_distance(reference, runs[impl], cache, window) if whole
+                                        else None)
+            rows.append(judged_row(cache, models.label(impl), "implementation", found, floor_distance, dtype))
+            if single is not None:
+                alone = run_implementation(impl, single, prompts, reference.tokens, cache)
+                found = direct_distance(runs[impl], alone, decisive, lengths, cache, window, whole)
+                rows.append(judged_row(cache, f"{models.label(impl)} vs {impl}", "direct", found, floor_distance,
+                                       dtype))
         for first, second in direct_pairs(list(runs)):
-            found = dataclasses.replace(parity_metrics.distance(runs[first].logits, runs[second].logits, decisive),
-                                        max_abs_kv_diff=runs_kv_distance(runs[first], runs[second], lengths, cache,
-                                                                         window))
-            rows.append(Row(cache, f"{first} vs {second}", "direct", found,
-                            parity_metrics.failures(found, floor_distance, dtype),
-                            parity_metrics.ratios(found, floor_distance)))
+            whole = models.holds_whole_cache(first) and models.holds_whole_cache(second)
+            found = direct_distance(runs[first], runs[second], decisive, lengths, cache, window, whole)
+            rows.append(judged_row(cache, f"{models.label(first)} vs {models.label(second)}", "direct", found,
+                                   floor_distance, dtype))
     return ParityReport(dtype, reference.source, floor.source, [len(p) for p in prompts], steps,
                         reference.self_disagreements, int(decisive.sum()), rows)
 
@@ -435,7 +466,8 @@ def format_table(data: dict[str, Any]) -> str:
     def number(value: float | None, spec: str) -> str:
         return "inf/nan" if value is None else format(value, spec)
 
-    header = (f"{'cache':<15} {'implementation':<27} {'max|Δlogit|':>11} {'rel':>8} {'mean KL':>8} {'max KL':>8} "
+    width = max([27] + [len(row["name"]) for row in data["rows"]])
+    header = (f"{'cache':<15} {'implementation':<{width}} {'max|Δlogit|':>11} {'rel':>8} {'mean KL':>8} {'max KL':>8} "
               f"{'top-1':>7} {'diverges':>8} {'max|ΔKV|':>9}  verdict")
     lines = [f"reference: {data['reference']}; continuation: its own greedy tokens",
              f"floor:     {data['floor']}",
@@ -452,14 +484,20 @@ def format_table(data: dict[str, Any]) -> str:
                                                     for name in row["failed"])
         else:
             verdict = f"ok (worst {max((v for v in ratios.values() if v is not None), default=0.0):.1f}x the floor)"
-        lines.append(f"{row['cache']:<15} {row['name']:<27} {number(d['max_abs_logit_diff'], '>11.2e')} "
+        kv = ("n/a" if d["max_abs_kv_diff"] is None and "max_abs_kv_diff" not in ratios  # not measured
+              else number(d["max_abs_kv_diff"], ">9.2e"))
+        lines.append(f"{row['cache']:<15} {row['name']:<{width}} {number(d['max_abs_logit_diff'], '>11.2e')} "
                      f"{number(d['rel_max_abs_logit_diff'], '>8.1e')} {number(d['mean_kl'], '>8.1e')} "
                      f"{number(d['max_kl'], '>8.1e')} {d['top1_agreement']:>7.1%} {diverges:>8} "
-                     f"{number(d['max_abs_kv_diff'], '>9.2e')}  {verdict}")
+                     f"{kv:>9}  {verdict}")
     factors = ", ".join(f"{name} {factor:g}x" for name, factor in data["factors"].items())
     lines.append(f"bounds: each metric within its factor of the floor ({factors}); no greedy divergence at a decisive "
                  "step (float64 top-1 margin > 2 x the max|Δlogit| bound at that step)"
                  + (f"; absolute allowances where the floor is near 0: {data['absolute']}" if data["absolute"] else ""))
+    if "mesh" in data:
+        lines.append(f"mesh {data['mesh']}: NAME@MESH is that implementation split over the mesh, 'vs NAME' the "
+                     "same one on one device; max|ΔKV| n/a: each torch rank holds only its shard of the cache (not "
+                     "gathered, so not measured)")
     return "\n".join(lines)
 
 
@@ -499,13 +537,22 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--cache sliding_window needs a config with a sliding_window; this one has none")
     else:
         caches = [args.cache]
-    models = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls)
-    report = parity_report(models, [prompt_ids], args.max_new_tokens, args.dtype, caches, impls)
-    if args.json:
-        print(json.dumps(report_json(report, str(model_dir))))
+    if args.mesh is not None:
+        from twincache_app import mesh_parity
+
+        report = mesh_parity.mesh_report(args, config, model_dir, prompt_ids, caches, impls)
+        if report is None or isinstance(report, int):  # a rank other than 0, or the launcher's exit code
+            return report or 0
     else:
-        print(format_table(report_json(report, str(model_dir))))
+        models = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls)
+        report = parity_report(models, [prompt_ids], args.max_new_tokens, args.dtype, caches, impls)
+    data = report_json(report, str(model_dir)) | ({} if args.mesh is None else {"mesh": str(args.mesh)})
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(format_table(data))
         judged = [row for row in report.rows if row.kind != "floor"]
         print(f"{'PASS' if report.passed else 'FAIL'}: {sum(not row.failed for row in judged)}/{len(judged)} rows "
-              f"within bounds of the {args.dtype} floor", file=sys.stderr)
+              f"within bounds of the {args.dtype} floor" + ("" if args.mesh is None else f" (mesh {args.mesh})"),
+              file=sys.stderr)
     return 0 if report.passed else 1

@@ -1,0 +1,130 @@
+"""`twincache bench --meshes model=1 model=2 model=4,data=2 ...`: per-device bytes (weights and KV) and decode tok/s
+against the mesh shape, for each backend (docs/design.md §10). Writes DIR/mesh.json and DIR/mesh.md.
+
+Bytes are read from the arrays each device holds (JAX: addressable shards; torch: each rank's tensors), never computed
+from shapes. JAX runs every mesh in this process, on CPU devices it simulates (XLA_FLAGS, set before JAX starts) or
+on the GPUs; JAX meshes with model > 1 also run with the embedding and LM head replicated instead of split over the
+vocabulary, the measurement behind that choice. torch runs each mesh in its own ranks (twincache_app.launch), each
+writing its record; rank r's bytes are listed as device "rank r". On a 2-core CPU simulated devices share the cores:
+the bytes are the figure, the tok/s mostly measure collective overhead (bench/gpu_mesh.sh is the GPU run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.presets import Preset
+from bench.workload import Workload
+from twincache.errors import InputError
+from twincache.mesh import MeshShape, parse_mesh
+from twincache_app import launch
+from twincache_app.backends import BACKENDS
+from twincache_app.bench_adapters import mesh_record
+
+BATCH = 2  # rows per data shard: a batch of BATCH x data keeps every device's rows the same across meshes
+CACHE = "static"
+
+
+def mesh_impls(impls: Sequence[str] | None) -> dict[str, str]:
+    """backend -> mode for the mesh bench: from impl names backend_mode (e.g. torch_eager), else every backend in its
+    default mode."""
+    if not impls:
+        return {name: backend.default_mode for name, backend in BACKENDS.items()}
+    chosen = {}
+    for impl in impls:
+        name, _, mode = impl.partition("_")
+        if name not in BACKENDS or mode not in BACKENDS[name].modes:
+            raise InputError(f"--meshes runs the backends only; {impl} is not one of "
+                             f"{', '.join(f'{b}_{m}' for b in BACKENDS for m in BACKENDS[b].modes)}")
+        chosen[name] = mode
+    return chosen
+
+
+def workload_inputs(preset: Preset, mesh: MeshShape, cache_dir: Path | None) -> tuple[Path, list[list[int]]]:
+    workload = Workload(preset, preset.device, cache_dir)
+    if workload.model_dir is None:
+        raise ValueError(f"preset {preset.name} builds its weights on the device; the mesh bench loads a checkpoint "
+                         "directory on every rank, so use a CPU preset (tiny, small)")
+    return workload.model_dir, workload.prompts(BATCH * mesh.data, preset.prompt_len)
+
+
+def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backends: Sequence[str],
+                   cache_dir: Path | None = None, modes: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every backend (in its mode of `modes`, default its default) on every mesh; returns the records and writes
+    DIR/mesh.json and DIR/mesh.md."""
+    modes = modes or {}
+    if "jax" in backends:
+        launch.simulate_cpu_devices(max(meshes, key=lambda mesh: mesh.devices))
+    records = []
+    for name in backends:
+        backend = BACKENDS[name]
+        for mesh in meshes:
+            model_dir, prompts = workload_inputs(preset, mesh, cache_dir)
+            mode = backend.check_mode(modes.get(name))
+            if backend.mesh_processes:
+                records.append(_ranks_record(preset, mesh, cache_dir, mode))
+                continue
+            for vocabulary in ("split", "replicated") if mesh.model > 1 else ("split",):
+                records.append(mesh_record(backend, model_dir, preset.dtype, mesh, prompts, preset.new_tokens, CACHE,
+                                           vocabulary, mode))
+    for record in records:
+        record["preset"] = preset.name
+        record["weights_max_bytes"] = max(record["weights_bytes"].values())
+        record["kv_max_bytes"] = max(record["kv_bytes"].values())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mesh.json").write_text(json.dumps(records, indent=1) + "\n")
+    (out / "mesh.md").write_text(markdown(records))
+    return records
+
+
+def _ranks_record(preset: Preset, mesh: MeshShape, cache_dir: Path | None, mode: str) -> dict[str, Any]:
+    """torch on `mesh`: one process per device, each writing its record; merged with each rank's bytes."""
+    with tempfile.TemporaryDirectory() as folder:
+        argv = ["--rank-of", preset.name, str(mesh), mode, folder] + ([str(cache_dir)] if cache_dir else [])
+        code = launch.run_ranks(argv, mesh.devices, module="bench.mesh")
+        if code != 0:
+            raise RuntimeError(f"the torch ranks of mesh {mesh} failed (exit {code})")
+        ranks = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank*.json"))]
+    record = ranks[0]
+    for field in ("weights_bytes", "kv_bytes"):
+        record[field] = {f"rank {r}": sum(rank[field].values()) for r, rank in enumerate(ranks)}
+    return record
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    lines = ["# twincache bench: one model and one cache across devices", "",
+             "Bytes per device are read from what each device holds (the largest share is shown); tok/s is the "
+             "steady decode rate of one generation after a warm-up.", "",
+             "| backend | mode | mesh | vocabulary | devices | weights / device | KV / device | decode tok/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['backend']} | {r['mode']} | {r['mesh']} | {r['vocabulary']} | {len(r['weights_bytes'])} | "
+                     f"{r['weights_max_bytes'] / 1e6:.2f} MB | {r['kv_max_bytes'] / 1e6:.3f} MB | "
+                     f"{r['decode_tok_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rank_main(argv: Sequence[str]) -> None:
+    """A torch rank of one mesh: measure and write OUT/rank{R}.json."""
+    from bench.presets import PRESETS
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank-of", nargs="+", required=True)  # preset, mesh, mode, out dir[, cache dir]
+    preset_name, mesh_text, mode, folder, *cache = parser.parse_args(argv).rank_of
+    preset, mesh = PRESETS[preset_name], parse_mesh(mesh_text)
+    launch.init_rank()
+    model_dir, prompts = workload_inputs(preset, mesh, Path(cache[0]) if cache else None)
+    record = mesh_record(BACKENDS["torch"], model_dir, preset.dtype, mesh, prompts, preset.new_tokens, CACHE,
+                         mode=mode)
+    (Path(folder) / f"rank{launch.rank()}.json").write_text(json.dumps(record))
+    launch.finish_rank()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1:])

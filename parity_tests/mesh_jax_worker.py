@@ -1,0 +1,162 @@
+"""Run by parity_tests/test_mesh_jax.py in a subprocess with 8 simulated CPU devices, so the rest of the suite keeps
+one: it decodes every mesh case and writes what it saw to OUT/jax.json (tokens, trace counts, per-device bytes read
+from addressable shards, buffer pointers, warnings), the step logits to OUT/jax_logits.npz and the compiled HLO to
+OUT/*.hlo. It judges nothing: the tests do.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m parity_tests.mesh_jax_worker OUT GQA_DIR MQA_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jax_cache.generate as jg
+from jax_cache import backend, sharding
+from jax_cache.model import Mistral
+from twincache.generation import SamplingParams
+
+NEW_TOKENS = 20  # with the tests' window of 8 and prompts of up to 12 tokens: each ring wraps several times
+# A left-padded batch of 8 rows of different lengths (8 rows: the data axis of the 8 x 1 mesh splits them one each).
+PROMPT_LENGTHS = (1, 3, 5, 7, 9, 11, 2, 12)
+# (checkpoint, data, model, cache, mode): the 2 x 4 mesh covers both axes; KV heads are replicated in groups for GQA
+# (2 KV heads on model 4) and MQA (1 KV head on model 4 and 8); 8 x 1 splits the batch alone.
+CASES = (
+    ("gqa", 2, 4, "sliding_window", "fused"),
+    ("gqa", 2, 4, "sliding_window", "step"),
+    ("mqa", 2, 4, "static", "fused"),
+    ("mqa", 2, 4, "sliding_window", "step"),
+    ("mqa", 1, 8, "static", "step"),
+    ("gqa", 8, 1, "static", "fused"),
+)
+HANDOFF = ("gqa", 2, 4, "sliding_window")  # a torch cache continues on this JAX mesh
+HANDOFF_TORCH_TOKENS = 6
+
+
+def prompts(vocab: int, salt: int = 0) -> list[list[int]]:
+    return [[1] + [(7 * row + 3 * i + salt) % (vocab - 2) + 2 for i in range(length - 1)]
+            for row, length in enumerate(PROMPT_LENGTHS)]
+
+
+def shard_bytes(array: jax.Array) -> dict[str, object]:
+    return {"nbytes": int(array.nbytes), "per_device": sharding.device_bytes([array])}
+
+
+def pointers(arrays: list[jax.Array]) -> list[list[int]]:
+    return [[shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards] for array in arrays]
+
+
+def main(out: Path, checkpoints: dict[str, Path]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict[str, object] = {"devices": jax.device_count(), "cases": [], "weights": {}}
+    logits: dict[str, np.ndarray] = {}
+    single = {name: Mistral.from_pretrained(path) for name, path in checkpoints.items()}
+    sharded: dict[tuple, Mistral] = {}
+    references: dict[tuple, object] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for index, (name, data, model_ways, kind, mode) in enumerate(CASES):
+            key = (name, data, model_ways)
+            if key not in sharded:
+                sharded[key] = Mistral.from_pretrained(checkpoints[name], mesh=sharding.make_mesh(model_ways, data))
+                record["weights"][f"{name}@{data}x{model_ways}"] = {
+                    ".".join(map(str, path)): shard_bytes(variable.get_value())
+                    for path, variable in nnx.to_flat_state(nnx.state(sharded[key]))}
+            model, vocab = sharded[key], single[name].config.vocab_size
+            if (name, kind) not in references:  # one device, fused: the run every mesh is compared with
+                references[(name, kind)] = jg.generate(single[name], prompts(vocab), NEW_TOKENS, cache=kind,
+                                                       return_logits=True)
+            reference = references[(name, kind)]
+            before = backend.compiled_variants()
+            result = jg.generate(model, prompts(vocab), NEW_TOKENS, cache=kind, fused=mode == "fused",
+                                 return_logits=True)
+            after_first = backend.compiled_variants()
+            again = jg.generate(model, prompts(vocab, salt=5), NEW_TOKENS, cache=kind, fused=mode == "fused",
+                                return_logits=True)
+            after_second = backend.compiled_variants()
+            cache = again.cache
+            case = {"checkpoint": name, "data": data, "model": model_ways, "cache": kind, "mode": mode,
+                    "prompts": prompts(vocab), "tokens": result.token_ids, "reference_tokens": reference.token_ids,
+                    "variants": [before, after_first, after_second],
+                    "cache_bytes": {"keys": shard_bytes(cache.keys[0]), "slot_positions": shard_bytes(
+                        cache.slot_positions), "length": shard_bytes(cache.length)},
+                    "cache_shape": list(cache.keys[0].shape), "cache_spec": str(cache.keys[0].sharding.spec)}
+            logits[f"case{index}"] = np.asarray(result.step_logits)
+            logits[f"case{index}_reference"] = np.asarray(reference.step_logits)
+            if mode == "step":  # continuing steps write the donated cache in place, shard by shard
+                first = pointers(cache.arrays())
+                more = jg.continue_generation(model, cache, [t[-1] for t in again.token_ids], 1, fused=False)
+                case["pointers_kept"] = pointers(more.cache.arrays()) == first
+                case["input_deleted"] = all(array.is_deleted() for array in cache.arrays())
+            record["cases"].append(case)
+        write_hlo(out, sharded[("gqa", 2, 4)], single["gqa"].config.vocab_size, record)
+        record["handoff"] = handoff(checkpoints, sharded)
+    record["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    (out / "jax.json").write_text(json.dumps(record))
+    np.savez(out / "jax_logits.npz", **logits)
+
+
+def write_hlo(out: Path, model: Mistral, vocab: int, record: dict[str, object]) -> None:
+    """The compiled streaming step and fused loops on the 2 x 4 mesh, with the per-device and global K/V shapes."""
+    graph, params = jg.split_model(model)
+    result = jg.generate(model, prompts(vocab), 2, cache="sliding_window", fused=False)
+    cache = result.cache
+    state = jg.initial_state(jnp.asarray([t[-1] for t in result.token_ids], jnp.int32), cache.next_positions(),
+                             cache, None, 0)
+    key, static = jax.random.key(0), jg._without_seed(SamplingParams())
+    compiled = jg._sampled_step.lower(graph, params, state, key, static, None, vocab, None).compile()  # every slot
+    (out / "step.hlo").write_text(compiled.as_text())
+    fused = {signature: executable for signature, executable in jg._fused_executables.items()
+             if signature[0] == graph}
+    for i, executable in enumerate(fused.values()):
+        (out / f"fused{i}.hlo").write_text(executable.as_text())
+    memory = [executable.memory_analysis() for executable in fused.values()]
+    record["hlo"] = {"global_kv": list(cache.keys[0].shape),
+                     "local_kv": list(cache.keys[0].addressable_shards[0].data.shape), "fused": len(fused),
+                     "state_out_shardings_equal_in": [state_kept(executable) for executable in
+                                                      (compiled, *fused.values())],
+                     "fused_alias_bytes": [m.alias_size_in_bytes for m in memory],
+                     "fused_temp_bytes": [m.temp_size_in_bytes for m in memory]}
+
+
+def state_kept(compiled: jax.stages.Compiled) -> bool:
+    """Whether a compiled step or fused loop returns its decode state (its last output) on the shardings that state
+    came in with (its second argument after the model's params): what lets donation reuse every buffer."""
+    into, out, info = compiled.input_shardings[0][1], compiled.output_shardings, compiled.args_info[0][1]
+    if isinstance(out, jg.FusedCarry):  # a fused loop carries (state, outputs) in and out: its state is compared
+        into, out, info = into.state, out.state, info.state
+    else:
+        out = out[-1]
+    shapes = [leaf.shape for leaf in jax.tree.leaves(info)]
+    return all(a.is_equivalent_to(b, len(shape)) for a, b, shape in
+               zip(jax.tree.leaves(out), jax.tree.leaves(into), shapes, strict=True))
+
+
+def handoff(checkpoints: dict[str, Path], sharded: dict[tuple, Mistral]) -> dict[str, object]:
+    """torch decodes the first tokens on one device, its cache is copied onto the JAX mesh, JAX decodes the rest."""
+    import torch_cache.generate as tg
+    from torch_cache.model import Mistral as TorchMistral
+    from twincache_app.handoff import cache_from_torch
+
+    name, data, model_ways, kind = HANDOFF
+    torch_model = TorchMistral.from_pretrained(checkpoints[name])
+    vocab = torch_model.config.vocab_size
+    whole = tg.generate(torch_model, prompts(vocab), NEW_TOKENS, cache=kind, compile=False)
+    first = tg.generate(torch_model, prompts(vocab), HANDOFF_TORCH_TOKENS, cache=kind, compile=False)
+    model = sharded[(name, data, model_ways)]
+    cache = cache_from_torch(first.cache, model.config, model.mesh)
+    rest = jg.continue_generation(model, cache, [t[-1] for t in first.token_ids], NEW_TOKENS - HANDOFF_TORCH_TOKENS,
+                                  fused=False)  # the step a case above compiled for this mesh and batch
+    return {"torch_tokens": whole.token_ids, "handed_over": [a + b for a, b in zip(first.token_ids, rest.token_ids)],
+            "cache_spec": str(rest.cache.keys[0].sharding.spec), "mesh": str(sharding.mesh_shape(model.mesh))}
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), {"gqa": Path(sys.argv[2]), "mqa": Path(sys.argv[3])})
