@@ -37,8 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                        help="tiny: seconds, smoke test; small: ~57M params fp32 on CPU (minutes); 7b: Mistral-7B "
-                             "shape bf16, GPU only; trained / trained-bf16: the trained default model (SmolLM2-135M, "
+                        help="tiny: seconds, smoke test; small: ~57M params fp32 on CPU (minutes); long: a 16k-slot "
+                             "static cache on a small model, KV reads dominate (CPU, minutes); 7b: Mistral-7B shape "
+                             "bf16, GPU only; trained / trained-bf16: the trained default model (SmolLM2-135M, "
                              "window 64) in fp32 / bf16 on CPU")
     parser.add_argument("--model", type=Path, default=None,
                         help="run the preset's workload on this HF Mistral checkpoint directory or .gguf file instead "

@@ -28,22 +28,24 @@ def weight_bytes_per_step(config: MistralConfig, dtype_bytes: int, batch: int) -
     return total * dtype_bytes
 
 
-def kv_bytes_per_step(config: MistralConfig, dtype_bytes: int, batch: int, slots_read: int) -> int:
+def kv_bytes_per_step(config: MistralConfig, dtype_bytes: int, batch: int, slots_read: float) -> float:
     """K and V bytes one decode step reads over `slots_read` cache slots in every layer."""
     per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
     return batch * slots_read * per_slot
 
 
-def slots_read(config: MistralConfig, cache: str, max_cache_len: int) -> int:
-    """Slots attention reads per step: a static cache's whole allocation, or a sliding cache's W-slot ring."""
+def live_slots(config: MistralConfig, cache: str, context: float) -> float:
+    """Keys a decode step at `context` tokens must read: all of them, or at most W in a sliding cache (a window
+    sees W keys, whatever the cache). Not the allocation: reading a static cache's empty slots is overhead."""
     if cache == "sliding_window" and config.sliding_window is not None:
-        return min(config.sliding_window, max_cache_len)
-    return max_cache_len
+        return min(config.sliding_window, context)
+    return context
 
 
-def bytes_per_step(config: MistralConfig, dtype_bytes: int, batch: int, cache: str, max_cache_len: int) -> int:
+def bytes_per_step(config: MistralConfig, dtype_bytes: int, batch: int, cache: str, context: float) -> int:
+    """Bytes a decode step at `context` tokens must read: its weights and the K/V of its live keys."""
     return (weight_bytes_per_step(config, dtype_bytes, batch)
-            + kv_bytes_per_step(config, dtype_bytes, batch, slots_read(config, cache, max_cache_len)))
+            + round(kv_bytes_per_step(config, dtype_bytes, batch, live_slots(config, cache, context))))
 
 
 def gbps(bytes_per_step: int, steps_per_s: float) -> float:

@@ -28,6 +28,7 @@ class Preset:
     probe_bytes: int  # bandwidth-probe array size; several times the last-level cache
     weights_on_device: bool = False  # build weights in memory on the device instead of a checkpoint dir
     seed: int = 0
+    table_cache_len: int | None = None  # static cache slots in the decode table (None: prompt + new tokens)
     trained: bool = False  # run the trained default model (its checkpoint dir) instead of random weights
     model_dir: Path | None = None  # a checkpoint directory or GGUF file, set by `resolve` (trained presets, --model)
 
@@ -69,6 +70,11 @@ _TINY = _mistral(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidd
 # ~57M parameters: Mistral's proportions (GQA 4:1, head_dim 64) at a size whose decode is bandwidth-bound on a CPU.
 _SMALL = _mistral(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=64, sliding_window=256)
+# KV reads dominate: 4 layers of 2 KV heads x head_dim 128 hold 8 KB of K/V per token (134 MB at 16k tokens) beside
+# 13 MB of weights, so a step's cost follows the slots its attention reads. Query heads = KV heads keeps the score
+# matrix of a 16k-token JAX prefill (which XLA-CPU materialises) at 2 GB per layer.
+_LONG = _mistral(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=128, sliding_window=4096)
 _MISTRAL_7B = _mistral(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=4096,
                        rope_theta=10000.0)
@@ -101,6 +107,15 @@ PRESETS: dict[str, Preset] = {
         curve_contexts=_contexts(256, 8), curve_steps=16,
         batch_impls=("torch_eager", "torch_compiled", "jax_fused", "transformers_eager"),
         batch_sizes=(1, 2, 4, 8, 16, 32), batch_prompt_len=64, batch_new_tokens=32, probe_bytes=1 << 30),
+    # A 16k-slot static cache: the decode table holds a short chat (512 + 256 tokens) in it, the curves go from 64
+    # tokens to the full cache; the sliding ring is W = 4096.
+    "long": Preset(
+        name="long", config=_LONG, dtype="float32", device="cpu", prompt_len=512, new_tokens=256, repeats=3,
+        table_cache_len=16384,
+        impls=("torch_eager", "torch_compiled", "jax_step", "jax_fused", "transformers", "transformers_eager"),
+        curve_impls=("torch_compiled", "jax_step", "transformers"),
+        curve_contexts=(64, 256, 1024, 2048, 4096, 8192, 12288, 16366), curve_steps=16,  # 16366 + 18 = 16384 slots
+        batch_impls=(), batch_sizes=(), batch_prompt_len=64, batch_new_tokens=32, probe_bytes=1 << 30),
     "7b": Preset(
         name="7b", config=_MISTRAL_7B, dtype="bfloat16", device="cuda", prompt_len=502, new_tokens=128, repeats=3,
         impls=("torch_eager", "torch_compiled", "jax_step", "jax_fused", "transformers", "transformers_eager"),

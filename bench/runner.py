@@ -139,8 +139,10 @@ class Bench:
             self.bar.set_postfix_str(label, refresh=False)
             self.bar.update()
 
-    def _bytes(self, cache: str, batch: int, max_cache_len: int) -> int:
-        return metrics.bytes_per_step(self.preset.config, self.workload.dtype_bytes, batch, cache, max_cache_len)
+    def _bytes(self, cache: str, batch: int, prompt_len: int, new_tokens: int) -> int:
+        """Bytes a decode step must read, at the mean context of a run's decode steps."""
+        context = prompt_len + new_tokens / 2
+        return metrics.bytes_per_step(self.preset.config, self.workload.dtype_bytes, batch, cache, context)
 
     def _measure(self, impl: Impl, prompts: list[list[int]], new_tokens: int, cache: str, max_cache_len: int,
                  track_rss: bool) -> tuple[Run, dict[str, Any]]:
@@ -238,7 +240,7 @@ class Bench:
         """Warm up every cell once, then run `repeats` rounds; each round visits every cell, in a rotated order."""
         p = self.preset
         prompts = self.workload.prompts(1, p.prompt_len)
-        max_cache_len = p.prompt_len + p.new_tokens
+        max_cache_len = max(p.prompt_len + p.new_tokens, p.table_cache_len or 0)
         warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]] = {}
         for cell in cells:
             name, cache = cell
@@ -280,7 +282,7 @@ class Bench:
         impl, p = self.impls[name], self.preset
         common = dict(impl=name, cache=cache, prompt_len=p.prompt_len, new_tokens=p.new_tokens, batch=1,
                       max_cache_len=max_cache_len, note=impl.note(cache),
-                      bytes_per_step=self._bytes(cache, 1, max_cache_len))
+                      bytes_per_step=self._bytes(cache, 1, p.prompt_len, p.new_tokens))
         if error or not timed:
             self.results.add("decode", status="error", **common, note=error or "no timed run")
             return
@@ -342,7 +344,7 @@ class Bench:
             for context in p.curve_contexts:
                 self._tick(f"curve {name}/{cache} @{context}")
                 common = dict(impl=name, cache=cache, prompt_len=context, new_tokens=steps + 2, batch=1,
-                              max_cache_len=max_cache_len, bytes_per_step=self._bytes(cache, 1, max_cache_len))
+                              max_cache_len=max_cache_len, bytes_per_step=self._bytes(cache, 1, context, steps + 2))
                 if error or self._past_deadline():
                     self.results.add("latency_vs_context", status="skipped", note=error or "deadline", **common)
                     continue
@@ -371,7 +373,7 @@ class Bench:
             for batch in p.batch_sizes:
                 common = dict(impl=name, cache="static", prompt_len=p.batch_prompt_len, new_tokens=p.batch_new_tokens,
                               batch=batch, max_cache_len=max_cache_len,
-                              bytes_per_step=self._bytes("static", batch, max_cache_len))
+                              bytes_per_step=self._bytes("static", batch, p.batch_prompt_len, p.batch_new_tokens))
                 if self._past_deadline():
                     self._tick(f"batch {name} x{batch} skipped")
                     self._tick(f"batch {name} x{batch} skipped")

@@ -19,19 +19,22 @@ donation is consumed: using it again raises StaleCacheError instead of JAX's bar
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from jax_cache import sharding
-from twincache import cache_checks
+from twincache import buckets, cache_checks
+from twincache.cache_layout import BufferSizes
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError, StaleCacheError
 
 
 @jax.tree_util.register_pytree_node_class
-class StaticCache:
+class StaticCache(BufferSizes):
     """Per-layer K/V buffers written with `lax.dynamic_update_slice`; with donation XLA writes them in place."""
 
     kind = "static"
@@ -46,44 +49,46 @@ class StaticCache:
             sharding.plan(mesh, config)
             sharding.check_batch_size(mesh, batch_size)
         self.mesh = mesh
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.batch_size = batch_size
-        self.max_cache_len = max_cache_len
-        self.cache_len = self._buffer_len(config, max_cache_len)
-        self.dtype = jnp.dtype(dtype)
+        dtype = jnp.dtype(dtype)
+        shape = (batch_size, config.num_key_value_heads, self._buffer_len(config, max_cache_len), config.head_dim)
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
         device = default_device() if mesh is None else mesh.devices.flat[0]  # also while a jit traces this
-        shards = 1 if mesh is None else sharding.kv_shards_per_device(mesh, self.num_kv_heads)
-        cache_checks.check_cache_fits(self, self.dtype.itemsize, available_memory(device), memory_label(device),
-                                      shards)
-        shape = (batch_size, self.num_kv_heads, self.cache_len, self.head_dim)
-        places = self._placements()
-        self.keys = [jnp.zeros(shape, self.dtype, device=places[0]) for _ in range(self.num_layers)]
-        self.values = [jnp.zeros(shape, self.dtype, device=places[0]) for _ in range(self.num_layers)]
-        self.slot_positions = jnp.full((batch_size, self.cache_len), -1, jnp.int32, device=places[-2])
+        shards = 1 if mesh is None else sharding.kv_shards_per_device(mesh, config.num_key_value_heads)
+        cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
+                                      available_memory(device), memory_label(device), shards)
+        places = self._placements(config.num_hidden_layers, config.num_key_value_heads)
+        self.keys = [jnp.zeros(shape, dtype, device=places[0]) for _ in range(config.num_hidden_layers)]
+        self.values = [jnp.zeros(shape, dtype, device=places[0]) for _ in range(config.num_hidden_layers)]
+        self.slot_positions = jnp.full(shape[:1] + shape[2:3], -1, jnp.int32, device=places[-2])
         self.length = jnp.zeros((), jnp.int32, device=places[-1])
 
-    def _placements(self) -> list[NamedSharding | None]:
-        """Where each array of `arrays()` goes: its mesh sharding, or None (the default device)."""
+    def _placements(self, num_layers: int | None = None,
+                    num_kv_heads: int | None = None) -> list[NamedSharding | None]:
+        """Where each array of `arrays()` goes: its mesh sharding, or None (the default device). The sizes default to
+        the buffers' (given while they are being built)."""
+        num_layers = self.num_layers if num_layers is None else num_layers
         if self.mesh is None:
-            return [None] * (2 * self.num_layers + 2)
-        return sharding.cache_shardings(self)
+            return [None] * (2 * num_layers + 2)
+        num_kv_heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return sharding.cache_shardings(types.SimpleNamespace(mesh=self.mesh, num_layers=num_layers,
+                                                              num_kv_heads=num_kv_heads))
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
         return max_cache_len
 
-    @property
-    def capacity(self) -> int | None:
-        """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
-        return self.max_cache_len
+    # --- sizes are read off the buffers (twincache.cache_layout.BufferSizes), and so is the dtype: no size is pytree
+    # --- metadata, so two caches whose buffers have the same shapes are the same jit input ---------------------------
 
-    # --- pytree protocol: arrays are children, sizes are static ----------------------------------------------------
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.keys[0].dtype)
+
+    # --- pytree protocol: arrays are children, the window is static metadata --------------------------------------
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
-        return tuple(getattr(self, name) for name in self.ARRAY_FIELDS), tuple(cache_fields(self).items())
+        static = tuple((k, v) for k, v in vars(self).items() if k not in self.ARRAY_FIELDS)  # the window, if any
+        return tuple(getattr(self, name) for name in self.ARRAY_FIELDS), static
 
     @classmethod
     def tree_unflatten(cls, static: tuple, children: tuple) -> StaticCache:
@@ -122,14 +127,22 @@ class StaticCache:
 
     # --- the forward-pass protocol: attended_positions, update per layer, then advance ------------------------------
 
-    def attended_positions(self, new_positions: jax.Array) -> jax.Array:
-        """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
+    def attended_positions(self, new_positions: jax.Array, attend_len: int | None = None) -> jax.Array:
+        """Positions of the keys attention reads in this forward. new_positions: [B, S] (-1 = padding).
+
+        `attend_len` (twincache.buckets): attention reads only the first attend_len slots, which must hold every live
+        key; None reads them all. A forward that attends over the old buffers plus its new tokens (a ring's
+        multi-token write) reads them all regardless.
+        """
         num_new = new_positions.shape[1]
         if not isinstance(new_positions, jax.core.Tracer):  # the first call of a forward: refuse before any write
             self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if self._attends_in_place(num_new):
-            return self._write(self.slot_positions, new_positions[:, num_new - kept:], slots, axis=1)  # [B, L]
+            if attend_len is not None and not isinstance(self.length, jax.core.Tracer):
+                buckets.check_attend_len(attend_len, int(self.length), num_new, self.cache_len)
+            positions = self._write(self.slot_positions, new_positions[:, num_new - kept:], slots, axis=1)  # [B, L]
+            return positions if attend_len is None else positions[:, :attend_len]  # [B, attend_len]
         return jnp.concatenate([self.slot_positions, new_positions], axis=1)  # [B, L + S]
 
     def update(self, layer_idx: int, key_states: jax.Array,
@@ -287,8 +300,10 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
 
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:
-    """The static description of a cache (everything but its arrays), for comparisons and handoff."""
-    return {k: v for k, v in vars(cache).items() if k not in cache.ARRAY_FIELDS}
+    """The description of a cache (everything but its arrays), for comparisons and handoff."""
+    names = ("kind", "num_layers", "batch_size", "num_kv_heads", "cache_len", "head_dim", "max_cache_len", "dtype")
+    return {name: getattr(cache, name) for name in names} | {k: v for k, v in vars(cache).items()
+                                                            if k not in cache.ARRAY_FIELDS}
 
 
 __all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "default_device",

@@ -26,7 +26,8 @@ from jax import lax
 from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, make_cache, memory_label
 from jax_cache.model import Mistral
-from twincache import cache_checks, phases
+from twincache import buckets, cache_checks, phases
+from twincache.buckets import decode_buckets, step_attend_len
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     PREFILL_CHUNK,
@@ -61,7 +62,7 @@ FIRST_BLOCK_STEPS = 8  # before any block was timed: small, so the first tokens 
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
                "twincache_app.handoff.cache_from_torch), or a kind name")
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
-DecodeStep = Callable[[jax.Array, jax.Array, StaticCache], tuple[jax.Array, StaticCache]]
+DecodeStep = Callable[[jax.Array, jax.Array, StaticCache, int | None], tuple[jax.Array, StaticCache]]
 
 
 def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
@@ -118,21 +119,23 @@ def split_model(model: Mistral) -> tuple[ModelGraph, nnx.State]:
 
 
 def _forward_last(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
-                  positions: jax.Array, attention_mask: jax.Array | None) -> tuple[jax.Array, StaticCache]:
-    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask, logits_to_keep=1)
+                  positions: jax.Array, attention_mask: jax.Array | None,
+                  attend_len: int | None) -> tuple[jax.Array, StaticCache]:
+    logits, cache = nnx.merge(graph.graphdef, params)(input_ids, positions, cache, attention_mask, logits_to_keep=1,
+                                                      attend_len=attend_len)
     return logits[:, -1].astype(jnp.float32), sharding.place_cache(cache)  # [B, V]
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graph", "attend_len"), donate_argnames=("cache",))
 def _prefill(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array, positions: jax.Array,
-             attention_mask: jax.Array) -> tuple[jax.Array, StaticCache]:
-    return _forward_last(graph, params, cache, input_ids, positions, attention_mask)
+             attention_mask: jax.Array, attend_len: int | None) -> tuple[jax.Array, StaticCache]:
+    return _forward_last(graph, params, cache, input_ids, positions, attention_mask, attend_len)
 
 
-@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graph", "attend_len"), donate_argnames=("cache",))
 def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
-                 positions: jax.Array) -> tuple[jax.Array, StaticCache]:
-    return _forward_last(graph, params, cache, input_ids, positions, None)
+                 positions: jax.Array, attend_len: int | None) -> tuple[jax.Array, StaticCache]:
+    return _forward_last(graph, params, cache, input_ids, positions, None, attend_len)
 
 
 def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: int | None,
@@ -183,25 +186,29 @@ def _placed(state: DecodeState) -> DecodeState:
 
 
 def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams, eos: int | None,
-                state: DecodeState, forced: jax.Array | None = None) -> tuple[jax.Array, DecodeState]:
+                state: DecodeState, attend_len: int | None,
+                forced: jax.Array | None = None) -> tuple[jax.Array, DecodeState]:
     """One decode step, the body of both loops: feed `state.tokens` at `state.positions`, sample the next tokens.
 
-    `forced` ([B] int32, optional) replaces the sampled tokens: teacher forcing on the real decode path, for parity
-    (give eos=None with it: a teacher-forced run never stops early).
+    `attend_len`: the step's attention bucket (twincache.buckets; None: every slot). `forced` ([B] int32, optional)
+    replaces the sampled tokens: teacher forcing on the real decode path, for parity (give eos=None with it: a
+    teacher-forced run never stops early).
     Returns this step's logits [B, V] fp32 and the next state.
     """
-    logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None)
+    logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None,
+                                  attend_len)
     tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step, forced)
     first_bad = (state.non_finite_step < 0) & ~jnp.isfinite(logits).all()
     non_finite_step = jnp.where(first_bad, state.step, state.non_finite_step)
     return logits, _placed(DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size", "attend_len"),
+                   donate_argnames=("state",))
 def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
-                  eos: int | None, vocab_size: int,
+                  eos: int | None, vocab_size: int, attend_len: int | None,
                   forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, DecodeState]:
-    """One streaming step: `decode_body`, unless the state has halted.
+    """One streaming step: `decode_body` with the step's attention bucket `attend_len`, unless the state has halted.
 
     The streaming loop dispatches step k + 1 before it reads step k's tokens, so a step queued after the last one
     must change nothing. `forced` ([B] int32 or None) as in `decode_body`. Returns (for_host [B + 1]: the tokens,
@@ -209,7 +216,7 @@ def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     """
     def body(carry: tuple[jax.Array, DecodeState, jax.Array]) -> tuple[jax.Array, DecodeState, jax.Array]:
         _, decode_state, trips = carry
-        logits, decode_state = decode_body(graph, params, key, sampling, eos, decode_state, forced)
+        logits, decode_state = decode_body(graph, params, key, sampling, eos, decode_state, attend_len, forced)
         return logits, decode_state, trips - 1
 
     # A loop of zero or one trip rather than lax.cond: XLA-CPU updates the cache in place through a while loop, but
@@ -230,16 +237,17 @@ class FusedCarry(NamedTuple):
     out_logits: jax.Array  # [B, N, V] float32 with return_logits, else [B, 0, V]
 
 
-_FUSED_STATIC = ("graph", "sampling", "eos", "block_steps", "vocab_size", "return_logits")
+_FUSED_STATIC = ("graph", "sampling", "eos", "block_steps", "vocab_size", "return_logits", "attend_len")
 
 
 @functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("state",))
 def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array,
                   forced: jax.Array | None, steps: jax.Array, sampling: SamplingParams, eos: int | None,
-                  block_steps: int, vocab_size: int,
-                  return_logits: bool) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
-    """One block: up to `steps` (<= `block_steps`, an array, so every block of a generation runs one executable)
-    decode steps in one lax.while_loop; stops early once the state halts.
+                  block_steps: int, vocab_size: int, return_logits: bool,
+                  attend_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
+    """One block: up to `steps` (<= `block_steps`, an array, so every block of one attention bucket runs one
+    executable) decode steps in one lax.while_loop; stops early once the state halts. Every step reads the bucket
+    `attend_len` (twincache.buckets): a block never crosses from one bucket into the next.
 
     `forced` ([B, block_steps] int32 or None): the tokens to feed instead of the sampled ones (teacher forcing).
     Returns (out_tokens [B, N], out_logits [B, N or 0, V], for_host [2]: the step index after the block and
@@ -255,7 +263,7 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     def body(carry: FusedCarry) -> FusedCarry:
         index = carry.state.step - first_step  # [] int32, the output column
         forced_now = None if forced is None else forced[:, index]  # [B]
-        logits, decode_state = decode_body(graph, params, key, sampling, eos, carry.state, forced_now)
+        logits, decode_state = decode_body(graph, params, key, sampling, eos, carry.state, attend_len, forced_now)
         out_tokens = carry.out_tokens.at[:, index].set(decode_state.tokens)
         out_logits = carry.out_logits.at[:, index].set(logits) if return_logits else carry.out_logits
         return FusedCarry(decode_state, out_tokens, out_logits)
@@ -285,12 +293,14 @@ BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
 
 
 def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
-                 eos: int | None, num_steps: int, vocab_size: int, return_logits: bool, on_block: BlockCallback,
-                 forced: np.ndarray | None = None,
+                 eos: int | None, num_steps: int, length: int, vocab_size: int, return_logits: bool,
+                 on_block: BlockCallback, forced: np.ndarray | None = None,
                  block_steps: int | None = None) -> tuple[DecodeState, int, int, float]:
-    """The fused mode: up to `num_steps` decode steps as jitted blocks, each one lax.while_loop over `decode_body` of
-    at most `block_steps` (default FUSED_BLOCK_STEPS) steps. The block's step limit is an array, so every block of
-    every budget runs one compiled executable, and the host sizes each block to last about FUSED_BLOCK_SECONDS.
+    """The fused mode: up to `num_steps` decode steps from a cache holding `length` columns, as jitted blocks, each
+    one lax.while_loop over `decode_body` of at most `block_steps` (default FUSED_BLOCK_STEPS) steps. The block's
+    step limit is an array, so every block of every budget runs one compiled executable per attention bucket
+    (twincache.buckets.decode_buckets: a block ends where its bucket does), and the host sizes each block to last
+    about FUSED_BLOCK_SECONDS.
 
     Bounded blocks return to Python often, so tokens stream a block at a time and Ctrl-C is seen between blocks:
     `on_block(tokens [B, n] numpy, logits [B, n, V] or None)` after each block that ran n > 0 steps. Block k + 1 is
@@ -299,6 +309,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     seconds spent compiling).
     """
     capacity, cache = block_steps or FUSED_BLOCK_STEPS, state.cache  # the cache for its placement only (donated)
+    cache_len = cache.cache_len
 
     def block_forced(start: int) -> jax.Array | None:  # sliced on the host: a device slice per start would compile
         if forced is None:
@@ -308,17 +319,30 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
 
     static = dict(sampling=sampling, eos=eos, block_steps=capacity, vocab_size=vocab_size,
                   return_logits=return_logits)
+    executables: dict[int, jax.stages.Compiled] = {}  # per attention bucket, looked up once per generation
+
+    def executable_at(start: int) -> tuple[jax.stages.Compiled, int, float]:
+        """The block executable of step `start`'s bucket, the steps left in that bucket, and seconds compiling now."""
+        (attend, room), *_ = decode_buckets(length + start, num_steps - start, cache_len)
+        seconds = 0.0
+        if attend not in executables:
+            executables[attend], seconds = fused_executable(graph, params, state, key, block_forced(0),
+                                                            jnp.int32(capacity), attend_len=attend, **static)
+        return executables[attend], room, seconds
+
     phases.enter("compile")
-    executable, compile_s = fused_executable(graph, params, state, key, block_forced(0), jnp.int32(capacity), **static)
     first_step, done, non_finite_step = int(state.step), 0, -1
+    *_, compile_s = executable_at(0)  # the first bucket's loop is compiled before any block runs
     dispatched, steps = 0, min(FIRST_BLOCK_STEPS, capacity)  # steps dispatched so far; the next block's steps
     queued, last_read = None, time.perf_counter()  # the block dispatched last: (outputs, its steps)
     while queued is not None or dispatched < num_steps:
-        pending = None
+        pending, compiled_now = None, 0.0
         if dispatched < num_steps:  # dispatch the next block on the live state (donated: it stays on the device) ...
-            steps = min(steps, num_steps - dispatched)
-            outputs = executable(params, state, key, block_forced(dispatched), jnp.int32(steps))
-            state, pending, dispatched = outputs[3], (outputs[:3], steps), dispatched + steps
+            executable, room, compiled_now = executable_at(dispatched)
+            compile_s += compiled_now
+            size = min(steps, num_steps - dispatched, room)
+            outputs = executable(params, state, key, block_forced(dispatched), jnp.int32(size))
+            state, pending, dispatched = outputs[3], (outputs[:3], size), dispatched + size
         if queued is not None:  # ... then read the one before it
             (tokens, logits, for_host), queued_steps = queued
             step_after, non_finite_step = np.asarray(for_host).tolist()  # waits for that block only
@@ -330,7 +354,9 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
                 phases.enter("decode")
             done += ran
             now = time.perf_counter()
-            if ran:  # the device ran this block while the host handled the one before: its time is this interval
+            # The device ran this block while the host handled the one before: its time is this interval (unless the
+            # host compiled a new bucket's loop meanwhile; then the size stays).
+            if ran and not compiled_now:
                 steps = max(1, min(capacity, int(FUSED_BLOCK_SECONDS * ran / max(now - last_read, 1e-9))))
             last_read = now
             if non_finite_step >= 0 or ran < queued_steps:  # halted: the blocks after it run no step
@@ -340,16 +366,20 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
 
 
 def decode_step_fn(model: Mistral) -> DecodeStep:
-    """The one-token step `(input_ids [B, 1], positions [B, 1], cache) -> (logits [B, V], cache)`, jitted once, with
-    the cache donated: the input cache is consumed and the returned one reuses its buffers."""
+    """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> (logits [B, V], cache)`,
+    jitted once per attention bucket `attend_len` (twincache.buckets; None: every slot), with the cache donated: the
+    input cache is consumed and the returned one reuses its buffers."""
     graph, params = split_model(model)
 
-    def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache) -> tuple[jax.Array, StaticCache]:
+    def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache,
+             attend_len: int | None = None) -> tuple[jax.Array, StaticCache]:
         # The model's own checks are skipped under tracing, and inside the jitted step an out-of-range write position
         # would be clamped silently by dynamic_update_slice: refuse it (and bad ids, batch, dtype) before dispatch.
         model.check_inputs(input_ids, positions, None)
         cache.check_forward(model.config, input_ids, model.dtype, model.device)
-        return _decode_step(graph, params, cache, input_ids, positions)
+        if attend_len is not None:
+            buckets.check_attend_len(attend_len, int(cache.length), 1, cache.cache_len)
+        return _decode_step(graph, params, cache, input_ids, positions, attend_len)
 
     return step
 
@@ -371,8 +401,9 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array, cac
     (donated) cache. Returns last-token logits [B, V] fp32 and the new cache.
 
     Each chunk attends over the cache plus itself, so memory is bounded by the chunk and the cache (a ring: W + chunk
-    keys), not by the prompt; chunks of one width share one compiled prefill. The whole prompt is checked before the
-    first chunk: a refused prefill dispatches nothing.
+    keys), not by the prompt; an in-place chunk reads only the attention bucket holding the live prefix and itself
+    (twincache.buckets), so chunks of one width share one compiled prefill per bucket. The whole prompt is checked
+    before the first chunk: a refused prefill dispatches nothing.
     """
     phases.enter("prefill")
     ids_np, mask_np = np.asarray(input_ids), np.asarray(attention_mask)
@@ -382,9 +413,11 @@ def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array, cac
     model.check_inputs(input_ids, positions_np, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype, model.device)
     graph, params = split_model(model)
+    length, cache_len = int(cache.length), cache.cache_len  # the host's copy of the cache length picks each bucket
     for start, stop in chunks:  # sliced on the host: a device slice per start would compile one op per start
+        attend = step_attend_len(length + start, stop - start, cache_len)
         logits, cache = _prefill(graph, params, cache, *(_on_rows(cache, array[:, start:stop])
-                                                         for array in (ids_np, positions_np, mask_np)))
+                                                         for array in (ids_np, positions_np, mask_np)), attend)
     return logits, cache
 
 
@@ -502,6 +535,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
     all_done = eos is not None and all(t == eos for t in last_tokens)
+    length = int(cache.length)  # the host's copy of the cache length picks each step's attention bucket
     if fused and max_new_tokens and not all_done:
         def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
             for row_ids in block_tokens.T.tolist():  # one step's tokens per column
@@ -513,30 +547,43 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
 
         decode_start = time.perf_counter()
         state, decode_steps, non_finite_step, first_step_s = decode_fused(
-            graph, params, state, key, static_sampling, eos, max_new_tokens, config.vocab_size, return_logits,
-            on_block=take_block, forced=forced)
+            graph, params, state, key, static_sampling, eos, max_new_tokens, length, config.vocab_size,
+            return_logits, on_block=take_block, forced=forced)
         decode_s, timed_steps = time.perf_counter() - decode_start - first_step_s, decode_steps
         _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
     elif max_new_tokens and not all_done:
-        decode_start = time.perf_counter()
         cache.check_live()
+
         def forced_at(step: int) -> jax.Array | None:
             return None if forced is None else _on_rows(cache, forced[:, step])  # [B]
 
+        def bucket(index: int) -> int:
+            return step_attend_len(length + index, 1, cache.cache_len)  # step `index` of this call
+
         phases.enter("compile")  # the first step compiles
-        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size, forced_at(0))
+        stamp = time.perf_counter()
+        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size, bucket(0),
+                                forced_at(0))
         while True:
             for_host, logits, state = pending
+            # Dispatching a step of a new bucket traces and compiles it: that wait is timed apart from the steady state.
+            compiles = decode_steps == 0
             decode_steps += 1
             if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
+                compiles |= bucket(decode_steps) != bucket(decode_steps - 1)
                 pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size,
-                                        forced_at(decode_steps))
+                                        bucket(decode_steps), forced_at(decode_steps))
                 state = pending[2]  # the live state; a step queued after the last token holds it unchanged
             *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
             _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
             all_done = eos is not None and all(token == eos for token in row_ids)
-            if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
-                first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
+            now = time.perf_counter()
+            if compiles:
+                first_step_s += now - stamp
+            else:
+                decode_s, timed_steps = decode_s + now - stamp, timed_steps + 1
+            stamp = now
+            if decode_steps == 1:
                 phases.enter("decode")
             if return_logits:
                 logits_per_step.append(logits[:, None])
@@ -545,8 +592,6 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 on_token(row_ids)
             if all_done or decode_steps == max_new_tokens:
                 break
-        if decode_steps > 1:
-            decode_s, timed_steps = time.perf_counter() - decode_start, decode_steps - 1
     step_logits = None
     if return_logits:
         empty = jnp.zeros((batch, 0, config.vocab_size), jnp.float32)

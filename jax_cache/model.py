@@ -113,7 +113,10 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # k, v: [B, Hkv, S, D]
-        keys, values, cache = cache.update(layer_idx, k, v)  # [B, Hkv, Lkv, D]
+        keys, values, cache = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
+        # Attention reads as many slots as the mask covers: a prefix of the buffers when the forward was given an
+        # attend_len bucket (every live key is in it), else all of them.
+        keys, values = keys[:, :, :visible.shape[-1]], values[:, :, :visible.shape[-1]]  # [B, Hkv, Lkv, D]
         # Grouped-query attention without repeating K/V: the G query heads of one KV head become G*S query rows.
         q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
         mask = jnp.broadcast_to(visible[:, :, None], (batch, 1, groups, seq_len, visible.shape[-1]))
@@ -181,7 +184,8 @@ class MistralModel(nnx.Module):
 
 
 class Mistral(nnx.Module):
-    """Mistral causal LM. `__call__(input_ids, positions, cache, attention_mask=None) -> (logits [B, S, V], cache)`."""
+    """Mistral causal LM. `__call__(input_ids, positions, cache, attention_mask=None, logits_to_keep=0,
+    attend_len=None) -> (logits [B, S, V], cache)`."""
 
     def __init__(self, config: MistralConfig, dtype: jnp.dtype = jnp.float32) -> None:
         self.config = config
@@ -190,8 +194,10 @@ class Mistral(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, cache: StaticCache,
-                 attention_mask: jax.Array | None = None, logits_to_keep: int = 0) -> tuple[jax.Array, StaticCache]:
+                 attention_mask: jax.Array | None = None, logits_to_keep: int = 0,
+                 attend_len: int | None = None) -> tuple[jax.Array, StaticCache]:
         """input_ids, positions, attention_mask: [B, S]; positions are absolute, attention_mask is 1 for tokens.
+        attend_len: the cache slots attention reads (twincache.buckets.step_attend_len), None = all of them.
         Returns logits [B, S, V], or of the last `logits_to_keep` tokens only (a prefill needs the last one), and
         the new cache."""
         embed = self.model.embed_tokens.weight[...]
@@ -200,7 +206,7 @@ class Mistral(nnx.Module):
             cache.check_forward(self.config, input_ids, embed.dtype, self.device)
         query_valid = jnp.ones_like(input_ids, dtype=bool) if attention_mask is None else attention_mask.astype(bool)
         new_positions = jnp.where(query_valid, positions, -1).astype(jnp.int32)  # [B, S]; padding is never a key
-        key_positions = cache.attended_positions(new_positions)  # [B, Lkv]
+        key_positions = cache.attended_positions(new_positions, attend_len)  # [B, Lkv]
         visible = attention_visibility(positions, key_positions, query_valid, self.config.sliding_window)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, embed.dtype)
         x = self.model.embed_tokens(input_ids)  # [B, S, hidden]

@@ -84,13 +84,13 @@ def test_step_logits_ask_torch_for_the_compiled_step_only_in_compiled_mode(model
     import torch_cache.generate as tg
 
     asked: list[bool] = []
-    decode_step_fn = tg.decode_step_fn
+    decode_one_fn = tg._decode_one_fn  # the step generate decodes with (decode_step_fn wraps the same)
 
-    def spy(model: object, compile: bool = True) -> object:
+    def spy(model: object, compile: bool) -> object:
         asked.append(compile)
-        return decode_step_fn(model, compile=False)  # run eagerly here: no second compile for this test
+        return decode_one_fn(model, compile=False)  # run eagerly here: no second compile for this test
 
-    monkeypatch.setattr(tg, "decode_step_fn", spy)
+    monkeypatch.setattr(tg, "_decode_one_fn", spy)
     sequence = list(range(3, 3 + 12))
     for mode in ("eager", "compiled"):
         torch_backend.step_logits(models["torch"], sequence, 7, "static", mode)

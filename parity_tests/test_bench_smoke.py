@@ -96,6 +96,7 @@ def test_markdown_and_plots(tiny_run):
     markdown = (out / "results.md").read_text()
     for heading in ("## Bandwidth limit", "## Decode, batch 1", "## Per-token decode latency", "## Total decode tok/s"):
         assert heading in markdown
+    assert "| first / last |" in markdown  # the latency curve's shortest-over-longest ratio (issue 13 §1)
     for r in records:
         if r["kind"] == "decode":
             assert f"| {r['impl']} | {r['cache']} |" in markdown
@@ -129,3 +130,18 @@ def test_7b_preset_needs_a_gpu(capsys):
     assert main(["bench", "--preset", "7b"]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and err.count("\n") == 1
+
+
+def test_long_preset_is_a_16k_static_cache_where_kv_reads_dominate():
+    """The `long` preset measures what attention buckets buy: its curve reaches a static cache of 16k+ slots, whose
+    K/V reads at the longest context outweigh the weights several fold, and its decode table holds a short chat in
+    such a cache."""
+    from bench.metrics import kv_bytes_per_step, weight_bytes_per_step
+    from bench.presets import PRESETS
+
+    long = PRESETS["long"]
+    cache_slots = max(long.curve_contexts) + long.curve_steps + 2  # as the runner sizes the curve's static cache
+    assert cache_slots >= 16384 and long.table_cache_len >= 16384
+    assert kv_bytes_per_step(long.config, 4, 1, max(long.curve_contexts)) > 5 * weight_bytes_per_step(long.config, 4, 1)
+    assert {"torch_compiled", "jax_step"} <= set(long.curve_impls)
+    assert min(long.curve_contexts) <= 256

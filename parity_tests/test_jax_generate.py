@@ -54,9 +54,9 @@ def count_forward_traces(monkeypatch: pytest.MonkeyPatch) -> collections.Counter
     counts: collections.Counter[int] = collections.Counter()
     original = jg._forward_last
 
-    def counting(graphdef, state, cache, input_ids, positions, attention_mask):
+    def counting(graphdef, state, cache, input_ids, positions, attention_mask, attend_len):
         counts[input_ids.shape[1]] += 1
-        return original(graphdef, state, cache, input_ids, positions, attention_mask)
+        return original(graphdef, state, cache, input_ids, positions, attention_mask, attend_len)
 
     monkeypatch.setattr(jg, "_forward_last", counting)
     return counts
@@ -126,19 +126,21 @@ def buffer_copies(hlo: str, buffer_shape: tuple[int, ...]) -> list[str]:
     return [line.strip() for line in hlo.splitlines() if " copy(" in line and shape in line.split(" copy(")[0]]
 
 
-@pytest.mark.parametrize("kind", ["static", "sliding_window"])
-def test_compiled_decode_copies_no_kv_buffer(model, kind):
+@pytest.mark.parametrize(("kind", "attend_len"), [("static", None), ("static", 16), ("sliding_window", None)])
+def test_compiled_decode_copies_no_kv_buffer(model, kind, attend_len):
     """In place means no hidden copies either: XLA-CPU copied each K/V buffer 4 times per step when attention read
-    the freshly updated buffer through a dot, at batch 1 (64 MB per step on the small bench's 2066-slot cache)."""
+    the freshly updated buffer through a dot, at batch 1 (64 MB per step on the small bench's 2066-slot cache).
+    Reading a prefix of the buffers (an attention bucket of 16 of the 48 slots) must not copy them either."""
     if jax.default_backend() != "cpu":
         pytest.skip("an XLA-CPU property: other backends keep the attention dots (jax_cache/model.py)")
     _, cache = prefilled(model, kind, PROMPTS[:1], 48)
     graph, params = jg.split_model(model)
     state = jg.initial_state(jnp.asarray([3], jnp.int32), cache.next_positions(), cache, None, 0)
     key, sampling = jax.random.key(0), jg._without_seed(SamplingParams())
-    step_hlo = jg._sampled_step.lower(graph, params, state, key, sampling, None, VOCAB).compile().as_text()
-    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, jnp.int32(8), sampling=sampling, eos=None,
-                                       block_steps=8, vocab_size=VOCAB, return_logits=False).compile().as_text()
+    step_hlo = jg._sampled_step.lower(graph, params, state, key, sampling, None, VOCAB, attend_len).compile().as_text()
+    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, jnp.int32(2), sampling=sampling, eos=None,
+                                       block_steps=2, vocab_size=VOCAB, return_logits=False,
+                                       attend_len=attend_len).compile().as_text()
     buffer_shape = cache.keys[0].shape
     assert " dynamic-update-slice(" in step_hlo, "the step writes the cache (else this test checks nothing)"
     assert buffer_copies(step_hlo, buffer_shape) == []
@@ -154,7 +156,7 @@ def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
     state = jg.initial_state(jnp.asarray([3], jnp.int32), jnp.asarray([0], jnp.int32), cache, None, 0)
     executable, _ = jg.fused_executable(graph, params, state, jax.random.key(0), None, jnp.int32(8),
                                         sampling=jg._without_seed(SamplingParams()), eos=None, block_steps=8,
-                                        vocab_size=VOCAB, return_logits=False)
+                                        vocab_size=VOCAB, return_logits=False, attend_len=None)
     analysis = executable.memory_analysis()
     cache_bytes = sum(array.nbytes for array in cache.arrays())
     assert analysis.alias_size_in_bytes >= cache_bytes

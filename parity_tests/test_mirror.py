@@ -21,6 +21,9 @@ _TORCH_RANK = "torch runs one process per device, each holding plain local tenso
 _JAX_SPMD = ("JAX holds global arrays placed by NamedShardings, and jitted calls pin them in and out (donation needs "
              "equal shardings); XLA SPMD inserts the collectives")
 TORCH_ONLY = {
+    "cache.StaticCache.batch_size": "a torch rank on a mesh holds a shard of the K/V buffers, so the whole cache's "
+                                    "batch is read off slot_positions; JAX arrays are global (cache_layout reads them)",
+    "cache.StaticCache.num_kv_heads": "as batch_size: the whole cache's KV heads, not the rank's shard's",
     "sharding.TensorParallel": f"{_TORCH_RANK} (functional collectives, as gpt-fast's tp.py)",
     "sharding.SINGLE": "the identity TensorParallel an unsplit torch model calls",
     "sharding.parallelize": "a torch rank's model takes its local head counts and collectives; a JAX model is the same "
@@ -28,6 +31,8 @@ TORCH_ONLY = {
     "sharding.weight_slice": f"{_TORCH_RANK}; JAX's weight_sharding places the global array instead",
     "sharding.local_device": f"{_TORCH_RANK}; one JAX process drives every device of its mesh",
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
+    "model.compile_region": "regional compilation for torch.compile (one decoder layer compiled once); XLA compiles "
+                            "a whole step in seconds",
 }
 JAX_ONLY = {
     "sharding.MODEL": "the model axis of the (data, model_kv, model_copy) view JAX places arrays on",
@@ -39,8 +44,6 @@ JAX_ONLY = {
                                           "by multiply-and-sum on XLA-CPU, docs/design.md §7.2)",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
     "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
-    "cache.StaticCache.device": "a JAX cache reads its placement off its arrays (a label); a torch cache stores the "
-                                "torch.device it was built on",
     "cache.default_device": "a torch cache takes a device argument; JAX places new arrays on its default device",
     "cache.device_label": "a JAX array may span several devices, so placements are compared as labels",
     "cache.StaticCache.tree_flatten": "the pytree protocol",
@@ -69,16 +72,16 @@ TORCH_ONLY_PARAMS = {
     "model.Mistral.from_pretrained": ("device",),
     "generate.decode_step_fn": ("compile",),  # torch.compile or eager; JAX's step is always jitted
     "generate.generate": ("compile",),  # the tower's own decode knob; backend.generate(mode=...) is the neutral one
-    "generate.continue_generation": ("compile", "generator"),  # the RNG stream continues in a torch.Generator
+    "generate.continue_generation": ("compile",),
 }
 JAX_ONLY_PARAMS = {
     # NNX creates parameters at construction, in a dtype; torch modules are built first and converted afterwards.
     **{f"model.{cls}.__init__": ("dtype",) for cls in ("Linear", "RMSNorm", "Attention", "MLP", "DecoderLayer",
                                                       "MistralModel", "Mistral")},
     "generate.generate": ("fused",),  # the tower's own decode knob, as torch's `compile`
-    "generate.continue_generation": ("fused", "_first_step"),  # the RNG stream continues by folding in the step
+    "generate.continue_generation": ("fused",),
 }
-RENAMED_PARAMS = {"generator": "key"}  # a torch.Generator where JAX takes a PRNG key
+RENAMED_PARAMS: dict[str, str] = {}  # none today: both towers take a key and fold the step into it
 METHOD_NAMES = {"forward": "__call__"}  # torch modules compute in forward, NNX modules in __call__
 
 

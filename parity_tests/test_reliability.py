@@ -312,7 +312,7 @@ def test_item3_tiny_temperatures_sample_the_greedy_token(model_logits, backend):
             sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
             for seed in range(3):
                 if backend == "torch":
-                    drawn = tg.sample(torch.from_numpy(model_logits), sampling, torch.Generator().manual_seed(seed))
+                    drawn = tg.sample(torch.from_numpy(model_logits), sampling, torch.tensor(seed))
                 else:
                     drawn = jg.sample(jnp.asarray(model_logits), sampling, jax.random.key(seed))
                 np.testing.assert_array_equal(np.asarray(drawn), greedy, err_msg=f"T={temperature} {sampling}")

@@ -1,13 +1,6 @@
-"""Sampling in both backends, judged by an oracle written here in numpy from the definitions, never by the code it
-judges: the exact set of tokens top-k and top-p keep (ties at the boundary included), tiny temperatures, and which
-token a seeded draw picks.
-
-Definitions (docs in torch_cache/generate.py and jax_cache/generate.py):
-  scaled logits  l / T (shift-invariant: the backends compute (l - max) / T, which cannot overflow to +inf)
-  top-k          keep every token whose scaled logit is >= the k-th largest (a tie with the k-th is kept)
-  top-p          on the top-k survivors' softmax, keep every token t whose strictly-more-probable tokens hold less
-                 than top_p in total: the top token always stays, the token that crosses top_p stays, and tokens
-                 tied with a kept token stay.
+"""Sampling in both backends, judged by an oracle written in numpy from the definitions (stated in
+parity_tests/sampling_oracle.py), never by the code it judges: the exact set of tokens top-k and top-p keep (ties at
+the boundary included), tiny temperatures, and which token a seeded draw picks.
 """
 
 from __future__ import annotations
@@ -22,27 +15,11 @@ import torch
 
 import jax_cache.generate as jg
 import torch_cache.generate as tg
+from parity_tests.sampling_oracle import gumbel_noise, key_noise, oracle_kept
 from torch_cache.model import Mistral as TorchMistral
 from twincache.generation import SamplingParams
 
 BACKENDS = ["torch", "jax"]
-
-
-def oracle_kept(logits: np.ndarray, sampling: SamplingParams) -> list[set[int]]:
-    """Per row, the token ids the filters keep, by the definitions above, in float64."""
-    kept = []
-    for row in np.asarray(logits, np.float64):
-        scaled = row / sampling.temperature
-        keep = np.ones(scaled.shape, bool)
-        if sampling.top_k:
-            keep &= scaled >= np.sort(scaled)[-sampling.top_k]
-        if sampling.top_p < 1.0:
-            probs = np.where(keep, np.exp(scaled - scaled[keep].max()), 0.0)
-            probs /= probs.sum()
-            mass_above = np.array([probs[probs > p].sum() for p in probs])
-            keep &= mass_above < sampling.top_p
-        kept.append(set(np.flatnonzero(keep).tolist()))
-    return kept
 
 
 def filtered(backend: str, logits: np.ndarray, sampling: SamplingParams) -> list[set[int]]:
@@ -58,7 +35,7 @@ def drawn(backend: str, logits: np.ndarray, sampling: SamplingParams, draws: int
     """The set of tokens `draws` seeded draws of one row pick, through the backend's sample()."""
     tiled = np.tile(np.asarray(logits, np.float32), (draws, 1))
     if backend == "torch":
-        picks = tg.sample(torch.from_numpy(tiled), sampling, torch.Generator().manual_seed(0))
+        picks = tg.sample(torch.from_numpy(tiled), sampling, torch.tensor(0))
     else:
         picks = jg.sample(jnp.asarray(tiled), sampling, jax.random.key(0))
     return set(np.asarray(picks).tolist())
@@ -99,6 +76,16 @@ def test_filters_keep_exactly_the_defined_set_on_hand_made_logits(backend, row, 
     assert drawn(backend, row, sampling) == expected, "draws must reach every kept token and nothing else"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_with_top_p_one_keeps_tokens_below_float32_resolution(backend):
+    """top_p = 1 filters nothing, also next to top-k: tokens of probability ~1e-13 sit where a float32 cumsum of the
+    mass above them rounds to 1, and must stay (they are never drawn in practice, so only the filter is asked)."""
+    row = [0.0, -30.0, -30.0, 5.0]
+    sampling = SamplingParams(1.0, top_k=4)
+    assert oracle_kept(np.asarray([row]), sampling) == [{0, 1, 2, 3}]
+    assert filtered(backend, np.asarray([row]), sampling) == [{0, 1, 2, 3}]
+
+
 @pytest.fixture(scope="module")
 def model_logits(checkpoints: dict[str, Path]) -> np.ndarray:
     """Real step logits [24, V] of the gqa model: 3 prompts x 8 steps."""
@@ -127,7 +114,7 @@ def test_sampling_tends_to_greedy_as_temperature_goes_to_zero(backend, model_log
         for seed in range(3):
             sampling = SamplingParams(temperature, top_k=10, top_p=0.95, seed=seed)
             if backend == "torch":
-                picks = tg.sample(torch.from_numpy(model_logits), sampling, torch.Generator().manual_seed(seed))
+                picks = tg.sample(torch.from_numpy(model_logits), sampling, torch.tensor(seed))
             else:
                 picks = jg.sample(jnp.asarray(model_logits), sampling, jax.random.key(seed))
             np.testing.assert_array_equal(np.asarray(picks), model_logits.argmax(-1), err_msg=f"T={temperature}")
@@ -147,15 +134,32 @@ def test_jax_draws_equal_an_independent_gumbel_max_oracle(model_logits):
         np.testing.assert_array_equal(picks, (masked + noise).argmax(-1), err_msg=str(sampling))
 
 
-def test_torch_draws_equal_the_unshifted_formula(model_logits):
-    """torch's draw from the same generator state, on probabilities built here as softmax(l / T) over the oracle's
-    kept set (the formula before the overflow fix): the same tokens, row for row."""
-    rows = np.tile(model_logits, (20, 1))  # 480 draws per setting
+def test_torch_draws_equal_an_independent_gumbel_max_oracle(model_logits):
+    """torch's draw is argmax(l / T + Gumbel noise) over the kept tokens, the noise a hash of the key and the entry
+    (sampling_oracle states it): the oracle filters in float64 and makes its own noise in numpy. Each row of a
+    20-fold tiling gets its own noise, so this is 480 draws per setting."""
+    rows = np.tile(model_logits, (20, 1))
     for i, sampling in enumerate(MODEL_SETTINGS):
-        picks = tg.sample(torch.from_numpy(rows), sampling, torch.Generator().manual_seed(i))
+        picks = tg.sample(torch.from_numpy(rows), sampling, torch.tensor(100 + i)).numpy()
         kept = oracle_kept(rows, sampling)
-        scaled = torch.from_numpy(rows) / sampling.temperature
-        mask = torch.tensor([[t in row for t in range(rows.shape[1])] for row in kept])
-        probs = scaled.masked_fill(~mask, float("-inf")).softmax(-1)
-        reference = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(i))[:, 0]
-        assert torch.equal(picks, reference), f"{sampling}: {int((picks != reference).sum())} draws differ"
+        mask = np.array([[t in row for t in range(rows.shape[1])] for row in kept])
+        scaled = np.where(mask, rows.astype(np.float64) / sampling.temperature, -np.inf)
+        noise = key_noise(100 + i, rows.shape)  # sample() draws with the key as given; generate folds in the step
+        np.testing.assert_array_equal(picks, (scaled + noise).argmax(-1), err_msg=str(sampling))
+
+
+def test_torch_draw_frequencies_follow_the_probabilities():
+    """20,000 draws of p = .4 .3 .2 .1 (one row each, so each has its own noise): every frequency within 4.5 sigma."""
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    rows = torch.from_numpy(np.tile(np.log(probs, dtype=np.float32), (20_000, 1)))
+    for seed in (0, 1):
+        counts = np.bincount(tg.sample(rows, SamplingParams(1.0, seed=seed)).numpy(), minlength=4)
+        sigma = np.sqrt(20_000 * probs * (1 - probs))
+        assert np.all(np.abs(counts - 20_000 * probs) < 4.5 * sigma), f"seed {seed}: counts {counts.tolist()}"
+
+
+def test_gumbel_oracle_noise_is_the_step_folded_key():
+    """The oracle's step folding is what the noise of a step uses: steps and seeds give different noise."""
+    first, second, other_seed = (gumbel_noise(seed, step, (2, 8)) for seed, step in ((3, 0), (3, 1), (4, 0)))
+    assert not np.allclose(first, second) and not np.allclose(first, other_seed)
+    assert np.isfinite(first).all()

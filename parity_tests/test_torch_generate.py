@@ -278,11 +278,11 @@ def test_sampled_tokens_stay_inside_the_filter(model, top_k, top_p):
 def test_sample_on_hand_made_logits():
     logits = torch.tensor([[0.0, 5.0, 4.9, -1.0], [3.0, 0.0, 0.0, 2.9]])
     assert sample(logits, SamplingParams(), None).tolist() == [1, 0]
-    generator = torch.Generator().manual_seed(0)
     seen: list[set[int]] = [set(), set()]
-    for _ in range(40):
-        assert sample(logits, SamplingParams(temperature=2.0, top_k=1), generator).tolist() == [1, 0]
+    for seed in range(40):
+        key = torch.tensor(seed)
+        assert sample(logits, SamplingParams(temperature=2.0, top_k=1), key).tolist() == [1, 0]
         # top_p 0.6: the top token alone has ~0.52 of the mass, so the runner-up stays in and nothing else does.
-        for row, pick in enumerate(sample(logits, SamplingParams(temperature=1.0, top_p=0.6), generator).tolist()):
+        for row, pick in enumerate(sample(logits, SamplingParams(temperature=1.0, top_p=0.6), key).tolist()):
             seen[row].add(pick)
     assert seen == [{1, 2}, {0, 3}]

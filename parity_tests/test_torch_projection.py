@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import torch_cache.generate as tg
+import torch_cache.model as tm
 from torch_cache.cache import make_cache
 from torch_cache.model import Mistral, project
 
@@ -38,9 +40,16 @@ def traced_graph(model: Mistral, batch: int) -> torch.fx.GraphModule:
     return graphs[0]
 
 
-def linear_calls(graph: torch.fx.GraphModule) -> int:
-    targets = (F.linear, torch._C._nn.linear)
-    return sum(node.op == "call_function" and node.target in targets for node in graph.graph.nodes)
+def linear_calls(graph: torch.fx.GraphModule, targets: tuple = (F.linear, torch._C._nn.linear)) -> int:
+    """F.linear calls (or calls of `targets`) a step makes: in the graph, and in each call of a compiled region (a
+    decoder layer traced once, torch_cache.model.compile_region) as many times as the graph calls it."""
+    count = 0
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            count += 1
+        elif node.op == "call_function" and "invoke_subgraph" in str(node.target):
+            count += linear_calls(getattr(graph, node.args[0].target), targets)
+    return count
 
 
 def projections(config: object) -> int:
@@ -72,3 +81,81 @@ def test_multiply_and_sum_matches_f_linear_within_fp32_rounding():
     # Both sum 512 fp32 products in some order: each is within a few fp32 ulps of the float64 result.
     torch.testing.assert_close(compiled(x, weight).double(), reference, rtol=0, atol=2e-5)
     torch.testing.assert_close(F.linear(x, weight).double(), reference, rtol=0, atol=2e-5)
+
+
+# --- batched CPU float32 steps read oneDNN-packed weights ---------------------------------------------------------
+
+packed_only = pytest.mark.skipif(not tm._PACKED_LINEAR, reason="needs torch.library.custom_op and oneDNN")
+
+
+def packed_calls(graph: torch.fx.GraphModule) -> int:
+    return linear_calls(graph, (torch.ops.torch_cache.packed_linear.default, torch.ops.torch_cache.packed_linear))
+
+
+@packed_only
+def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkpoints: dict[str, Path]):
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    tm._pack_projections(model, 8)
+    graph = traced_graph(model, 8)
+    assert packed_calls(graph) == projections(model.config) and linear_calls(graph) == 0, graph.code
+    graph = traced_graph(model, 4)  # multiply-and-sum rows never read the packed copy
+    assert packed_calls(graph) == 0 and linear_calls(graph) == 0, graph.code
+
+
+@packed_only
+def test_packing_is_for_cpu_float32_batches_past_multiply_and_sum_only(checkpoints: dict[str, Path]):
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    tm._pack_projections(model, 4)
+    assert model._packed_head is None
+    bf16 = Mistral.from_pretrained(checkpoints["gqa"], dtype=torch.bfloat16)
+    tm._pack_projections(bf16, 8)
+    assert bf16._packed_head is None
+
+
+@packed_only
+def test_compiled_batched_decode_reads_packed_weights_and_equals_eager(checkpoints: dict[str, Path]):
+    """A compiled generation of 8 rows packs the weights once, gives eager's tokens and logits within rounding, and
+    repacks (without recompiling) after a weight is written in place, so it never reads a stale copy."""
+    from torch._dynamo.utils import counters
+
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    prompts = [[5 + row, 17, 42, 99 - row][: 2 + row % 3] for row in range(8)]
+
+    def both() -> tuple:
+        compiled = tg.generate(model, prompts, 6, cache="static", return_logits=True)
+        eager = tg.generate(model, prompts, 6, cache="static", return_logits=True, compile=False)
+        return compiled, eager
+
+    compiled, eager = both()
+    assert model._packed_head is not None, "a batch of 8 packs the weights"
+    packed = model._packed_head
+    assert compiled.token_ids == eager.token_ids
+    torch.testing.assert_close(compiled.step_logits, eager.step_logits, rtol=0, atol=1e-4)
+    tg.generate(model, prompts, 3, cache="static")
+    assert model._packed_head is packed, "unchanged weights keep their packed copies"
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # a different argmax everywhere
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    before = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled_after, eager_after = both()
+    assert counters["stats"]["unique_graphs"] == before
+    assert eager_after.token_ids != eager.token_ids
+    assert compiled_after.token_ids == eager_after.token_ids
+    torch.testing.assert_close(compiled_after.step_logits, eager_after.step_logits, rtol=0, atol=1e-4)
+
+
+@packed_only
+def test_packing_that_would_crowd_the_host_is_skipped_and_drops_stale_copies(checkpoints: dict[str, Path],
+                                                                            monkeypatch):
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    tm._pack_projections(model, 8)
+    assert model._packed_head is not None and model.model.layers[0].mlp.up_proj._packed is not None
+    monkeypatch.setattr(tm, "available_memory", lambda device: 1024)  # 1 KB free
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    tm._pack_projections(model, 8)
+    assert model._packed_head is None and model.model.layers[0].mlp.up_proj._packed is None, "a stale copy stays"
+    fresh = Mistral.from_pretrained(checkpoints["gqa"])
+    tm._pack_projections(fresh, 8)
+    assert fresh._packed_head is None

@@ -20,12 +20,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch_cache import sharding
-from twincache import cache_checks
+from twincache import buckets, cache_checks
+from twincache.cache_layout import BufferSizes
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
 
 
-class StaticCache:
+class StaticCache(BufferSizes):
     """Per-layer K/V buffers written in place with `index_copy_`; addresses never change."""
 
     kind = "static"
@@ -45,22 +46,18 @@ class StaticCache:
             shards = sharding.kv_shards_per_device(mesh, config.num_key_value_heads)
             device = sharding.local_device(mesh)
         self.mesh = mesh
-        self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.batch_size = batch_size
-        self.max_cache_len = max_cache_len
-        self.cache_len = self._buffer_len(config, max_cache_len)
-        self.dtype = dtype
-        self.device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
+        self._num_kv_heads = config.num_key_value_heads  # the whole cache's: a rank on a mesh holds some of them
+        device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
+        cache_len = self._buffer_len(config, max_cache_len)
+        shape = (batch_size, config.num_key_value_heads, cache_len, config.head_dim)  # the whole cache
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
-        cache_checks.check_cache_fits(self, dtype.itemsize, available_memory(self.device), memory_label(self.device),
-                                      shards)
-        shape = (rows, kv_heads, self.cache_len, self.head_dim)  # this rank's shard on a mesh
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.slot_positions = torch.full((batch_size, self.cache_len), -1, dtype=torch.int32, device=self.device)
-        self.length = torch.zeros((), dtype=torch.int32, device=self.device)
+        cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
+                                      available_memory(device), memory_label(device), shards)
+        local = (rows, kv_heads, cache_len, config.head_dim)  # this rank's shard on a mesh
+        self.keys = [torch.zeros(local, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(local, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.slot_positions = torch.full((batch_size, cache_len), -1, dtype=torch.int32, device=device)
+        self.length = torch.zeros((), dtype=torch.int32, device=device)
         for buffer in self.arrays():
             torch._dynamo.mark_static_address(buffer)  # cudagraphs may keep pointers to these across replays
 
@@ -68,10 +65,23 @@ class StaticCache:
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
         return max_cache_len
 
+    # --- sizes are read off the buffers (twincache.cache_layout.BufferSizes), and so is the dtype ------------------
+
     @property
-    def capacity(self) -> int | None:
-        """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
-        return self.max_cache_len
+    def batch_size(self) -> int:
+        return self.slot_positions.shape[0]  # whole on every rank; a mesh rank's K/V hold its rows only
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_kv_heads  # the whole cache's; a mesh rank's K/V hold its group's
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
 
     def arrays(self) -> list[torch.Tensor]:
         """Every tensor of the cache: keys and values of each layer, slot_positions, length."""
@@ -90,14 +100,22 @@ class StaticCache:
 
     # --- the forward-pass protocol: attended_positions, update per layer, then advance ------------------------------
 
-    def attended_positions(self, new_positions: torch.Tensor) -> torch.Tensor:
-        """Positions of the keys that `update` will return for this forward. new_positions: [B, S] (-1 = padding)."""
+    def attended_positions(self, new_positions: torch.Tensor, attend_len: int | None = None) -> torch.Tensor:
+        """Positions of the keys attention reads in this forward. new_positions: [B, S] (-1 = padding).
+
+        `attend_len` (twincache.buckets): attention reads only the first attend_len slots, which must hold every live
+        key; None reads them all. A forward that attends over the old buffers plus its new tokens (a ring's
+        multi-token write) reads them all regardless.
+        """
         num_new = new_positions.shape[1]
         if not torch.compiler.is_compiling():  # the first call of a forward: refuse before index_copy's IndexError
             self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if self._attends_in_place(num_new):
-            return self.slot_positions.index_copy(1, slots, new_positions[:, num_new - kept:])  # [B, L]
+            if attend_len is not None and not torch.compiler.is_compiling():
+                buckets.check_attend_len(attend_len, int(self.length), num_new, self.cache_len)
+            positions = self.slot_positions.index_copy(1, slots, new_positions[:, num_new - kept:])  # [B, L]
+            return positions if attend_len is None else positions.narrow(1, 0, attend_len)  # [B, attend_len]
         return torch.cat([self.slot_positions, new_positions], dim=1)  # [B, L + S]
 
     def update(self, layer_idx: int, key_states: torch.Tensor,
@@ -226,8 +244,10 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
 
 
 def cache_fields(cache: StaticCache) -> dict[str, object]:
-    """The static description of a cache (everything but its tensors), for comparisons and handoff."""
-    return {k: v for k, v in vars(cache).items() if k not in cache.ARRAY_FIELDS}
+    """The description of a cache (everything but its tensors), for comparisons and handoff."""
+    names = ("kind", "num_layers", "batch_size", "num_kv_heads", "cache_len", "head_dim", "max_cache_len", "dtype")
+    return {name: getattr(cache, name) for name in names} | {k: v for k, v in vars(cache).items()
+                                                            if k not in cache.ARRAY_FIELDS}
 
 
 __all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "memory_label"]

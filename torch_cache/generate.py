@@ -8,6 +8,7 @@ so compiling it would only add that compile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -17,8 +18,9 @@ import torch
 
 from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
-from torch_cache.model import Mistral
+from torch_cache.model import Mistral, _pack_projections
 from twincache import cache_checks, phases
+from twincache.buckets import step_attend_len
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     PREFILL_CHUNK,
@@ -43,8 +45,48 @@ MAX_DECODE_VARIANTS = 64
 _CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy a jax_cache one with "
                "twincache_app.handoff.cache_to_torch), or a kind name")
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
-DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache], torch.Tensor]
-_compiled_steps: weakref.WeakKeyDictionary[Mistral, DecodeStep] = weakref.WeakKeyDictionary()
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache, int | None], torch.Tensor]
+_MASK32 = 0xFFFFFFFF
+
+
+def _sampling_kind(sampling: SamplingParams) -> str:
+    """What a step computes to choose its tokens, one compiled graph each: "greedy" (argmax), "temperature" (a draw
+    from every token) or "filtered" (a draw after top-k / top-p, which sorts the vocabulary). The values of the
+    temperature, top_k and top_p are tensors, so another setting of the same kind reuses its graph."""
+    if sampling.greedy:
+        return "greedy"
+    return "filtered" if sampling.top_k or sampling.top_p < 1.0 else "temperature"
+
+
+def _knobs(sampling: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampling settings as the tensors `_filter` takes: temperature [] fp32, top_k [] int64, top_p [] fp32."""
+    return (torch.tensor(sampling.temperature, dtype=torch.float32, device=device),
+            torch.tensor(sampling.top_k, dtype=torch.long, device=device),
+            torch.tensor(sampling.top_p, dtype=torch.float32, device=device))
+
+
+def _filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+            filters: bool) -> torch.Tensor:
+    """filter_logits with its settings as tensors (the form the compiled step takes). `filters` False skips the
+    sort when top_k is 0 and top_p 1. [B, V]"""
+    peak = logits.max(dim=-1, keepdim=True).values  # [B, 1]
+    logits = (logits - peak) / temperature.clamp(min=MIN_TEMPERATURE)
+    if not filters:
+        return logits
+    batch, vocab = logits.shape
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
+    k = torch.where(top_k > 0, top_k, vocab).expand(batch, 1)  # [B, 1]; 0 keeps all V
+    kth_largest = sorted_logits.gather(-1, k - 1)  # [B, 1]
+    # Masking a sorted row by value keeps it sorted: it is the sorted row of the top-k survivors.
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))  # [B, V]
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
+    # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
+    above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V], the mass ranked above each token
+    kept = (above < top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
+    kept = torch.where(top_p < 1.0, kept, vocab)  # top_p 1 keeps all: rounding in the cumsum must not cut the tail
+    cutoff = sorted_logits.gather(-1, kept - 1)  # [B, 1], the smallest logit kept
+    return logits.masked_fill(logits < torch.maximum(kth_largest, cutoff), float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -53,51 +95,139 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tenso
     Scaled as (logits - max) / T: the top token sits at 0 and every other is below it, so a tiny T overflows only
     to -inf (never to inf, or inf - inf = NaN), and sampling tends to greedy as T -> 0. A T below float32's smallest
     normal number acts as that number. Both filters cut by value, so a tie at the boundary keeps every tied token.
+    top-p applies to the top-k survivors' renormalised mass. The compiled decode step computes this same function.
     """
-    peak = logits.max(dim=-1, keepdim=True).values  # [B, 1]
-    logits = (logits - peak) / max(sampling.temperature, MIN_TEMPERATURE)
-    if sampling.top_k:
-        kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
-        # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
-        above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V], the mass ranked above each token
-        kept = (above < sampling.top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
-        cutoff = sorted_logits.gather(-1, kept - 1)  # [B, 1], the smallest logit kept
-        logits = logits.masked_fill(logits < cutoff, float("-inf"))
-    return logits
+    return _filter(logits, *_knobs(sampling, logits.device), _sampling_kind(sampling) == "filtered")
 
 
-def sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row from fp32 logits [B, V]: greedy, or temperature with top-k and top-p filtering. [B] int64."""
+def _mul32(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """x * factor mod 2^32, for x in [0, 2^32) in int64: in two 16-bit halves of the factor, so no product leaves
+    int64 (signed overflow is undefined in the C++ inductor writes)."""
+    low = x * (factor & 0xFFFF)
+    high = ((x * (factor >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons' integer hash): a bijection on 32-bit values, held in int64 in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _fold_in(key: torch.Tensor, data: torch.Tensor | int) -> torch.Tensor:
+    """A new key from `key` ([] int64, 32 bits) and `data` (the step index), as jax.random.fold_in. [] int64"""
+    return _hash32(key ^ _hash32(torch.as_tensor(data, device=key.device) & _MASK32))
+
+
+def _gumbel(key: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] fp32, a pure function of `key` and each entry's index: counter-based, so it needs
+    no generator state and runs inside the compiled step (24-bit uniforms in (0, 1), then -log(-log(u)))."""
+    counter = torch.arange(shape[0] * shape[1], device=key.device).view(shape)  # [B, V]
+    bits = _hash32(_hash32(counter) ^ key)  # [B, V] in [0, 2^32)
+    uniform = ((bits >> 8).float() + 0.5) * 2.0 ** -24  # [B, V] in (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+def sample(logits: torch.Tensor, sampling: SamplingParams, key: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row from fp32 logits [B, V]: greedy, or a draw from softmax(filter_logits(logits)) by
+    Gumbel-max with `key`'s noise ([] int64 in [0, 2^32): a seed, or a seed with a step folded in; None: the
+    sampling's seed). [B] int64
+
+    jax_cache draws the same way (jax.random.categorical is Gumbel-max), from its own generator."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    return torch.multinomial(filter_logits(logits, sampling).softmax(dim=-1), 1, generator=generator)[:, 0]
+    key = torch.tensor(sampling.seed, device=logits.device) if key is None else key
+    return _draw(filter_logits(logits, sampling), key)
+
+
+def _draw(scaled: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max: argmax(scaled + noise) is a draw from softmax(scaled) [B, V]. [B] int64"""
+    return (scaled + _gumbel(key, tuple(scaled.shape))).argmax(dim=-1)
+
+
+def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor,
+            forcing: torch.Tensor, key: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor,
+            top_k: torch.Tensor, top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's decisions from fp32 logits [B, V], written to run inside the compiled step (and eagerly for the
+    prefill's token): the tokens [B] (the `forced` ones [B] when `forcing`, [] bool: a tensor, so teacher forcing
+    runs the greedy graph; finished rows keep emitting `eos`, [] int64, -1 for none), the new finished flags [B], and
+    what the host reads, its one copy per step: [B + 1] int64, the tokens then 1 if any logit is NaN or Inf. A
+    sampled step draws with `key` folded with `step`, the generated-token index.
+    """
+    finite_rows = torch.isfinite(logits).all(dim=-1, keepdim=True)  # [B, 1]
+    if kind == "greedy":
+        next_ids = logits.argmax(dim=-1)
+    else:  # a row with NaN/Inf is drawn from zeros: its draw is reported, never used
+        scaled = _filter(logits.where(finite_rows, 0.0), temperature, top_k, top_p, kind == "filtered")  # [B, V]
+        next_ids = _draw(scaled, _fold_in(key, step))
+    next_ids = torch.where(forcing, forced, next_ids)  # [B]
+    next_ids = torch.where(finished, eos, next_ids)  # [B]
+    finished = finished | ((next_ids == eos) & (eos >= 0))
+    return next_ids, finished, torch.cat([next_ids, (~finite_rows.all()).long()[None]])
+
+
+_DecodeOne = Callable[..., tuple[torch.Tensor, ...]]
+_compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeOne] = weakref.WeakKeyDictionary()
+
+
+def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
+    """The whole decode step, compiled once per model: `(input_ids [B, 1], positions [B, 1], cache, attend_len,
+    finished [B], eos [], forced [B], forcing [], key [], step [], temperature [], top_k [], top_p [], kind) ->
+    (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], next step [], for_host [B + 1])`.
+    The forward, the choice (greedy or a seeded draw), the EOS bookkeeping and the finiteness flag are one graph per
+    sampling kind (`_sampling_kind`); teacher forcing runs the greedy one."""
+    def decode_one(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, attend_len: int | None,
+                   finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor, forcing: torch.Tensor,
+                   key: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
+        logits = model(input_ids, positions, cache, attend_len=attend_len)[:, -1].float()  # [B, V]
+        next_ids, finished, for_host = _choose(logits, finished, eos, forced, forcing, key, step, temperature, top_k,
+                                               top_p, kind)
+        return logits, next_ids, finished, positions + 1, step + 1, for_host
+
+    if not compile:
+        return decode_one
+    if model not in _compiled_decode:
+        # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype, bucket
+        # kind) a process decodes with is one entry; the default limit of 8 would make the 9th a hard error under
+        # fullgraph=True. The tests count the compiles of a generation with fail_on_recompile.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
+        # Static shapes (batch and cache sizes specialise), but the bucket is symbolic where this torch can say so:
+        # one graph then serves every partial bucket, and the whole cache is one more (docs/design.md §7.13).
+        # Elsewhere each bucket compiles once.
+        compiled = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")
+                           if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
+
+        def inference_step(*args: object) -> tuple[torch.Tensor, ...]:
+            # grad mode is guarded on: entering inference mode here keeps it one graph for all callers
+            with torch.inference_mode(), symbolic_bucket:
+                return compiled(*args)
+
+        _compiled_decode[model] = inference_step
+    return _compiled_decode[model]
 
 
 def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
-    """The one-token step `(input_ids [B, 1], positions [B, 1], cache) -> logits [B, V]`, compiled once per model."""
-    def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-        return model(input_ids, positions, cache)[:, -1]
+    """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]` fp32,
+    compiled once per model: the graph generate runs (its greedy choice unused here). `attend_len` is the step's
+    attention bucket (twincache.buckets; None: every slot)."""
+    decode_one = _decode_one_fn(model, compile)
 
-    if not compile:
-        return step
-    if model not in _compiled_steps:
-        # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype) a process
-        # decodes with is one entry; the default limit of 8 would make the 9th a hard error under fullgraph=True.
-        # A generation itself still compiles exactly once (the tests assert it with fail_on_recompile).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
+             attend_len: int | None = None) -> torch.Tensor:
+        device = input_ids.device
+        if compile:  # batched CPU steps read packed weights (torch_cache/model.py), checked once per call
+            _pack_projections(model, input_ids.shape[0])
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)  # [B]
+        no_eos = torch.tensor(-1, device=device)
+        return decode_one(input_ids, positions, cache, attend_len, finished, no_eos,
+                          *_no_draw_args(input_ids.shape[0], device), "greedy")[0]
 
-        def inference_step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache) -> torch.Tensor:
-            with torch.inference_mode():  # grad mode is guarded on: entering it here keeps it one graph for all callers
-                return compiled(input_ids, positions, cache)
-
-        _compiled_steps[model] = inference_step
-    return _compiled_steps[model]
+    return step
 
 
 @torch.inference_mode()
@@ -116,9 +246,11 @@ def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tenso
     chunks = prefill_chunks(input_ids.shape[1], chunk_size)
     model.check_inputs(input_ids, positions, attention_mask)
     cache.check_forward(model.config, input_ids, model.dtype, model.device)
+    length = int(cache.length)  # the host's copy of the cache length picks each chunk's attention bucket
     for start, stop in chunks:
+        attend = step_attend_len(length + start, stop - start, cache.cache_len)
         logits = model(input_ids[:, start:stop], positions[:, start:stop], cache, attention_mask[:, start:stop],
-                       logits_to_keep=1)  # [B, 1, V]
+                       logits_to_keep=1, attend_len=attend)  # [B, 1, V]
     return logits[:, -1].float()
 
 
@@ -158,46 +290,47 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         model._check_mesh(cache)
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
+        planned_len = cache.max_cache_len
     else:
         kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
+        planned_len = cache_len  # reported as planned: a ring holds only min(W, it) slots (docs/design.md §5)
         cache = make_cache(kind, config, batch, cache_len, dtype, device, model.mesh)
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:
-        return keep_rows(GenerationResult(cache.kind, cache.max_cache_len, prompt_ids, [[] for _ in prompt_ids], 0.0,
-                                          0.0, 0.0, 0, 0, None, cache, "compiled" if compile else "eager"), rows)
-    generator = None if sampling.greedy else torch.Generator(device=device).manual_seed(sampling.seed)
+        return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
+                                          0.0, 0, 0, None, cache, "compiled" if compile else "eager"), rows)
     if compile and max_new_tokens > 1:  # the first decode step compiles
         announce_compile("torch.compile")
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
                      torch.from_numpy(inputs.attention_mask).to(device), cache, inputs.prefill_chunk)  # [B, V]
     first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
-    _, _, first = _pick(logits, torch.zeros(batch, dtype=torch.bool, device=device), sampling, generator, eos,
-                        step=0, forced=first_forced)
+    first = _first_tokens(logits, sampling, eos, first_forced)
     prefill_s = time.perf_counter() - start
     if on_token is not None:
         on_token(first)
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
-                               on_token=on_token, return_logits=return_logits, generator=generator,
-                               forced_tokens=None if forced is None else forced[:, 1:])
+                               on_token=on_token, return_logits=return_logits,
+                               forced_tokens=None if forced is None else forced[:, 1:], _first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
-    return keep_rows(dataclasses.replace(rest, prompt_ids=prompt_ids, token_ids=tokens, prefill_s=prefill_s,
-                                         step_logits=step_logits), rows)
+    return keep_rows(dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
+                                         prefill_s=prefill_s, step_logits=step_logits), rows)
 
 
 @torch.inference_mode()
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
                         sampling: SamplingParams | None = None, compile: bool = True,
                         on_token: TokenCallback | None = None, return_logits: bool = False,
-                        generator: torch.Generator | None = None,
-                        forced_tokens: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+                        forced_tokens: Sequence[Sequence[int]] | None = None,
+                        _first_step: int = 0) -> GenerationResult:
     """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
 
     Positions come from the cache itself, so a cache handed over from jax_cache continues exactly where it was.
     A row whose last token is EOS is finished. Returns only the new tokens; `result.cache` is `cache`, written in place.
-    `forced_tokens` teacher-forces the steps, as in `generate`.
+    `forced_tokens` teacher-forces the steps, as in `generate`. A sampled step k draws with the seed and step index
+    `_first_step + k` (generate's prefill token is step 0), as jax_cache does.
     """
     config = model.config
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
@@ -215,44 +348,58 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         # [N, B]: step k's row forced[k] is contiguous, laid out as a sampled [B] is, so the compiled step's stride
         # guards hold and forcing never recompiles it
         forced = torch.from_numpy(forced_np.T.copy()).long().to(device)
-    if generator is None and not sampling.greedy:
-        generator = torch.Generator(device=device).manual_seed(sampling.seed)
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
+    eos_id = torch.tensor(-1 if eos is None else eos, device=device)  # [] int64, -1 for none
     next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
-    finished = next_ids == eos if eos is not None else torch.zeros_like(next_ids, dtype=torch.bool)
-    step = decode_step_fn(model, compile)
+    finished = next_ids == eos_id  # [B]
+    kind = "greedy" if forced is not None else _sampling_kind(sampling)  # forcing replaces the choice
+    not_forced = torch.zeros(len(last_tokens), dtype=torch.long, device=device)  # [B]
+    forcing = torch.tensor(forced is not None, device=device)  # [] bool
+    key = torch.tensor(sampling.seed, dtype=torch.long, device=device)  # [] int64
+    step = torch.tensor(_first_step, dtype=torch.long, device=device)  # [] int64, the generated-token index
+    knobs = _knobs(sampling, device)
+    decode_one = _decode_one_fn(model, compile)
+    if compile:  # batched CPU steps read packed weights (torch_cache/model.py): made or checked once per call
+        _pack_projections(model, len(last_tokens))
     tokens: list[list[int]] = [[] for _ in last_tokens]
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0
-    decode_steps = 0
-    decode_start = time.perf_counter()
+    decode_steps = timed_steps = 0
+    length, bucket = int(cache.length), None  # the host's copy of the cache length picks each step's bucket
     all_done = eos is not None and all(t == eos for t in last_tokens)
     phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call
+    stamp = time.perf_counter()
     while decode_steps < max_new_tokens and not all_done:
-        logits = step(next_ids[:, None], positions, cache).float()  # [B, V]
-        positions = positions + 1
-        decode_steps += 1
+        attend = step_attend_len(length, 1, cache.cache_len)
+        forced_now = not_forced if forced is None else forced[decode_steps]  # [B]
+        logits, next_ids, finished, positions, step, for_host = decode_one(
+            next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing, key, step, *knobs,
+            kind)
+        length, decode_steps = length + 1, decode_steps + 1
+        *row_ids, non_finite = for_host.tolist()  # the step's one host copy: its tokens and the NaN flag
+        _raise_if_non_finite(non_finite, decode_steps, logits.dtype)
+        # cudagraph outputs are overwritten by the next replay: what the next step reads is copied out
+        next_ids, finished, positions, step = next_ids.clone(), finished.clone(), positions.clone(), step.clone()
         if return_logits:
-            step_logits.append(logits.clone())  # cudagraph outputs are overwritten by the next replay
-        next_ids, finished, row_ids = _pick(logits, finished, sampling, generator, eos, decode_steps,
-                                            None if forced is None else forced[decode_steps - 1])
+            step_logits.append(logits.clone())
         all_done = eos is not None and all(token == eos for token in row_ids)
-        if decode_steps == 1:  # compile happens here; timing of the steady state starts after it
-            first_step_s, decode_start = time.perf_counter() - decode_start, time.perf_counter()
-            if compile:
-                phases.enter("decode")
+        now = time.perf_counter()
+        if attend != bucket:  # the first step of each bucket may compile: timed apart from the steady state
+            first_step_s, bucket = first_step_s + now - stamp, attend
+        else:
+            decode_s, timed_steps = decode_s + now - stamp, timed_steps + 1
+        stamp = now
+        if decode_steps == 1 and compile:
+            phases.enter("decode")
         append_tokens(tokens, row_ids, eos)
         if on_token is not None:
             on_token(row_ids)
-    if decode_steps > 1:
-        decode_s = time.perf_counter() - decode_start
     logits_out = None
     if return_logits:  # [B, steps, V]; steps is 0 when every row had already ended
         empty = torch.zeros(len(tokens), 0, config.vocab_size, device=device)
         logits_out = torch.stack(step_logits, dim=1) if step_logits else empty
     return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
-                            decode_s, decode_steps, max(decode_steps - 1, 0), logits_out, cache,
-                            "compiled" if compile else "eager")
+                            decode_s, decode_steps, timed_steps, logits_out, cache, "compiled" if compile else "eager")
 
 
 def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.device) -> None:
@@ -262,25 +409,36 @@ def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.dev
                             "generate fewer tokens or pass return_logits=False")
 
 
-def _pick(logits: torch.Tensor, finished: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
-          eos: int | None, step: int,
-          forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Sample one step's tokens [B] (or take the `forced` ones); finished rows keep emitting EOS. Raises on
-    non-finite logits.
+def _no_draw_args(batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """forced, forcing, key, step, temperature, top_k, top_p for a greedy step that forces nothing."""
+    zero = torch.tensor(0, dtype=torch.long, device=device)
+    return (torch.zeros(batch, dtype=torch.long, device=device), torch.tensor(False, device=device), zero, zero,
+            *_knobs(SamplingParams(), device))
 
-    Returns the tokens on device and on the host: one host sync per step carries them and the finiteness flag."""
-    finite_rows = torch.isfinite(logits).all(dim=-1, keepdim=True)  # [B, 1]
-    if not sampling.greedy:  # a row with NaN/Inf is drawn from zeros instead: multinomial would raise before we can
-        logits = logits.where(finite_rows, 0.0)
-    next_ids = sample(logits, sampling, generator) if forced is None else forced  # [B]
-    if eos is not None:
-        next_ids = torch.where(finished, eos, next_ids)
-        finished = finished | (next_ids == eos)
-    *row_ids, non_finite = torch.cat([next_ids, (~finite_rows.all())[None].long()]).tolist()
+
+def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | None,
+                  forced: torch.Tensor | None) -> list[int]:
+    """The prefill's tokens (generated-token index 0), chosen as every later step chooses (`_choose`, eagerly), or
+    the `forced` ones [B]. Raises on non-finite logits. Returns them on the host, in the one copy of this step."""
+    batch = logits.shape[0]
+    device = logits.device
+    eos_id = torch.tensor(-1 if eos is None else eos, device=device)
+    key = torch.tensor(sampling.seed, dtype=torch.long, device=device)
+    step = torch.tensor(0, dtype=torch.long, device=device)
+    kind = "greedy" if forced is not None else _sampling_kind(sampling)
+    forcing = torch.tensor(forced is not None, device=device)
+    forced = torch.zeros(batch, dtype=torch.long, device=device) if forced is None else forced
+    _, _, for_host = _choose(logits, torch.zeros(batch, dtype=torch.bool, device=device), eos_id, forced, forcing,
+                             key, step, *_knobs(sampling, device), kind)
+    *row_ids, non_finite = for_host.tolist()
+    _raise_if_non_finite(non_finite, 0, logits.dtype)
+    return row_ids
+
+
+def _raise_if_non_finite(non_finite: int, step: int, dtype: torch.dtype) -> None:
     if non_finite:
         raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
-                                   f"or dtype ({logits.dtype}) are not usable for this input")
-    return next_ids, finished, row_ids
+                                   f"or dtype ({dtype}) are not usable for this input")
 
 
 __all__ = ["MAX_DECODE_VARIANTS", "DecodeStep", "sample", "decode_step_fn", "prefill", "generate",

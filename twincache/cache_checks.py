@@ -86,15 +86,17 @@ def cache_bytes(num_layers: int, batch_size: int, num_kv_heads: int, cache_len: 
     return 2 * num_layers * batch_size * num_kv_heads * cache_len * head_dim * itemsize + 4 * batch_size * cache_len + 4
 
 
-def check_cache_fits(cache: Any, itemsize: int, available: int | None, memory: str, shards: int = 1) -> None:
-    """Refuse, before allocating, a cache larger than the `memory` available to hold it (None: unknown, not checked).
-    On a mesh each device holds 1/`shards` of it (docs/design.md §10)."""
-    needed = cache_bytes(cache.num_layers, cache.batch_size, cache.num_kv_heads, cache.cache_len, cache.head_dim,
-                         itemsize)
-    check_fits(f"a {cache.kind} cache of {cache.num_layers} layers x batch {cache.batch_size} x {cache.num_kv_heads} "
-               f"kv heads x {cache.cache_len} slots x head_dim {cache.head_dim} in {cache.dtype}"
-               + (f", split {shards} ways," if shards > 1 else ""), -(-needed // shards), available,
-               memory, "lower max_cache_len (--max-cache-len) or max_new_tokens, or use the sliding_window cache")
+def check_cache_fits(kind: str, num_layers: int, shape: tuple[int, int, int, int], dtype: object, itemsize: int,
+                     available: int | None, memory: str, shards: int = 1) -> None:
+    """Refuse, before allocating, a cache of `num_layers` K and V buffers of `shape` [batch, kv_heads, cache_len,
+    head_dim] larger than the `memory` available to hold it (None: unknown, not checked). On a mesh each device holds
+    1/`shards` of it (docs/design.md §10)."""
+    batch, kv_heads, cache_len, head_dim = shape
+    needed = cache_bytes(num_layers, batch, kv_heads, cache_len, head_dim, itemsize)
+    check_fits(f"a {kind} cache of {num_layers} layers x batch {batch} x {kv_heads} kv heads x {cache_len} slots x "
+               f"head_dim {head_dim} in {dtype}" + (f", split {shards} ways," if shards > 1 else ""),
+               -(-needed // shards), available, memory,
+               "lower max_cache_len (--max-cache-len) or max_new_tokens, or use the sliding_window cache")
 
 
 def check_fits(what: str, needed: int, available: int | None, memory: str, advice: str) -> None:

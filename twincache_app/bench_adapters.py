@@ -67,7 +67,8 @@ class BackendImpl(Impl):
         return Run.from_result(result, wall_s, times)
 
     def note(self, cache: str) -> str:
-        reads = "all max_cache_len slots" if cache == "static" else "a ring of W slots, one slot written per step"
+        reads = ("the bucket of its filled slots (twincache.buckets)" if cache == "static" else
+                 "a ring of W slots (the bucket of its filled slots until it is full), one slot written per step")
         return f"{self.backend.package} generate, {self.mode}: {self.backend.modes[self.mode]}; attention reads {reads}"
 
     def release(self) -> None:

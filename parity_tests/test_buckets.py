@@ -1,0 +1,317 @@
+"""Attention length buckets (twincache.buckets, docs/design.md §2): a step's attention reads only the prefix of the
+cache that holds its live keys, rounded up to a bucket, in both towers and every decode mode; crossing a bucket
+compiles at most once per bucket; and the same tokens come out as when every slot is read.
+
+What attention reads is probed with NaN: slots past the bucket are filled with NaN, which any read would spread to
+the logits (a masked score is still added to, and a zero weight still multiplied by, the NaN), and a non-finite
+logit stops generation with NonFiniteLogitsError. ATTEND_BLOCK is lowered to 8 so the tiny models cross buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_cache.generate as jg
+import torch_cache.generate as tg
+from jax_cache.model import Mistral as JaxMistral
+from parity_tests.conftest import save_hf_checkpoint
+from parity_tests.sampling_oracle import oracle_draw
+from torch_cache.cache import make_cache as torch_cache
+from torch_cache.model import Mistral as TorchMistral
+from twincache import buckets
+from twincache.buckets import attend_len, decode_buckets, step_attend_len
+from twincache.generation import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BLOCK = 8
+CACHE_LEN = 256  # buckets 8, 16, 32, 64 and the whole cache (128 would be half of it)
+PROMPT = [5, 9, 14, 3, 77]
+NEW_TOKENS = 70  # from 5 columns to 74: every bucket
+
+
+@pytest.fixture(autouse=True)
+def small_block(monkeypatch):
+    monkeypatch.setattr(buckets, "ATTEND_BLOCK", BLOCK)
+
+
+def visited_buckets(length: int, steps: int, cache_len: int) -> list[int]:
+    """The oracle, step by step: the bucket of each one-token step's live slots (independent of decode_buckets)."""
+    seen = []
+    for step in range(steps):
+        live = min(length + step + 1, cache_len)
+        bucket = BLOCK
+        while bucket < live:
+            bucket *= 2
+        seen.append(bucket if bucket < cache_len / 2 else cache_len)
+    return seen
+
+
+# --- the rule (the floor) ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_len", [1, 7, 8, 9, 16, 17, 64, 100, 2066])
+def test_a_bucket_covers_the_live_slots_and_there_are_few(cache_len):
+    seen = set()
+    for filled in range(1, cache_len + 1):
+        bucket = attend_len(filled, cache_len)
+        assert filled <= bucket <= cache_len
+        if bucket < cache_len:  # a partial bucket: a power of two times the block, under half the cache
+            assert bucket % BLOCK == 0 and (bucket // BLOCK) & (bucket // BLOCK - 1) == 0 and 2 * bucket < cache_len
+            assert bucket == BLOCK or bucket < 2 * filled, "not the smallest bucket"
+        else:  # the whole cache, only once the smallest covering bucket would be half of it or more
+            assert 4 * filled > cache_len or cache_len <= 2 * BLOCK, (filled, cache_len)
+        seen.add(bucket)
+    assert len(seen) <= max(1, math.ceil(math.log2(cache_len / BLOCK))), sorted(seen)
+
+
+@pytest.mark.parametrize(("length", "steps", "cache_len"), [(5, 50, 64), (0, 1, 64), (13, 40, 16), (30, 100, 40),
+                                                             (100, 7, 2066), (7, 1, 8)])
+def test_decode_runs_group_the_steps_by_their_bucket(length, steps, cache_len):
+    per_step = visited_buckets(length, steps, cache_len)
+    runs = decode_buckets(length, steps, cache_len)
+    assert [bucket for bucket, count in runs for _ in range(count)] == per_step
+    assert all(a != b for (a, _), (b, _) in zip(runs, runs[1:])), "one run per bucket"
+    assert per_step[0] == step_attend_len(length, 1, cache_len)
+
+
+# --- the read: a NaN past the bucket never reaches the logits --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gqa(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["gqa"]
+
+
+def poison_torch(cache, first_slot: int) -> None:
+    for buffer in (*cache.keys, *cache.values):
+        buffer[:, :, first_slot:] = float("nan")
+
+
+def poison_jax(cache, first_slot: int):
+    nan = jnp.float32(jnp.nan)
+    return cache.replace(keys=[k.at[:, :, first_slot:].set(nan) for k in cache.keys],
+                         values=[v.at[:, :, first_slot:].set(nan) for v in cache.values])
+
+
+def test_torch_eager_decode_reads_only_its_bucket(gqa):
+    model = TorchMistral.from_pretrained(gqa)
+    reference = tg.generate(model, [PROMPT], 20, cache="static", max_cache_len=CACHE_LEN, compile=False)
+    cache = torch_cache("static", model.config, 1, CACHE_LEN)
+    tg.prefill(model, torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long), cache)
+    last_bucket = visited_buckets(len(PROMPT), 19, CACHE_LEN)[-1]
+    assert last_bucket < CACHE_LEN
+    poison_torch(cache, last_bucket)
+    rest = tg.continue_generation(model, cache, [reference.token_ids[0][0]], 19, compile=False)
+    assert reference.token_ids[0][1:] == rest.token_ids[0]
+
+
+@pytest.mark.parametrize("mode", ["fused", "step"])
+def test_jax_decode_reads_only_its_bucket(gqa, mode):
+    model = JaxMistral.from_pretrained(gqa)
+    reference = jg.generate(model, [PROMPT], 20, cache="static", max_cache_len=CACHE_LEN, fused=False)
+    cache = jg.make_cache("static", model.config, 1, CACHE_LEN)
+    _, cache = jg.prefill(model, jnp.asarray([PROMPT]), jnp.ones((1, len(PROMPT)), jnp.int32), cache)
+    last_bucket = visited_buckets(len(PROMPT), 19, CACHE_LEN)[-1]
+    cache = poison_jax(cache, last_bucket)
+    rest = jg.continue_generation(model, cache, [reference.token_ids[0][0]], 19, fused=mode == "fused")
+    assert reference.token_ids[0][1:] == rest.token_ids[0]
+
+
+def test_jax_prefill_reads_only_its_bucket(gqa):
+    """A static prefill writes in place, so it reads a bucket too (5 prompt tokens: a bucket of 8 slots)."""
+    model = JaxMistral.from_pretrained(gqa)
+    clean = jg.make_cache("static", model.config, 1, CACHE_LEN)
+    ids, mask = jnp.asarray([PROMPT]), jnp.ones((1, len(PROMPT)), jnp.int32)
+    expected, _ = jg.prefill(model, ids, mask, clean)
+    poisoned = poison_jax(jg.make_cache("static", model.config, 1, CACHE_LEN), 8)
+    logits, _ = jg.prefill(model, ids, mask, poisoned)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+
+
+# --- compiles: at most one per bucket a generation reaches ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def torch_bucket_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Compiled greedy generations through every bucket of a 256-slot static cache, on a model shape no other test
+    compiles (4 layers), so the counts start from nothing; the second runs under fail_on_recompile."""
+    from torch._dynamo.utils import counters
+
+    directory = save_hf_checkpoint(tmp_path_factory.mktemp("buckets") / "four_layers", seed=31, num_hidden_layers=4)
+    model = TorchMistral.from_pretrained(directory)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(buckets, "ATTEND_BLOCK", BLOCK)
+        before = counters["stats"]["unique_graphs"]
+        first = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+        compiles = counters["stats"]["unique_graphs"] - before
+        with torch.compiler.set_stance("fail_on_recompile"):
+            second = tg.generate(model, [PROMPT[1:]], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+        recompiles = counters["stats"]["unique_graphs"] - before - compiles
+    return dict(model=model, first=first, second=second, compiles=compiles, recompiles=recompiles)
+
+
+def test_torch_compiles_at_most_once_per_bucket_and_once_for_every_partial_bucket(torch_bucket_runs):
+    visited = set(visited_buckets(len(PROMPT), NEW_TOKENS - 1, CACHE_LEN))
+    assert visited == {8, 16, 32, 64, CACHE_LEN}
+    assert 1 <= torch_bucket_runs["compiles"] <= len(visited)
+    if hasattr(torch.compiler.config, "dynamic_sources"):  # the bucket is symbolic: partial buckets share one graph
+        assert torch_bucket_runs["compiles"] == 2, "one graph for the partial buckets, one for the whole cache"
+    assert torch_bucket_runs["recompiles"] == 0
+
+
+def test_torch_compiled_buckets_give_the_tokens_of_full_reads(torch_bucket_runs, monkeypatch):
+    monkeypatch.setattr(buckets, "ATTEND_BLOCK", 1 << 20)  # one bucket: the whole cache
+    for result, prompt in ((torch_bucket_runs["first"], PROMPT), (torch_bucket_runs["second"], PROMPT[1:])):
+        full = tg.generate(torch_bucket_runs["model"], [prompt], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                           compile=False)
+        assert result.token_ids == full.token_ids
+
+
+def test_torch_compiled_decode_reads_only_its_bucket(torch_bucket_runs):
+    model = torch_bucket_runs["model"]
+    with torch.inference_mode():  # as generate builds its caches: the compiled graphs are for inference tensors
+        cache = torch_cache("static", model.config, 1, CACHE_LEN)
+        tg.prefill(model, torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long), cache)
+        poison_torch(cache, visited_buckets(len(PROMPT), 19, CACHE_LEN)[-1])
+    first = torch_bucket_runs["first"].token_ids[0]
+    with torch.compiler.set_stance("fail_on_recompile"):  # the graphs the fixture compiled
+        rest = tg.continue_generation(model, cache, [first[0]], 19)
+    assert rest.token_ids[0] == first[1:20]
+
+
+@pytest.mark.parametrize("mode", ["fused", "step"])
+def test_jax_compiles_once_per_bucket_reached(gqa, mode, monkeypatch):
+    model = JaxMistral.from_pretrained(gqa)
+    jax.clear_caches()
+    monkeypatch.setattr(jg, "_fused_executables", {})
+
+    def count() -> int:
+        return jg._sampled_step._cache_size() + len(jg._fused_executables)
+
+    monkeypatch.setattr(buckets, "ATTEND_BLOCK", 1 << 20)  # one bucket: the whole cache
+    full = jg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN, fused=mode == "fused")
+    before = count()
+    monkeypatch.setattr(buckets, "ATTEND_BLOCK", BLOCK)
+    result = jg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN, fused=mode == "fused")
+    # JAX pads the prompt to a bucket of 16 columns, so decoding runs from column 16: buckets 32, 64 and the whole
+    # cache (compiled above).
+    visited = set(visited_buckets(jg.prompt_bucket(len(PROMPT), CACHE_LEN - NEW_TOKENS), NEW_TOKENS - 1, CACHE_LEN))
+    assert visited == {32, 64, CACHE_LEN}
+    assert count() - before == len(visited - {CACHE_LEN})
+    again = jg.generate(model, [PROMPT[1:]], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN, fused=mode == "fused")
+    assert count() - before == len(visited - {CACHE_LEN}), "a second generation reuses every bucket's executable"
+    assert result.token_ids == full.token_ids
+    assert len(again.token_ids[0]) == NEW_TOKENS
+
+
+# --- JAX: sizes come from the buffers, not from pytree metadata (issue 13 §3) ----------------------------------------
+
+def test_jax_caches_with_equal_buffers_share_their_executables(gqa, monkeypatch):
+    """Rings asked for different max_cache_len (both past the window) have equal buffers: another max_new_tokens
+    (step mode) or another max_cache_len (fused) must not trace the decode again."""
+    model = JaxMistral.from_pretrained(gqa)
+    jax.clear_caches()
+    monkeypatch.setattr(jg, "_fused_executables", {})
+    first = jg.generate(model, [PROMPT], 20, cache="sliding_window", fused=False)
+    steps = jg._sampled_step._cache_size()
+    second = jg.generate(model, [PROMPT], 31, cache="sliding_window", fused=False)
+    assert jg._sampled_step._cache_size() == steps == 1
+    assert jax.tree_util.tree_structure(first.cache) == jax.tree_util.tree_structure(second.cache)
+    jg.generate(model, [PROMPT], 20, cache="sliding_window", max_cache_len=40)
+    jg.generate(model, [PROMPT], 20, cache="sliding_window", max_cache_len=400)
+    assert len(jg._fused_executables) == 1
+
+
+def test_torch_compiled_decode_copies_to_the_host_once_per_step(torch_bucket_runs, torch_sampled_runs, monkeypatch):
+    """The choice (greedy or a seeded draw), the EOS bookkeeping and the NaN flag are in the compiled step (issue 13
+    §2): each further step costs exactly one device-to-host copy, whatever happens at the bucket edges."""
+    model = torch_bucket_runs["model"]
+    copies = {"n": 0}
+    for name in ("tolist", "item", "__int__", "__bool__", "__float__", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            copies["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+
+    def copies_for(steps: int, sampling: SamplingParams | None = None) -> int:
+        with torch.inference_mode():
+            cache = torch_cache("static", model.config, 1, CACHE_LEN)
+            tg.prefill(model, torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long), cache)
+        before = copies["n"]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            result = tg.continue_generation(model, cache, [7], steps, sampling=sampling)
+        assert result.decode_steps == steps
+        return copies["n"] - before
+
+    assert copies_for(40) - copies_for(20) == 20
+    # a seeded draw is in the graph too (the sampled graph is torch_sampled_runs', within the partial buckets)
+    assert copies_for(40, SAMPLED[0]) - copies_for(20, SAMPLED[0]) == 20
+
+
+# --- torch: the seeded draw inside the compiled step (issue 13 §2) ----------------------------------------------------
+
+# Two settings of one sampling kind ("filtered": top-k / top-p sort the vocabulary), and the first with another seed.
+SAMPLED = [SamplingParams(0.8, top_k=20, top_p=0.9, seed=5), SamplingParams(1.3, top_k=7, top_p=0.95, seed=6),
+           SamplingParams(0.8, top_k=20, top_p=0.9, seed=9)]
+SAMPLED_TOKENS = 40  # from 5 columns to 44: partial buckets only (one graph where the bucket is symbolic)
+
+
+@pytest.fixture(scope="module")
+def torch_sampled_runs(torch_bucket_runs) -> dict:
+    """Compiled sampled generations on the bucket model: the first compiles the "filtered" graph; the others (the
+    same setting again, another setting, another seed) run under fail_on_recompile."""
+    from torch._dynamo.utils import counters
+
+    model = torch_bucket_runs["model"]
+
+    def run(sampling: SamplingParams) -> object:
+        return tg.generate(model, [PROMPT], SAMPLED_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                           sampling=sampling, return_logits=True)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(buckets, "ATTEND_BLOCK", BLOCK)
+        before = counters["stats"]["unique_graphs"]
+        first = run(SAMPLED[0])
+        compiles = counters["stats"]["unique_graphs"] - before
+        with torch.compiler.set_stance("fail_on_recompile"):
+            again, *others = (run(sampling) for sampling in SAMPLED)
+    return dict(model=model, compiles=compiles, first=first, again=again, others=others)
+
+
+def test_torch_compiled_sampling_compiles_one_graph_for_every_setting_of_its_kind(torch_sampled_runs):
+    visited = set(visited_buckets(len(PROMPT), SAMPLED_TOKENS - 1, CACHE_LEN))
+    assert visited == {8, 16, 32, 64}  # partial buckets only
+    assert 1 <= torch_sampled_runs["compiles"] <= len(visited)
+    if hasattr(torch.compiler.config, "dynamic_sources"):
+        assert torch_sampled_runs["compiles"] == 1
+
+
+def test_torch_compiled_sampling_reproduces_a_seed_and_seeds_matter(torch_sampled_runs):
+    first, again, (other_setting, other_seed) = (torch_sampled_runs[name] for name in ("first", "again", "others"))
+    assert len(first.token_ids[0]) == SAMPLED_TOKENS
+    assert again.token_ids == first.token_ids
+    assert other_seed.token_ids != first.token_ids and other_setting.token_ids != first.token_ids
+
+
+def test_torch_compiled_sampling_draws_the_defined_tokens(torch_sampled_runs):
+    """Each step's token is the independent oracle's draw (numpy filters, numpy hash noise, the step folded into the
+    seed) on that step's logits: the compiled graph computes the floor's definition, step index included."""
+    for result, sampling in zip([torch_sampled_runs["first"], *torch_sampled_runs["others"]],
+                                [SAMPLED[0], SAMPLED[1], SAMPLED[2]]):
+        logits = result.step_logits.numpy()  # [1, steps, V]
+        expected = [int(oracle_draw(logits[:, step], sampling, step)[0]) for step in range(logits.shape[1])]
+        assert result.token_ids[0] == expected, str(sampling)
+
+
+def test_torch_eager_sampling_draws_the_tokens_of_the_compiled_step(torch_sampled_runs):
+    eager = tg.generate(torch_sampled_runs["model"], [PROMPT], SAMPLED_TOKENS, cache="static",
+                        max_cache_len=CACHE_LEN, sampling=SAMPLED[0], compile=False)
+    assert eager.token_ids == torch_sampled_runs["first"].token_ids

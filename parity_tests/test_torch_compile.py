@@ -1,0 +1,48 @@
+"""What torch.compile sees of torch_cache's decode step: one decoder layer traced for the whole stack (regional
+compilation, issue 13 §3). Graphs are captured with a recording backend, so nothing here runs inductor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.torch_version import TorchVersion
+
+from parity_tests.conftest import save_hf_checkpoint
+from torch_cache.cache import make_cache
+from torch_cache.generate import prefill
+from torch_cache.model import Mistral
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def captured_step_graph(model: Mistral) -> torch.fx.GraphModule:
+    """The FX graph dynamo hands to the backend for one decode step of `model` (fullgraph)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    def step(input_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        return model(input_ids, positions, cache)[:, -1]
+
+    with torch.inference_mode():
+        cache = make_cache("static", model.config, 1, 16)
+        prefill(model, torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.long), cache)
+        torch.compile(step, backend=record, fullgraph=True, dynamic=False)(torch.tensor([[6]]), torch.tensor([[3]]),
+                                                                           cache)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+@pytest.mark.skipif(TorchVersion(torch.__version__) < "2.12", reason="regional compilation needs torch >= 2.12 "
+                    "(torch_cache.model.compile_region): older versions compile the whole stack, as before")
+def test_the_step_graph_holds_one_decoder_layer_called_for_every_layer(tmp_path: Path):
+    model = Mistral.from_pretrained(save_hf_checkpoint(tmp_path / "six", seed=3, num_hidden_layers=6))
+    graph = captured_step_graph(model)
+    calls = [node for node in graph.graph.nodes if node.op == "call_function" and "invoke_subgraph" in str(node.target)]
+    regions = {node.args[0].target for node in calls}
+    assert len(calls) == model.config.num_hidden_layers, "every layer runs the region"
+    assert len(regions) == 1, f"one traced layer for the whole stack, got {sorted(regions)}"

@@ -1,0 +1,45 @@
+"""The cache layout both towers share (docs/design.md §2): per-layer K/V buffers [batch, kv_heads, cache_len,
+head_dim], and the sizes read off them. Nothing else describes a cache's size, so a JAX cache's pytree metadata holds
+no size at all and two caches with equal buffers are the same jit input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BufferSizes:
+    """A cache's sizes, read from its `keys` (a list of per-layer [batch, kv_heads, cache_len, head_dim] arrays)."""
+
+    keys: list[Any]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def cache_len(self) -> int:
+        """Slots in each buffer."""
+        return self.keys[0].shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys[0].shape[3]
+
+    @property
+    def max_cache_len(self) -> int:
+        """The buffer length. A ring asked for more slots than its window holds the window (and has no capacity
+        limit), so its max_cache_len is the window too."""
+        return self.cache_len
+
+    @property
+    def capacity(self) -> int | None:
+        """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
+        return self.max_cache_len
