@@ -1,8 +1,8 @@
 """`twincache bench --prefill-memory`: peak memory of a prefill against prompt length, in chunks of `--prefill-chunk`
 and in one chunk (the whole prompt at once, as before chunked prefill), for every backend.
 
-Each point runs in a fresh process: load the model, warm up (JAX compiles; first-touch allocations happen: two chunks
-of the prompt, whose chunks all have one shape, or the whole prompt in one chunk), reset the kernel's peak-RSS mark
+Each point runs in a fresh process: load the model, warm up (JAX compiles; first-touch allocations happen: the whole
+prompt, whose chunks reach every attention bucket of the cache), reset the kernel's peak-RSS mark
 (/proc/self/clear_refs), prefill the whole prompt, and read the peak back (VmHWM). The figure is that peak over the RSS
 just before the measured prefill: memory the prefill itself needed, measured, not computed; the process's peak RSS is
 recorded beside it. Where the kernel cannot reset the mark, a 5 ms sampler of RSS stands in (`how` says which). A parent
@@ -96,9 +96,10 @@ def measure_point(backend: str, model_dir: str, length: int, chunk: int) -> dict
         return time.perf_counter() - start
 
     loaded_rss = psutil.Process().memory_info().rss
-    # JAX compiles here, and both frameworks touch their allocations for the first time. Chunked, two chunks do it
-    # (every chunk has one shape, and the cache's size is the same); in one chunk, only the prompt itself.
-    prefill(prompt[:chunk + 1] if chunk < length else prompt)
+    # JAX compiles here, and both frameworks touch their allocations for the first time. The whole prompt, chunked
+    # too: every chunk has one shape, but a chunk of a static cache reads the attention bucket of the prefix before
+    # it (twincache.buckets), and each bucket is one more JAX compile, which must not land in the measured prefill.
+    prefill(prompt)
     peak = _PeakSinceReset()
     before = psutil.Process().memory_info().rss
     peak.reset()

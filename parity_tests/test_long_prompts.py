@@ -154,7 +154,8 @@ def test_torch_prefill_memory_is_bounded_by_chunk_and_window_not_prompt(models):
 def test_jax_prefill_compiles_once_for_every_long_prompt(models, monkeypatch, cache):
     """Prompts past one chunk are padded to whole chunks, not to a power of two, and every chunk has the chunk's
     width: prompts of 3 and 9 chunks into caches of one size share one prefill trace and one compile. (A cache's
-    max_cache_len is static pytree metadata, so caches of other sizes compile their own prefill.)"""
+    buffer length is part of its shape, so caches of other sizes compile their own prefill; this cache is under two
+    attention buckets, so every chunk reads all of it: test_buckets covers chunks that read a bucket.)"""
     jax_model, chunk = models[1], 8
     widths = count_forward_traces(monkeypatch)  # by input width; no decode step runs below
     before = jg._prefill._cache_size()
