@@ -1,6 +1,8 @@
 """Attention length buckets (twincache.buckets, docs/design.md §2): a step's attention reads only the prefix of the
 cache that holds its live keys, rounded up to a bucket, in both towers and every decode mode; crossing a bucket
-compiles at most once per bucket; and the same tokens come out as when every slot is read.
+compiles at most once per bucket; and the same tokens come out as when every slot is read. A chunk of a chunked
+prefill reads the bucket of the live prefix and itself; JAX's fused blocks end where a bucket does; forced tokens run
+through all of it.
 
 What attention reads is probed with NaN: slots past the bucket are filled with NaN, which any read would spread to
 the logits (a masked score is still added to, and a zero weight still multiplied by, the NaN), and a non-finite
@@ -20,9 +22,11 @@ import torch
 
 import jax_cache.generate as jg
 import torch_cache.generate as tg
+from jax_cache.cache import StaticCache as JaxStaticCache
 from jax_cache.model import Mistral as JaxMistral
 from parity_tests.conftest import save_hf_checkpoint
 from parity_tests.sampling_oracle import oracle_draw
+from torch_cache.cache import StaticCache as TorchStaticCache
 from torch_cache.cache import make_cache as torch_cache
 from torch_cache.model import Mistral as TorchMistral
 from twincache import buckets
@@ -315,3 +319,124 @@ def test_torch_eager_sampling_draws_the_tokens_of_the_compiled_step(torch_sample
     eager = tg.generate(torch_sampled_runs["model"], [PROMPT], SAMPLED_TOKENS, cache="static",
                         max_cache_len=CACHE_LEN, sampling=SAMPLED[0], compile=False)
     assert eager.token_ids == torch_sampled_runs["first"].token_ids
+
+
+# --- with chunked prefill, fused blocks and forced tokens -------------------------------------------------------------
+
+LONG_PROMPT = [(7 * i + 3) % 70 + 2 for i in range(20)]
+CHUNK = 4
+FORCED = [(5 * i + 1) % 70 + 2 for i in range(NEW_TOKENS)]
+
+
+def chunk_buckets(prompt_len: int, chunk: int) -> list[int]:
+    """The oracle: the bucket of each whole chunk of `chunk` columns, from the slots filled once it is written."""
+    return [visited_buckets(end - 1, 1, CACHE_LEN)[0] for end in range(chunk, prompt_len + 1, chunk)]
+
+
+def recorded_reads(monkeypatch, cache_class) -> list[int | None]:
+    """From now on, the attend_len of every attended_positions call (JAX: once per trace, so per compiled variant)."""
+    seen: list[int | None] = []
+    original = cache_class.attended_positions
+
+    def recording(self, new_positions, attend_len=None):
+        seen.append(attend_len)
+        return original(self, new_positions, attend_len)
+
+    monkeypatch.setattr(cache_class, "attended_positions", recording)
+    return seen
+
+
+def test_torch_prefill_chunks_read_the_bucket_of_the_live_prefix(gqa, monkeypatch):
+    """Each chunk of a static prefill reads the bucket of the slots filled once it is written: not the whole cache,
+    not the chunk alone. The slots past the last chunk's bucket hold NaN, and the logits are one full read's."""
+    model = TorchMistral.from_pretrained(gqa)
+    ids, mask = torch.tensor([LONG_PROMPT]), torch.ones(1, len(LONG_PROMPT), dtype=torch.long)
+    with monkeypatch.context() as patch:
+        patch.setattr(buckets, "ATTEND_BLOCK", 1 << 20)  # one bucket: the whole cache
+        expected = tg.prefill(model, ids, mask, torch_cache("static", model.config, 1, CACHE_LEN), len(LONG_PROMPT))
+    read = chunk_buckets(len(LONG_PROMPT), CHUNK)
+    assert read == [8, 8, 16, 16, 32]
+    cache = torch_cache("static", model.config, 1, CACHE_LEN)
+    poison_torch(cache, read[-1])
+    seen = recorded_reads(monkeypatch, TorchStaticCache)
+    logits = tg.prefill(model, ids, mask, cache, CHUNK)
+    assert seen == read
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def test_jax_prefill_chunks_read_the_bucket_of_the_live_prefix(gqa, monkeypatch):
+    """As torch's: chunks of one width compile once per bucket they read (8, 16, 32), never the whole cache."""
+    model = JaxMistral.from_pretrained(gqa)
+    ids, mask = jnp.asarray([LONG_PROMPT]), jnp.ones((1, len(LONG_PROMPT)), jnp.int32)
+    with monkeypatch.context() as patch:
+        patch.setattr(buckets, "ATTEND_BLOCK", 1 << 20)
+        expected, _ = jg.prefill(model, ids, mask, jg.make_cache("static", model.config, 1, CACHE_LEN),
+                                 len(LONG_PROMPT))
+    jax.clear_caches()
+    read = chunk_buckets(len(LONG_PROMPT), CHUNK)
+    seen = recorded_reads(monkeypatch, JaxStaticCache)
+    logits, _ = jg.prefill(model, ids, mask, poison_jax(jg.make_cache("static", model.config, 1, CACHE_LEN), read[-1]),
+                           CHUNK)
+    assert seen == sorted(set(read)) == [8, 16, 32]
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=0, atol=1e-5)
+
+
+def jax_uncached(model: JaxMistral, sequence: list[int]) -> np.ndarray:
+    """One eager forward over the whole sequence into a fresh static cache, every slot read. [len, V]"""
+    ids = jnp.asarray([sequence], jnp.int32)
+    positions = jnp.arange(len(sequence), dtype=jnp.int32)[None]  # [1, L]
+    logits, _ = model(ids, positions, JaxStaticCache(model.config, 1, len(sequence)))
+    return np.asarray(logits[0])
+
+
+def test_jax_forced_tokens_through_chunked_prefill_and_fused_blocks_that_end_at_bucket_edges(gqa, monkeypatch):
+    """Forced tokens after a prefill in chunks of 4 (the prompt padded to 8 columns), decoded from column 8 through
+    the buckets 16, 32, 64 and the whole cache. Blocks timed as very fast grow to the compiled capacity but end where
+    their bucket does ([8, 8, 8, 32, 13] steps); every step's logits are those of the model fed exactly the prompt
+    and the forced tokens, in the fused and the step mode."""
+    model = JaxMistral.from_pretrained(gqa)
+    monkeypatch.setattr(jg, "FIRST_BLOCK_STEPS", 8)
+    monkeypatch.setattr(jg, "FUSED_BLOCK_SECONDS", 1e9)  # each timed block as long as capacity and bucket allow
+    sizes: list[int] = []
+    original = jg.decode_fused
+
+    def recording(*args, on_block, **kwargs):
+        def count(tokens, logits):
+            sizes.append(tokens.shape[1])
+            on_block(tokens, logits)
+        return original(*args, on_block=count, **kwargs)
+
+    monkeypatch.setattr(jg, "decode_fused", recording)
+    room = CACHE_LEN - NEW_TOKENS
+    assert jg.prompt_bucket(len(PROMPT), room, CHUNK) == 8
+    results = {mode: jg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                                 fused=mode == "fused", forced_tokens=[FORCED], return_logits=True,
+                                 prefill_chunk=CHUNK) for mode in ("fused", "step")}
+    per_step = visited_buckets(8, NEW_TOKENS - 1, CACHE_LEN)
+    edges = np.cumsum([0, *sizes])
+    assert edges[-1] == NEW_TOKENS - 1
+    assert all(len(set(per_step[a:b])) == 1 for a, b in zip(edges, edges[1:])), (sizes, per_step)
+    assert sizes == [8, 8, 8, 32, 13]
+    expected = jax_uncached(model, PROMPT + FORCED[:-1])[len(PROMPT) - 1:]  # [N, V]
+    for mode, result in results.items():
+        assert result.token_ids == [FORCED], mode
+        np.testing.assert_allclose(np.asarray(result.step_logits[0]), expected, rtol=0, atol=1e-5, err_msg=mode)
+
+
+def test_torch_compiled_graphs_decode_after_a_chunked_prefill(torch_bucket_runs, torch_sampled_runs):
+    """A prefill in chunks of 2 columns, then the graphs the fixtures compiled (no recompile): forced tokens run the
+    greedy graph, with each step's logits those of the model fed exactly those tokens; a seeded draw gives the
+    tokens of the run prefilled at once."""
+    model = torch_bucket_runs["model"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        forced = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                             forced_tokens=[FORCED], return_logits=True, prefill_chunk=2)
+        sampled = tg.generate(model, [PROMPT], SAMPLED_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                              sampling=SAMPLED[0], prefill_chunk=2)
+    assert forced.token_ids == [FORCED]
+    sequence = PROMPT + FORCED[:-1]
+    with torch.inference_mode():
+        expected = model(torch.tensor([sequence]), torch.arange(len(sequence))[None],
+                         torch_cache("static", model.config, 1, len(sequence)))[0, len(PROMPT) - 1:]  # [N, V]
+    torch.testing.assert_close(forced.step_logits[0], expected.float(), rtol=0, atol=1e-5)
+    assert sampled.token_ids == torch_sampled_runs["first"].token_ids
