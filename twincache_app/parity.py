@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -265,42 +266,52 @@ def kept_positions(sequence_len: int, cache: str, sliding_window: int | None) ->
     return np.arange(first, sequence_len)
 
 
-def kv_distance(reference: Oracle, run: Run, cache: str, sliding_window: int | None) -> float:
-    """Max |ΔK|, |ΔV| between a run's final cache and the reference's K/V at the positions that cache must hold;
-    inf when a row's cache holds another set of positions (each slot is matched by the position it records)."""
+RowKV = tuple[np.ndarray, np.ndarray] | None  # one row's K and V [layers, Hkv, n, D]; None: other positions held
+PositionsOf = Callable[[int], np.ndarray]  # a row's length -> the positions its cache must hold
+
+
+def _oracle_rows(oracle: Oracle, positions_of: PositionsOf) -> list[RowKV]:
+    """An oracle's K/V per row at the positions `positions_of(row_length)` names: [layers, Hkv, n, D] each."""
+    return [(k[:, :, positions_of(k.shape[2])], v[:, :, positions_of(k.shape[2])])
+            for k, v in zip(oracle.keys, oracle.values, strict=True)]
+
+
+def _run_rows(run: Run, lengths: list[int], positions_of: PositionsOf) -> list[RowKV]:
+    """A run's final cache per row, read slot by slot through the positions its slots record (None for a row that
+    does not hold exactly the positions `positions_of(length)` names)."""
+    return [parity_metrics.kv_at_positions(run.keys, run.values, run.slot_positions[row], row, positions_of(length))
+            for row, length in enumerate(lengths)]
+
+
+def _max_kv_gap(first: list[RowKV],
+                second: list[RowKV]) -> float:
+    """Max |ΔK|, |ΔV| over rows; inf when a row of either side holds another set of positions."""
     worst = 0.0
-    for row, (ref_keys, ref_values) in enumerate(zip(reference.keys, reference.values, strict=True)):
-        positions = kept_positions(ref_keys.shape[2], cache, sliding_window)
-        held = parity_metrics.kv_at_positions(run.keys, run.values, run.slot_positions[row], row, positions)
-        if held is None:
-            return float("inf")
-        keys, values = held  # [layers, Hkv, n, D] each
-        worst = max(worst, float(np.abs(keys - ref_keys[:, :, positions]).max()),
-                    float(np.abs(values - ref_values[:, :, positions]).max()))
-    return worst
-
-
-def oracle_kv_distance(reference: Oracle, other: Oracle, cache: str, sliding_window: int | None) -> float:
-    """The floor's K/V distance, over the same positions the cache under test holds."""
-    worst = 0.0
-    for ref_k, ref_v, k, v in zip(reference.keys, reference.values, other.keys, other.values, strict=True):
-        positions = kept_positions(ref_k.shape[2], cache, sliding_window)
-        worst = max(worst, float(np.abs(k[:, :, positions] - ref_k[:, :, positions]).max()),
-                    float(np.abs(v[:, :, positions] - ref_v[:, :, positions]).max()))
-    return worst
-
-
-def runs_kv_distance(first: Run, second: Run, lengths: list[int], cache: str, sliding_window: int | None) -> float:
-    """torch vs JAX directly: their caches compared position by position."""
-    worst = 0.0
-    for row, length in enumerate(lengths):
-        positions = kept_positions(length, cache, sliding_window)
-        a = parity_metrics.kv_at_positions(first.keys, first.values, first.slot_positions[row], row, positions)
-        b = parity_metrics.kv_at_positions(second.keys, second.values, second.slot_positions[row], row, positions)
+    for a, b in zip(first, second, strict=True):
         if a is None or b is None:
             return float("inf")
         worst = max(worst, float(np.abs(a[0] - b[0]).max()), float(np.abs(a[1] - b[1]).max()))
     return worst
+
+
+def kv_distance(reference: Oracle, run: Run, cache: str, sliding_window: int | None) -> float:
+    """Max |ΔK|, |ΔV| between a run's final cache and the reference's K/V at the positions that cache must hold;
+    inf when a row's cache holds another set of positions (each slot is matched by the position it records)."""
+    positions_of = functools.partial(kept_positions, cache=cache, sliding_window=sliding_window)
+    lengths = [k.shape[2] for k in reference.keys]
+    return _max_kv_gap(_run_rows(run, lengths, positions_of), _oracle_rows(reference, positions_of))
+
+
+def oracle_kv_distance(reference: Oracle, other: Oracle, cache: str, sliding_window: int | None) -> float:
+    """The floor's K/V distance, over the same positions the cache under test holds."""
+    positions_of = functools.partial(kept_positions, cache=cache, sliding_window=sliding_window)
+    return _max_kv_gap(_oracle_rows(other, positions_of), _oracle_rows(reference, positions_of))
+
+
+def runs_kv_distance(first: Run, second: Run, lengths: list[int], cache: str, sliding_window: int | None) -> float:
+    """torch vs JAX directly: their caches compared position by position."""
+    positions_of = functools.partial(kept_positions, cache=cache, sliding_window=sliding_window)
+    return _max_kv_gap(_run_rows(first, lengths, positions_of), _run_rows(second, lengths, positions_of))
 
 
 # --- the table ------------------------------------------------------------------------------------------------------
