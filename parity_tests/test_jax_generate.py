@@ -64,8 +64,10 @@ def count_forward_traces(monkeypatch: pytest.MonkeyPatch) -> collections.Counter
 
 @pytest.fixture
 def traces(monkeypatch):
-    """Clear every jit cache, then count traces of the model forward by sequence length (prefill bucket or 1)."""
+    """Clear every jit cache and the memoised fused executables, then count traces of the model forward by sequence
+    length (prefill bucket or 1). Sizes come from buffer shapes, so an earlier test's executable could match."""
     jax.clear_caches()
+    jg._fused_executables.clear()
     yield count_forward_traces(monkeypatch)
     chex.clear_trace_counter()
 
