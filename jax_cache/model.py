@@ -130,24 +130,23 @@ def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Arra
                                  decode: bool) -> jax.Array:
     """softmax(q k^T / sqrt(D)) v with softmax in fp32. q [B, Hkv, R, D], keys/values [B, Hkv, L, D]. [B, Hkv, R, D]
 
-    On XLA-CPU, `decode` (one new token) contracts by multiply-and-sum in fp32: it then reads the cache buffers the
-    step has just updated in place, where a dot on them makes it copy every K/V buffer four times per step at batch 1.
-    Other backends keep the dots (einsum on the updated cache is the usual, in-place pattern there).
+    On XLA-CPU, `decode` (one new token, reading the buffers it has just updated in place) contracts over the two
+    halves of the slots separately. One dot over the buffer made XLA-CPU duplicate the in-place update into the dot's
+    operand and copy every K/V buffer per step; multiply-and-sum avoided that over a whole buffer but not over a
+    prefix of it (an attention bucket), and it streams K/V at ~0.3 GB/s past a few thousand slots (docs/design.md
+    §7.2). Other backends keep one dot (einsum on the updated cache is the usual, in-place pattern there).
     """
     scale = jnp.sqrt(jnp.float32(q.shape[-1]))
-    multiply_and_sum = decode and jax.default_backend() == "cpu"
-    if multiply_and_sum:
-        q32, keys32, values32 = q.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32)
-        scores = jnp.sum(q32[:, :, :, None, :] * keys32[:, :, None], axis=-1) / scale  # [B, Hkv, R, L]
-    else:
-        scores = jnp.einsum("bhrd,bhld->bhrl", q, keys, precision=_precision(q.dtype),
-                            preferred_element_type=jnp.float32) / scale  # [B, Hkv, R, L]
+    slots = keys.shape[2]
+    halves = decode and jax.default_backend() == "cpu" and slots >= 2
+    bounds = [(0, slots // 2), (slots // 2, slots)] if halves else [(0, slots)]
+    scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, keys[:, :, start:stop], precision=_precision(q.dtype),
+                                         preferred_element_type=jnp.float32) for start, stop in bounds],
+                             axis=-1) / scale  # [B, Hkv, R, L]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, L] fp32
-    if multiply_and_sum:
-        out = jnp.sum(weights[..., None] * values32[:, :, None], axis=-2)  # [B, Hkv, R, D]
-    else:
-        out = jnp.einsum("bhrl,bhld->bhrd", weights, values.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    out = sum(jnp.einsum("bhrl,bhld->bhrd", weights[..., start:stop], values[:, :, start:stop].astype(jnp.float32),
+                         precision=lax.Precision.HIGHEST) for start, stop in bounds)  # [B, Hkv, R, D] fp32
     return out.astype(values.dtype)
 
 

@@ -41,7 +41,7 @@ JAX_ONLY = {
                                                     "place_cache")},
     "model.Embedding": "torch uses nn.Embedding; NNX builds the HF [vocab, hidden] table itself",
     "model.scaled_dot_product_attention": "torch has F.scaled_dot_product_attention; JAX spells it out (and contracts "
-                                          "by multiply-and-sum on XLA-CPU, docs/design.md §7.2)",
+                                          "over two halves of the slots on XLA-CPU, docs/design.md §7.2)",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
     "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
     "cache.default_device": "a torch cache takes a device argument; JAX places new arrays on its default device",
