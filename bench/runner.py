@@ -242,7 +242,7 @@ class Bench:
         prompts = self.workload.prompts(1, p.prompt_len)
         max_cache_len = max(p.prompt_len + p.new_tokens, p.table_cache_len or 0)
         warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]] = {}
-        for cell in cells:
+        for cell in sorted(cells, key=lambda cell: not self.impls[cell[0]].warm_up_first):  # stable: else in order
             name, cache = cell
             self._tick(f"{name}/{cache} warm-up")
             measured, error = self._guarded(f"{name} {cache} warm-up", self._measure, self.impls[name], prompts,
