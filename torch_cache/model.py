@@ -60,7 +60,8 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for weight [out, in] (HF layout).
 
     Compiled for CPU with few rows (decode), it is written as multiply-and-sum: inductor fuses that into one
-    vectorised, threaded reduction that streams the weight ~2.7x faster than the oneMKL gemv behind F.linear.
+    vectorised, threaded reduction that streamed the weight ~2.7x faster than the oneMKL gemv behind F.linear on a
+    2-core AMD EPYC; on an AVX-512 Intel Xeon the two are level (bench/README, "Issue 13 measured").
     """
     return _project(x, weight, None)
 
