@@ -7,6 +7,7 @@ ring several times while each forward stays tiny.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,19 @@ def trained_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
     from parity_tests import trained_model
 
     return trained_model.build(tmp_path_factory.mktemp("trained"))
+
+
+def record_fused_blocks(monkeypatch: pytest.MonkeyPatch, generate_module: object) -> list[int]:
+    """From now on, the number of steps of every fused block jax_cache's generate module decodes, in order."""
+    sizes: list[int] = []
+    original = generate_module.decode_fused
+
+    def recording(*args: object, on_block: Callable[..., None], **kwargs: object) -> object:
+        def count(tokens: object, logits: object) -> None:
+            sizes.append(tokens.shape[1])
+            on_block(tokens, logits)
+        return original(*args, on_block=count, **kwargs)
+
+    monkeypatch.setattr(generate_module, "decode_fused", recording)
+    return sizes
+

@@ -24,7 +24,7 @@ import jax_cache.generate as jg
 import torch_cache.generate as tg
 from jax_cache.cache import StaticCache as JaxStaticCache
 from jax_cache.model import Mistral as JaxMistral
-from parity_tests.conftest import save_hf_checkpoint
+from parity_tests.conftest import record_fused_blocks, save_hf_checkpoint
 from parity_tests.sampling_oracle import oracle_draw
 from torch_cache.cache import StaticCache as TorchStaticCache
 from torch_cache.cache import make_cache as torch_cache
@@ -397,16 +397,7 @@ def test_jax_forced_tokens_through_chunked_prefill_and_fused_blocks_that_end_at_
     model = JaxMistral.from_pretrained(gqa)
     monkeypatch.setattr(jg, "FIRST_BLOCK_STEPS", 8)
     monkeypatch.setattr(jg, "FUSED_BLOCK_SECONDS", 1e9)  # each timed block as long as capacity and bucket allow
-    sizes: list[int] = []
-    original = jg.decode_fused
-
-    def recording(*args, on_block, **kwargs):
-        def count(tokens, logits):
-            sizes.append(tokens.shape[1])
-            on_block(tokens, logits)
-        return original(*args, on_block=count, **kwargs)
-
-    monkeypatch.setattr(jg, "decode_fused", recording)
+    sizes = record_fused_blocks(monkeypatch, jg)
     room = CACHE_LEN - NEW_TOKENS
     assert jg.prompt_bucket(len(PROMPT), room, CHUNK) == 8
     results = {mode: jg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN,

@@ -24,6 +24,7 @@ import jax_cache.generate as jax_generate
 import torch_cache.cache as torch_caches
 import torch_cache.generate as torch_generate
 from jax_cache.model import Mistral as JaxMistral
+from parity_tests.conftest import record_fused_blocks
 from torch_cache.model import Mistral as TorchMistral
 from twincache.errors import InputError
 
@@ -141,16 +142,7 @@ def test_forced_tokens_cross_fused_block_boundaries(models, monkeypatch):
     block its slice of the forced tokens: with 11 decode steps in blocks of 4, 4 and 3, every step still emits and
     feeds its own forced token, and each step's logits are those of the model fed exactly those tokens."""
     monkeypatch.setattr(jax_generate, "FUSED_BLOCK_STEPS", 4)
-    blocks: list[int] = []
-    original = jax_generate.decode_fused
-
-    def recording(*args, on_block, **kwargs):
-        def count(tokens, logits):
-            blocks.append(tokens.shape[1])
-            on_block(tokens, logits)
-        return original(*args, on_block=count, **kwargs)
-
-    monkeypatch.setattr(jax_generate, "decode_fused", recording)
+    blocks = record_fused_blocks(monkeypatch, jax_generate)
     result = run(models, "jax_fused", PROMPTS, NEW_TOKENS, cache="sliding_window", forced_tokens=FORCED)
     assert len(blocks) >= 3 and max(blocks) <= 4 and sum(blocks) == NEW_TOKENS - 1, blocks
     assert result.token_ids == FORCED
