@@ -19,8 +19,6 @@ donation is consumed: using it again raises StaleCacheError instead of JAX's bar
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -56,22 +54,17 @@ class StaticCache(BufferSizes):
         shards = 1 if mesh is None else sharding.kv_shards_per_device(mesh, config.num_key_value_heads)
         cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
                                       available_memory(device), memory_label(device), shards)
-        places = self._placements(config.num_hidden_layers, config.num_key_value_heads)
+        places = self._placements(config.num_hidden_layers, config.num_key_value_heads)  # before the buffers exist
         self.keys = [jnp.zeros(shape, dtype, device=places[0]) for _ in range(config.num_hidden_layers)]
         self.values = [jnp.zeros(shape, dtype, device=places[0]) for _ in range(config.num_hidden_layers)]
         self.slot_positions = jnp.full(shape[:1] + shape[2:3], -1, jnp.int32, device=places[-2])
         self.length = jnp.zeros((), jnp.int32, device=places[-1])
 
-    def _placements(self, num_layers: int | None = None,
-                    num_kv_heads: int | None = None) -> list[NamedSharding | None]:
-        """Where each array of `arrays()` goes: its mesh sharding, or None (the default device). The sizes default to
-        the buffers' (given while they are being built)."""
-        num_layers = self.num_layers if num_layers is None else num_layers
+    def _placements(self, num_layers: int, num_kv_heads: int) -> list[NamedSharding | None]:
+        """Where each array of `arrays()` goes: its mesh sharding, or None (the default device)."""
         if self.mesh is None:
             return [None] * (2 * num_layers + 2)
-        num_kv_heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
-        return sharding.cache_shardings(types.SimpleNamespace(mesh=self.mesh, num_layers=num_layers,
-                                                              num_kv_heads=num_kv_heads))
+        return sharding.cache_shardings(self.mesh, num_layers, num_kv_heads)
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
@@ -174,7 +167,7 @@ class StaticCache(BufferSizes):
 
     def reset(self) -> StaticCache:
         """An empty cache of the same type, shapes and placement: using it is identical to using a fresh one."""
-        places = self._placements()
+        places = self._placements(self.num_layers, self.num_kv_heads)
         return self.replace(keys=[jnp.zeros_like(k, device=places[0]) for k in self.keys],
                             values=[jnp.zeros_like(v, device=places[0]) for v in self.values],
                             slot_positions=jnp.full_like(self.slot_positions, -1, device=places[-2]),

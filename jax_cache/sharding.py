@@ -98,12 +98,12 @@ def weight_sharding(name: str, config: MistralConfig, mesh: Mesh) -> NamedShardi
     return _named(view, spec)
 
 
-def cache_shardings(cache: object) -> list[NamedSharding]:
+def cache_shardings(mesh: Mesh, num_layers: int, num_kv_heads: int) -> list[NamedSharding]:
     """The sharding of each of a mesh cache's arrays, in `arrays()` order: K/V [B, Hkv, L, D] with B on `data` and
     the KV heads on `model`; slot_positions [B, L] following the batch; length replicated."""
-    view = _view(cache.mesh, cache.num_kv_heads)
+    view = _view(mesh, num_kv_heads)
     kv = _named(view, P("data", "model_kv", None, None))
-    return [kv] * (2 * cache.num_layers) + [_named(view, P("data", None)), _named(view, P())]
+    return [kv] * (2 * num_layers) + [_named(view, P("data", None)), _named(view, P())]
 
 
 def batch_sharding(cache: object) -> NamedSharding:
@@ -136,7 +136,8 @@ def place_cache(cache: object) -> object:
     if cache.mesh is None:
         return cache
     leaves, treedef = jax.tree_util.tree_flatten(cache)
-    placed = [place(leaf, placement) for leaf, placement in zip(leaves, cache_shardings(cache), strict=True)]
+    placements = cache_shardings(cache.mesh, cache.num_layers, cache.num_kv_heads)
+    placed = [place(leaf, placement) for leaf, placement in zip(leaves, placements, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, placed)
 
 

@@ -97,8 +97,8 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
     # Both caches list their arrays in the same order (ARRAY_FIELDS); each copy is an owned JAX buffer.
     copies = [jnp.array(_to_jax(t.clone())) for t in cache.arrays()]
     if mesh is not None:
-        copies = [jax.device_put(copy, placement)
-                  for copy, placement in zip(copies, jax_sharding.cache_shardings(jax_cache), strict=True)]
+        placements = jax_sharding.cache_shardings(mesh, jax_cache.num_layers, jax_cache.num_kv_heads)
+        copies = [jax.device_put(copy, placement) for copy, placement in zip(copies, placements, strict=True)]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax_cache), copies)
 
 
