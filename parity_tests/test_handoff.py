@@ -18,9 +18,10 @@ from flax import nnx
 
 import jax_cache.generate as jg
 import torch_cache.generate as tg
-from jax_cache.cache import StaticCache, cache_fields
+from jax_cache.cache import StaticCache
 from jax_cache.model import Mistral
 from torch_cache.model import Mistral as TorchMistral
+from twincache.cache_layout import cache_fields
 from twincache.errors import StaleCacheError
 from twincache_app import handoff as interop
 

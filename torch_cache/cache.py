@@ -243,11 +243,4 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
     return classes[kind](config, batch_size, max_cache_len, dtype, device, mesh)
 
 
-def cache_fields(cache: StaticCache) -> dict[str, object]:
-    """The description of a cache (everything but its tensors), for comparisons and handoff."""
-    names = ("kind", "num_layers", "batch_size", "num_kv_heads", "cache_len", "head_dim", "max_cache_len", "dtype")
-    return {name: getattr(cache, name) for name in names} | {k: v for k, v in vars(cache).items()
-                                                            if k not in cache.ARRAY_FIELDS}
-
-
-__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "cache_fields", "available_memory", "memory_label"]
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "available_memory", "memory_label"]

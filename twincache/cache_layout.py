@@ -43,3 +43,11 @@ class BufferSizes:
     def capacity(self) -> int | None:
         """Most columns this cache can ever hold; None when a ring covers the whole window (no limit)."""
         return self.max_cache_len
+
+
+def cache_fields(cache: Any) -> dict[str, object]:
+    """The description of a cache of either tower (everything but its arrays), for comparisons and handoff: the sizes
+    read off its buffers, its kind and dtype, and its own attributes (the window, the mesh)."""
+    names = ("kind", "num_layers", "batch_size", "num_kv_heads", "cache_len", "head_dim", "max_cache_len", "dtype")
+    return {name: getattr(cache, name) for name in names} | {k: v for k, v in vars(cache).items()
+                                                            if k not in cache.ARRAY_FIELDS}
