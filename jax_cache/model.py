@@ -118,15 +118,18 @@ class Attention(nnx.Module):
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, dtype)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, dtype)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, visible: jax.Array,
-                 cache: StaticCache, layer_idx: int) -> tuple[jax.Array, StaticCache]:
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The new tokens' q [B, H, S, D], k and v [B, Hkv, S, D], RoPE applied to q and k."""
         batch, seq_len, _ = x.shape
-        groups = self.num_heads // self.num_kv_heads
         q = self.q_proj(x).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)  # [B, H, S, D]
         k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # k, v: [B, Hkv, S, D]
-        keys, values, cache = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v  # k, v: [B, Hkv, S, D]
+
+    def attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
+        """q [B, H, S, D] over the K/V the cache update returned ([B, Hkv, L, D]), through o_proj: [B, S, hidden]."""
+        batch, _, seq_len, _ = q.shape
+        groups = self.num_heads // self.num_kv_heads
         # Attention reads as many slots as the mask covers: a prefix of the buffers when the forward was given an
         # attend_len bucket (every live key is in it), else all of them.
         keys, values = keys[:, :, :visible.shape[-1]], values[:, :, :visible.shape[-1]]  # [B, Hkv, Lkv, D]
@@ -136,7 +139,7 @@ class Attention(nnx.Module):
         mask = mask.reshape(batch, 1, groups * seq_len, -1)  # [B, 1, G*S, Lkv]
         out = scaled_dot_product_attention(q, keys, values, mask, decode=seq_len == 1)  # [B, Hkv, G*S, D]
         out = out.reshape(batch, self.num_heads, seq_len, self.head_dim).transpose(0, 2, 1, 3)  # [B, S, H, D]
-        return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim)), cache
+        return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim))
 
 
 def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
@@ -183,9 +186,18 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, visible: jax.Array,
                  cache: StaticCache, layer_idx: int) -> tuple[jax.Array, StaticCache]:
-        attended, cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer_idx)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        q, k, v = self.pre_attention(x, cos, sin)  # [B, H, S, D], [B, Hkv, S, D] x2
+        keys, values, cache = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
+        return self.post_attention(x, q, keys, values, visible), cache  # [B, S, hidden]
+
+    # The layer's two halves around its cache write (torch compiles each as a region).
+    def pre_attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x: jax.Array, q: jax.Array, keys: jax.Array, values: jax.Array,
+                       visible: jax.Array) -> jax.Array:
+        x = x + self.self_attn.attend(q, keys, values, visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MistralModel(nnx.Module):

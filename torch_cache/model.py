@@ -25,9 +25,10 @@ from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX
 from twincache.gguf_checkpoint import is_gguf_file, open_gguf
 
-# Most rows a compiled CPU projection writes as multiply-and-sum, by dtype (else 1). Measured on a 2-core EPYC, torch
-# 2.13, [1536, 512] weights: fp32 1 row 40 GB/s vs 15 with F.linear, 4 rows 17 vs 9.5, 8 rows slower; bf16 wins at 1.
-_MULTIPLY_SUM_MAX_ROWS = {torch.float32: 4}
+# Most rows a compiled CPU float32 projection writes as multiply-and-sum (other dtypes: 1). Measured on a 2-core EPYC,
+# torch 2.13, [1536, 512] weights: fp32 1 row 40 GB/s vs 15 with F.linear, 4 rows 17 vs 9.5, 8 rows slower; bf16 wins
+# at 1. A plain int, not a dict keyed by dtype: dynamo's subgraph reuse cannot re-resolve a guard on a dtype key.
+_MULTIPLY_SUM_MAX_ROWS_FP32 = 4
 # Past those rows (batched decode), a compiled CPU float32 projection reads a oneDNN-packed copy of its weight
 # (_pack_projections): measured there, a [32000, 512] weight at 8 rows streams at 38 GB/s packed vs 17.5 with F.linear
 # (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and 32 1.24-1.31x faster.
@@ -71,7 +72,7 @@ def _project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None)
     multiply-and-sum takes."""
     rows = x.shape[:-1].numel()
     if torch.compiler.is_compiling() and x.device.type == "cpu":
-        if rows <= _MULTIPLY_SUM_MAX_ROWS.get(x.dtype, 1):
+        if rows <= (_MULTIPLY_SUM_MAX_ROWS_FP32 if x.dtype == torch.float32 else 1):
             return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
         if packed is not None:
             out = _packed_linear(x.reshape(rows, x.shape[-1]), packed, weight)  # [N, out]
@@ -142,15 +143,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
         self.parallel = sharding.SINGLE  # on a mesh: local head counts, and o_proj's partial sums are all-reduced
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
-                cache: StaticCache, layer_idx: int) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new tokens' q [B, H, S, D], k and v [B, Hkv, S, D], RoPE applied to q and k."""
         batch, seq_len, _ = x.shape
-        groups = self.num_heads // self.num_kv_heads
         q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S, D] over the K/V the cache update returned ([B, Hkv, L, D]), through o_proj: [B, S, hidden]."""
+        batch, _, seq_len, _ = q.shape
+        groups = self.num_heads // self.num_kv_heads
         # Attention reads as many slots as the mask covers: a prefix of the buffers when the forward was given an
         # attend_len bucket (every live key is in it), else all of them.
         keys, values = keys.narrow(2, 0, visible.shape[-1]), values.narrow(2, 0, visible.shape[-1])  # [B, Hkv, Lkv, D]
@@ -182,10 +187,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    @compile_region
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
                 cache: StaticCache, layer_idx: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, visible, cache, layer_idx)
+        q, k, v = self.pre_attention(x, cos, sin)  # [B, H, S, D], [B, Hkv, S, D] x2
+        keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
+        return self.post_attention(x, q, keys, values, visible)  # [B, S, hidden]
+
+    # The layer's two halves around its cache write. They take only tensors (and the module), so under torch.compile
+    # dynamo traces each once and reuses that trace for every other layer (docs/design.md §7.16).
+    @compile_region
+    def pre_attention(self, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    @compile_region
+    def post_attention(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       visible: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.attend(q, keys, values, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -338,7 +356,7 @@ def _pack_projections(model: Mistral, rows: int) -> None:
     Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
     if not _PACKED_LINEAR or model.device.type != "cpu" or model.dtype != torch.float32:
         return
-    if rows <= _MULTIPLY_SUM_MAX_ROWS[torch.float32]:
+    if rows <= _MULTIPLY_SUM_MAX_ROWS_FP32:
         return
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     linears = [module for module in model.modules() if isinstance(module, Linear) and module is not model.lm_head]
