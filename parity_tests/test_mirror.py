@@ -31,6 +31,8 @@ TORCH_ONLY = {
     "sharding.weight_slice": f"{_TORCH_RANK}; JAX's weight_sharding places the global array instead",
     "sharding.local_device": f"{_TORCH_RANK}; one JAX process drives every device of its mesh",
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
+    "generate.start_compiler_probe": "inductor's CPU vector-ISA checks, started while the weights load; XLA has no "
+                                     "such step",
     "model.compile_region": "regional compilation for torch.compile (one decoder layer compiled once); XLA compiles "
                             "a whole step in seconds",
 }

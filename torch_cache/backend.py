@@ -13,6 +13,7 @@ import torch
 from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from torch_cache.cache import StaticCache
 from torch_cache.generate import generate as _generate
+from torch_cache.generate import start_compiler_probe
 from torch_cache.model import Mistral
 from twincache.config import MistralConfig
 from twincache.generation import PREFILL_CHUNK, GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
@@ -28,6 +29,8 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
         return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)),
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).split(":")[0] == "cpu":  # inductor's CPU checks run while the weights load
+        start_compiler_probe()
     return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)), device)
 
 
