@@ -1,8 +1,10 @@
-"""torch_cache.model.project: a compiled CPU decode step streams its weights through multiply-and-sum, not F.linear.
+"""torch_cache.model.project: a compiled CPU decode step streams its weights through multiply-and-sum or F.linear,
+whichever measured faster on the CPU's vendor, and batched float32 steps through oneDNN-packed copies.
 
-On CPU, oneMKL's gemv behind F.linear streams a weight at ~15 GB/s on one row; the multiply-and-sum that inductor
-fuses into one reduction reaches ~40 (bench/README.md). These tests count which path each projection takes in the
-traced decode graph (dynamo only, no inductor compile), so they do not depend on the machine. The numerics of the
+On an AMD EPYC, oneMKL's gemv behind F.linear streamed a weight at ~15 GB/s on one row, the multiply-and-sum that
+inductor fuses into one reduction ~40; on an Intel Xeon F.linear was faster in float32 (bench/README.md). These tests
+count which path each projection takes in the traced decode graph (dynamo only, no inductor compile) under each
+vendor's rule, set explicitly, so they do not depend on the machine. The numerics of the
 compiled multiply-and-sum against eager are checked in test_torch_generate.py; speed is measured in bench/.
 """
 
@@ -34,7 +36,8 @@ def traced_graph(model: Mistral, batch: int) -> torch.fx.GraphModule:
     dtype = model.dtype
     cache = make_cache("sliding_window", model.config, batch, 16, dtype)
     ids = torch.zeros(batch, 1, dtype=torch.long)
-    with torch.inference_mode():
+    # Every call traces `step`'s one code object again (a new model or rule): more than dynamo's default 8 entries
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
         torch.compile(step, backend=record, fullgraph=True, dynamic=False)(ids, torch.zeros_like(ids), cache)
     assert len(graphs) == 1
     return graphs[0]
@@ -56,12 +59,19 @@ def projections(config: object) -> int:
     return 7 * config.num_hidden_layers + 1  # q, k, v, o, gate, up, down per layer, and the LM head
 
 
-@pytest.mark.parametrize("dtype, batch, expect_linear", [
-    (torch.float32, 1, False), (torch.float32, 4, False), (torch.float32, 8, True),
-    (torch.bfloat16, 1, False), (torch.bfloat16, 2, True),
+@pytest.mark.parametrize("vendor, dtype, batch, expect_linear", [
+    ("AuthenticAMD", torch.float32, 1, False), ("AuthenticAMD", torch.float32, 4, False),
+    ("AuthenticAMD", torch.float32, 8, True), ("AuthenticAMD", torch.bfloat16, 1, False),
+    ("AuthenticAMD", torch.bfloat16, 2, True),
+    ("GenuineIntel", torch.float32, 1, True), ("GenuineIntel", torch.float32, 4, True),
+    ("GenuineIntel", torch.bfloat16, 1, False), ("GenuineIntel", torch.bfloat16, 2, True),
 ])
-def test_compiled_cpu_decode_projects_few_rows_by_multiply_and_sum(checkpoints: dict[str, Path], dtype: torch.dtype,
-                                                                  batch: int, expect_linear: bool):
+def test_compiled_cpu_decode_projects_few_rows_by_the_vendors_faster_path(checkpoints: dict[str, Path], monkeypatch,
+                                                                          vendor: str, dtype: torch.dtype,
+                                                                          batch: int, expect_linear: bool):
+    fp32_rows, half_rows = tm._multiply_sum_max_rows(vendor)
+    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_FP32", fp32_rows)
+    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_HALF", half_rows)
     model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
     graph = traced_graph(model, batch)
     assert linear_calls(graph) == (projections(model.config) if expect_linear else 0), graph.code
@@ -98,12 +108,12 @@ def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkp
     tm._pack_projections(model, 8)
     graph = traced_graph(model, 8)
     assert packed_calls(graph) == projections(model.config) and linear_calls(graph) == 0, graph.code
-    graph = traced_graph(model, 4)  # multiply-and-sum rows never read the packed copy
-    assert packed_calls(graph) == 0 and linear_calls(graph) == 0, graph.code
+    graph = traced_graph(model, 4)  # fewer rows than _PACKED_MIN_ROWS never read the packed copy
+    assert packed_calls(graph) == 0, graph.code
 
 
 @packed_only
-def test_packing_is_for_cpu_float32_batches_past_multiply_and_sum_only(checkpoints: dict[str, Path]):
+def test_packing_is_for_cpu_float32_batches_of_five_rows_or_more(checkpoints: dict[str, Path]):
     model = Mistral.from_pretrained(checkpoints["gqa"])
     tm._pack_projections(model, 4)
     assert model._packed_head is None

@@ -25,15 +25,35 @@ from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX
 from twincache.gguf_checkpoint import is_gguf_file, open_gguf
 
-# Most rows a compiled CPU float32 projection writes as multiply-and-sum (other dtypes: 1). Measured on a 2-core EPYC,
-# torch 2.13, [1536, 512] weights: fp32 1 row 40 GB/s vs 15 with F.linear, 4 rows 17 vs 9.5, 8 rows slower; bf16 wins
-# at 1. A plain int, not a dict keyed by dtype: dynamo's subgraph reuse cannot re-resolve a guard on a dtype key.
-_MULTIPLY_SUM_MAX_ROWS_FP32 = 4
-# Past those rows (batched decode), a compiled CPU float32 projection reads a oneDNN-packed copy of its weight
-# (_pack_projections): measured there, a [32000, 512] weight at 8 rows streams at 38 GB/s packed vs 17.5 with F.linear
-# (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and 32 1.24-1.31x faster.
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor id as Linux reports it ("GenuineIntel", "AuthenticAMD", ...); "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def _multiply_sum_max_rows(vendor: str) -> tuple[int, int]:
+    """Most rows a compiled CPU projection writes as multiply-and-sum, (float32, half precision); more rows take
+    F.linear (oneMKL / oneDNN). Measured with torch 2.13 on two 2-core machines: on an AMD EPYC oneMKL's gemv streamed
+    a [1536, 512] fp32 weight at 15 GB/s against 40 for inductor's fused multiply-and-sum (4 rows: 9.5 vs 17; 8 rows
+    slower); on an Intel Xeon (AVX-512) F.linear decoded the small bench model faster at every fp32 row count (1 row
+    163 vs 141 tok/s, 2 rows 268 vs 142, 4 rows 362 vs 170 in total), while bf16 still gained at one row (trained
+    model 46.6 vs 35.0 tok/s) and was level at two. oneMKL picks its fast kernels on Intel CPUs."""
+    return (0, 1) if vendor == "GenuineIntel" else (4, 1)
+
+
+# Plain ints, not a dict keyed by dtype: dynamo's subgraph reuse cannot re-resolve a guard on a dtype key.
+_MULTIPLY_SUM_MAX_ROWS_FP32, _MULTIPLY_SUM_MAX_ROWS_HALF = _multiply_sum_max_rows(_cpu_vendor())
+# From _PACKED_MIN_ROWS rows (batched decode), a compiled CPU float32 projection reads a oneDNN-packed copy of its
+# weight (_pack_projections): measured on the EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s packed vs 17.5
+# with F.linear (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and 32 1.24-1.31x
+# faster.
 # The packed copies cost as much memory again as the projection weights. Needs torch.library.custom_op and oneDNN.
 _PACKED_LINEAR = hasattr(torch.library, "custom_op") and torch.backends.mkldnn.is_available()
+_PACKED_MIN_ROWS = 5
 
 if _PACKED_LINEAR:
     @torch.library.custom_op("torch_cache::packed_linear", mutates_args=())
@@ -60,21 +80,22 @@ def compile_region(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for weight [out, in] (HF layout).
 
-    Compiled for CPU with few rows (decode), it is written as multiply-and-sum: inductor fuses that into one
-    vectorised, threaded reduction that streamed the weight ~2.7x faster than the oneMKL gemv behind F.linear on a
-    2-core AMD EPYC; on an AVX-512 Intel Xeon the two are level (bench/README, "Issue 13 measured").
+    Compiled for CPU with few rows (decode), it is written as multiply-and-sum where that measured faster than
+    F.linear (`_multiply_sum_max_rows`): inductor fuses it into one vectorised, threaded reduction that streamed the
+    weight ~2.7x faster than the oneMKL gemv behind F.linear on a 2-core AMD EPYC; on an Intel Xeon F.linear wins in
+    float32.
     """
     return _project(x, weight, None)
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """project, reading `packed` (weight's oneDNN copy, _pack_projections) when compiled for CPU with more rows than
-    multiply-and-sum takes."""
+    """project, reading `packed` (weight's oneDNN copy, _pack_projections) when compiled for CPU with a batch of
+    _PACKED_MIN_ROWS rows or more."""
     rows = x.shape[:-1].numel()
     if torch.compiler.is_compiling() and x.device.type == "cpu":
-        if rows <= (_MULTIPLY_SUM_MAX_ROWS_FP32 if x.dtype == torch.float32 else 1):
+        if rows <= (_MULTIPLY_SUM_MAX_ROWS_FP32 if x.dtype == torch.float32 else _MULTIPLY_SUM_MAX_ROWS_HALF):
             return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
-        if packed is not None:
+        if packed is not None and rows >= _PACKED_MIN_ROWS:
             out = _packed_linear(x.reshape(rows, x.shape[-1]), packed, weight)  # [N, out]
             return out.view(*x.shape[:-1], weight.shape[0])  # [..., out]
     return F.linear(x, weight)  # [..., out]
@@ -352,11 +373,11 @@ class Mistral(nn.Module):
 
 def _pack_projections(model: Mistral, rows: int) -> None:
     """Give each projection weight of a CPU float32 model a oneDNN-packed copy (laid out for `rows`-row inputs; any
-    row count reads it), which compiled steps of more rows than multiply-and-sum takes read instead of F.linear.
+    row count reads it), which compiled steps of _PACKED_MIN_ROWS rows or more read instead of F.linear.
     Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
     if not _PACKED_LINEAR or model.device.type != "cpu" or model.dtype != torch.float32:
         return
-    if rows <= _MULTIPLY_SUM_MAX_ROWS_FP32:
+    if rows < _PACKED_MIN_ROWS:
         return
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     linears = [module for module in model.modules() if isinstance(module, Linear) and module is not model.lm_head]
