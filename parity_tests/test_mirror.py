@@ -33,8 +33,8 @@ TORCH_ONLY = {
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
     "generate.start_compiler_probe": "inductor's CPU vector-ISA checks, started while the weights load; XLA has no "
                                      "such step",
-    "model.compile_region": "regional compilation for torch.compile (one decoder layer compiled once); XLA compiles "
-                            "a whole step in seconds",
+    "model.compile_region": "regional compilation for torch.compile (each half of a decoder layer traced once); XLA "
+                            "compiles a whole step in seconds",
 }
 JAX_ONLY = {
     "sharding.MODEL": "the model axis of the (data, model_kv, model_copy) view JAX places arrays on",

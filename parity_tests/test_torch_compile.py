@@ -1,5 +1,6 @@
-"""What torch.compile sees of torch_cache's decode step: one decoder layer traced for the whole stack (regional
-compilation, issue 13 §3). Graphs are captured with a recording backend, so nothing here runs inductor."""
+"""What torch.compile sees of torch_cache's decode step: the two halves of one decoder layer traced once for the whole
+stack (regional compilation, issue 13 §3). Graphs are captured with a recording backend, so nothing here runs
+inductor."""
 
 from __future__ import annotations
 
