@@ -4,6 +4,7 @@ inductor."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from torch_cache.generate import prefill
 from torch_cache.model import Mistral
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def captured_step_graph(model: Mistral) -> torch.fx.GraphModule:
@@ -55,3 +57,32 @@ def test_dynamo_traces_each_half_of_a_decoder_layer_once_for_the_whole_stack(tmp
     assert len(calls) == 2 * model.config.num_hidden_layers, "every layer runs both regions"
     assert len(regions) == 2, f"two traced regions for the whole stack, got {regions}"
     assert traced == 2, f"dynamo traced the regions {traced} times for {model.config.num_hidden_layers} layers"
+
+
+_PICKED_ISA = """
+import sys
+import torch
+from torch._inductor import cpu_vec_isa
+if sys.argv[2] == "vectorisation off":
+    torch._inductor.config.cpp.vec_isa_ok = False
+if sys.argv[1] == "probed":
+    import torch_cache.generate as tg
+    tg.start_compiler_probe()
+    tg._compiler_probe.join()
+print(str(cpu_vec_isa.pick_vec_isa()))
+"""
+
+
+@pytest.mark.parametrize("setting", ["default config", "vectorisation off"])
+def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself(tmp_path: Path, setting: str):
+    """torch_cache runs inductor's CPU vector-ISA checks side by side in threads (start_compiler_probe); inductor must
+    then pick the same ISA as when it runs them itself, one after another, in a fresh process, also when the caller
+    has set inductor's config (a context variable, which a new thread would not see). The second process shares the
+    first one's inductor cache, so it rebuilds nothing, but it checks every ISA again."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
+    picked = {how: subprocess.run([sys.executable, "-c", _PICKED_ISA, how, setting], env=env, capture_output=True,
+                                  text=True, check=True, timeout=300).stdout.strip() for how in ("probed", "inductor")}
+    assert picked["probed"] == picked["inductor"], picked

@@ -9,6 +9,7 @@ so compiling it would only add that compile.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import platform
 import threading
@@ -185,7 +186,10 @@ def start_compiler_probe() -> None:
     global _compiler_probe
     if _compiler_probe is not None:
         return
-    _compiler_probe = threading.Thread(target=_probe_vector_isas, name="twincache-isa-probe", daemon=True)
+    # torch's config overrides (inductor's cpp.vec_isa_ok, simdlen...) are context variables: the checks run in copies
+    # of the caller's context, so they see what inductor would see in the caller's thread
+    _compiler_probe = threading.Thread(target=contextvars.copy_context().run, args=(_probe_vector_isas,),
+                                       name="twincache-isa-probe", daemon=True)
     _compiler_probe.start()
 
 
@@ -198,8 +202,9 @@ def _probe_vector_isas() -> None:
             cpu_flags = cpu_vec_isa.x86_isa_checker()
             candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                           if all(flag in cpu_flags for flag in str(isa).split())]
+            contexts = [contextvars.copy_context() for _ in candidates]  # a context is entered by one thread at a time
             with ThreadPoolExecutor(max(1, len(candidates))) as pool:
-                list(pool.map(bool, candidates))  # each check is cached on its ISA object
+                list(pool.map(lambda context, isa: context.run(bool, isa), contexts, candidates))  # cached per ISA
         cpu_vec_isa.valid_vec_isa_list()  # cached: inductor reads this list
     except Exception:  # noqa: BLE001 - a warm-up only: inductor repeats any check that did not finish
         return
