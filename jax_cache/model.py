@@ -44,7 +44,7 @@ def project(x: jax.Array, weight: jax.Array) -> jax.Array:
     rows = int(np.prod(x.shape[:-1]))
     if (jnp.dtype(weight.dtype).itemsize == 2 and rows < _HALF_PRECISION_MIN_ROWS
             and jax.default_backend() == "cpu"):
-        padded = jnp.zeros((_HALF_PRECISION_MIN_ROWS, x.shape[-1]), x.dtype).at[:rows].set(x.reshape(rows, -1))
+        padded = jnp.pad(x.reshape(rows, -1), ((0, _HALF_PRECISION_MIN_ROWS - rows), (0, 0)))  # [3, in]
         out = lax.dot_general(padded, weight, (((1,), (1,)), ((), ())),
                               preferred_element_type=jnp.float32)[:rows]  # [rows, out] fp32 accumulated
         return out.astype(weight.dtype).reshape(*x.shape[:-1], weight.shape[0])

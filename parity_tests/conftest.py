@@ -148,4 +148,3 @@ def record_fused_blocks(monkeypatch: pytest.MonkeyPatch, generate_module: object
 
     monkeypatch.setattr(generate_module, "decode_fused", recording)
     return sizes
-

@@ -50,8 +50,8 @@ _MULTIPLY_SUM_MAX_ROWS_FP32, _MULTIPLY_SUM_MAX_ROWS_HALF = _multiply_sum_max_row
 # From _PACKED_MIN_ROWS rows (batched decode), a compiled CPU float32 projection reads a oneDNN-packed copy of its
 # weight (_pack_projections): measured on the EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s packed vs 17.5
 # with F.linear (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and 32 1.24-1.31x
-# faster.
-# The packed copies cost as much memory again as the projection weights. Needs torch.library.custom_op and oneDNN.
+# faster. The packed copies cost as much memory again as the projection weights. Needs torch.library.custom_op and
+# oneDNN.
 _PACKED_LINEAR = hasattr(torch.library, "custom_op") and torch.backends.mkldnn.is_available()
 _PACKED_MIN_ROWS = 5
 
