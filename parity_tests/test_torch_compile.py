@@ -60,16 +60,26 @@ def test_dynamo_traces_each_half_of_a_decoder_layer_once_for_the_whole_stack(tmp
 
 
 _PICKED_ISA = """
+import json
 import sys
 import torch
-from torch._inductor import cpu_vec_isa
 if sys.argv[2] == "vectorisation off":
     torch._inductor.config.cpp.vec_isa_ok = False
+imported = []
 if sys.argv[1] == "probed":
     import torch_cache.generate as tg
+    checks = tg._probe_vector_isas
+
+    def watched_checks():
+        before = set(sys.modules)
+        checks()
+        imported.extend(sorted(set(sys.modules) - before))
+
+    tg._probe_vector_isas = watched_checks
     tg.start_compiler_probe()
     tg._compiler_probe.join()
-print(str(cpu_vec_isa.pick_vec_isa()))
+from torch._inductor import cpu_vec_isa
+print(json.dumps({"isa": str(cpu_vec_isa.pick_vec_isa()), "imported by the thread": imported}))
 """
 
 
@@ -78,11 +88,38 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     """torch_cache runs inductor's CPU vector-ISA checks side by side in threads (start_compiler_probe); inductor must
     then pick the same ISA as when it runs them itself, one after another, in a fresh process, also when the caller
     has set inductor's config (a context variable, which a new thread would not see). The second process shares the
-    first one's inductor cache, so it rebuilds nothing, but it checks every ISA again."""
+    first one's inductor cache, so it rebuilds nothing, but it checks every ISA again.
+    The thread must import no module: torch's modules import each other in cycles, and one imported in the
+    background while the caller imports torch._dynamo can come out partly initialised (an ImportError in CI)."""
+    import json
     import subprocess
     import sys
 
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
-    picked = {how: subprocess.run([sys.executable, "-c", _PICKED_ISA, how, setting], env=env, capture_output=True,
-                                  text=True, check=True, timeout=300).stdout.strip() for how in ("probed", "inductor")}
-    assert picked["probed"] == picked["inductor"], picked
+    runs = {how: json.loads(subprocess.run([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
+                                           capture_output=True, text=True, check=True, timeout=300).stdout)
+            for how in ("probed", "inductor")}
+    assert runs["probed"]["isa"] == runs["inductor"]["isa"], runs
+    assert runs["probed"]["imported by the thread"] == [], runs["probed"]
+
+
+_IMPORT_WHILE_PROBING = """
+import torch
+import torch_cache.generate as tg
+tg.start_compiler_probe()
+import torch._dynamo  # what the caller's thread does next: StaticCache marks its buffers static
+"""
+
+
+def test_the_caller_can_import_dynamo_while_the_isa_checks_start(tmp_path: Path):
+    """The CI failure this guards: a CLI error case constructed its cache (importing torch._dynamo) while the checks'
+    thread imported inductor; one of them got a partly initialised torch._inductor.utils (ImportError). With the
+    thread importing in the background it failed 7 times in 8 here; run twice on an empty inductor cache."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _IMPORT_WHILE_PROBING], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]

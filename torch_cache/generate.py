@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import importlib
 import os
 import platform
 import sys
@@ -188,11 +189,24 @@ def start_compiler_probe() -> None:
     global _compiler_probe
     if _compiler_probe is not None:
         return
+    try:  # in this thread: see _CHECKS_IMPORT
+        for module in _CHECKS_IMPORT:
+            importlib.import_module(module)
+    except ImportError:
+        return
     # torch's config overrides (inductor's cpp.vec_isa_ok, simdlen...) are context variables: the checks run in copies
     # of the caller's context, so they see what inductor would see in the caller's thread
     _compiler_probe = threading.Thread(target=contextvars.copy_context().run, args=(_probe_vector_isas,),
                                        name="twincache-isa-probe", daemon=True)
     _compiler_probe.start()
+
+
+# Everything the checks import, imported by the caller before the thread starts. torch's modules import each other
+# in cycles: a thread importing them while the caller imports torch._dynamo (the cache marks its buffers static) can
+# hand one of them a partly initialised module (CI: "cannot import name 'IndentedBuffer' from
+# 'torch._inductor.utils'"). The thread then imports nothing; a test checks it.
+_CHECKS_IMPORT = ("concurrent.futures", "torch._inductor.cpu_vec_isa", "torch._inductor.codecache",
+                  "torch._inductor.cpp_builder", "torch.utils._filelock", "torch.utils.cpp_extension")
 
 
 def _probe_vector_isas() -> None:
