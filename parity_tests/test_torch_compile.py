@@ -61,6 +61,7 @@ def test_dynamo_traces_each_half_of_a_decoder_layer_once_for_the_whole_stack(tmp
 
 _PICKED_ISA = """
 import json
+import os
 import sys
 import torch
 if sys.argv[2] == "vectorisation off":
@@ -73,13 +74,27 @@ if sys.argv[1] == "probed":
     def watched_checks():
         before = set(sys.modules)
         checks()
-        imported.extend(sorted(set(sys.modules) - before))
+        cache_dir = os.environ["TORCHINDUCTOR_CACHE_DIR"]  # the warm-up kernel loads as a module: no torch code
+        imported.extend(sorted(name for name in set(sys.modules) - before
+                               if not (getattr(sys.modules[name], "__file__", None) or "").startswith(cache_dir)))
 
     tg._probe_vector_isas = watched_checks
     tg.start_compiler_probe()
     tg._compiler_probe.join()
 from torch._inductor import cpu_vec_isa
-print(json.dumps({"isa": str(cpu_vec_isa.pick_vec_isa()), "imported by the thread": imported}))
+isa = str(cpu_vec_isa.pick_vec_isa())
+
+
+def headers():
+    import glob
+    import tempfile
+    return sorted(glob.glob(os.path.join(tempfile.gettempdir(), "torchinductor_*", "precompiled_headers", "*.gch")))
+
+
+headers_before = headers()
+torch.compile(lambda x: (x.sin() + 1).cos())(torch.randn(64))  # inductor's own first CPU kernel
+print(json.dumps({"isa": isa, "imported by the thread": imported, "headers before a compile": headers_before,
+                  "headers after it": headers()}))
 """
 
 
@@ -90,17 +105,28 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     has set inductor's config (a context variable, which a new thread would not see). The second process shares the
     first one's inductor cache, so it rebuilds nothing, but it checks every ISA again.
     The thread must import no module: torch's modules import each other in cycles, and one imported in the
-    background while the caller imports torch._dynamo can come out partly initialised (an ImportError in CI)."""
+    background while the caller imports torch._dynamo can come out partly initialised (an ImportError in CI).
+    It also builds the precompiled header inductor's kernels use (in a fresh temp dir here, as on a new machine):
+    inductor's first kernel then builds none."""
     import json
+    import shutil
     import subprocess
     import sys
 
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
-    runs = {how: json.loads(subprocess.run([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
-                                           capture_output=True, text=True, check=True, timeout=300).stdout)
-            for how in ("probed", "inductor")}
-    assert runs["probed"]["isa"] == runs["inductor"]["isa"], runs
-    assert runs["probed"]["imported by the thread"] == [], runs["probed"]
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TMPDIR": str(tmp_path / "tmp"),
+           "PYTHONPATH": str(REPO)}
+    try:
+        runs = {how: json.loads(subprocess.run([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
+                                               capture_output=True, text=True, check=True, timeout=300).stdout)
+                for how in ("probed", "inductor")}
+    finally:
+        shutil.rmtree(tmp_path / "tmp", ignore_errors=True)  # a precompiled header is ~150 MB
+    probed = runs["probed"]
+    assert probed["isa"] == runs["inductor"]["isa"], runs
+    assert probed["imported by the thread"] == [], probed
+    assert len(probed["headers before a compile"]) == 1, probed
+    assert probed["headers after it"] == probed["headers before a compile"], probed
 
 
 _IMPORT_WHILE_PROBING = """

@@ -228,8 +228,22 @@ def _probe_vector_isas() -> None:
             with ThreadPoolExecutor(max(1, len(candidates))) as pool:
                 list(pool.map(check, contexts, candidates))  # each verdict is cached on its ISA object
         cpu_vec_isa.valid_vec_isa_list()  # cached: inductor reads this list
+        # Inductor compiles every CPU kernel against a precompiled cpp_prefix.h (ATen's vector headers, ~150 MB),
+        # built on first use for its flags and the ISA picked above, and kept across processes in the system's temp
+        # dir. Building it is ~4 s on the first kernel's path; one tiny vector kernel here builds it instead.
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+        CppPythonBindingsCodeCache.load_pybinding(["const float*", "float*"], _VECTOR_KERNEL)
     except Exception:  # noqa: BLE001 - a warm-up only: inductor repeats any check that did not finish
         return
+
+
+_VECTOR_KERNEL = """
+#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C" void kernel(const float* in_ptr0, float* out_ptr0)
+{
+    at::vec::Vectorized<float>::loadu(in_ptr0, static_cast<int64_t>(1)).store(out_ptr0, static_cast<int64_t>(1));
+}
+"""
 
 
 def _lower_thread_priority() -> None:
@@ -273,10 +287,17 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
         compiled = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
         symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")
                            if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
+        # Inductor tries to fuse each pair of nodes that share a buffer, up to 64 apart. Every layer's K/V write reads
+        # the same slot indices: ~2,000 pairs on a 30-layer model, 1 s of its compile, and the fusions it finds are
+        # between neighbours (8 gave byte-identical code on every model, batch, cache and dtype tried).
+        from torch._inductor import config as inductor_config
+        fusion_window = (inductor_config.patch(max_fusion_buffer_group_pairwise_attempts=8)
+                         if hasattr(inductor_config, "max_fusion_buffer_group_pairwise_attempts")
+                         else contextlib.nullcontext())
 
         def inference_step(*args: object) -> tuple[torch.Tensor, ...]:
             # grad mode is guarded on: entering inference mode here keeps it one graph for all callers
-            with torch.inference_mode(), symbolic_bucket:
+            with torch.inference_mode(), symbolic_bucket, fusion_window:
                 return compiled(*args)
 
         _compiled_decode[model] = inference_step
