@@ -45,6 +45,7 @@ RUNS: dict[str, list[str]] = {
     "default jax json": ["--backend", "jax", "--json"],
 }
 PLAIN_RUN = "default torch plain"  # `twincache generate`: compiled torch, the default prompt and max_new_tokens
+AGAIN_RUN = "tiny jax json again"  # after the others, logging XLA's persistent-cache hits and misses
 
 
 def command() -> list[str]:
@@ -82,6 +83,8 @@ def runs(checkpoints: dict[str, Path], tiny_model_dir: Path, cli_home: Path) -> 
     procs = {name: start(name, args) for name, args in RUNS.items()}
     results = {name: finish(name, proc) for name, proc in procs.items()}
     results[PLAIN_RUN] = finish(PLAIN_RUN, start(PLAIN_RUN, []))
+    env.update(JAX_LOG_COMPILES="1", JAX_EXPLAIN_CACHE_MISSES="1")
+    results[AGAIN_RUN] = finish(AGAIN_RUN, start(AGAIN_RUN, RUNS["tiny jax json"]))
     return results
 
 
@@ -106,6 +109,18 @@ def test_jax_json_has_the_torch_keys_and_the_torch_tokens(runs):
     assert (ours["mode"], theirs["mode"]) == ("fused", "eager")
     # The same call reports the same capacity: prompt + new tokens, whatever padding JAX's prompt bucket adds.
     assert ours["max_cache_len"] == theirs["max_cache_len"] == len(ours["prompt_ids"]) + 40  # --max-new-tokens 40
+
+
+def test_a_second_jax_run_loads_its_executables_from_disk(runs, cli_home):
+    """`generate --backend jax` keeps XLA's executables under $TWINCACHE_HOME/compiled/jax (twincache_app.backends),
+    as inductor keeps torch's kernels: the same run again compiles none of them (JAX logs every persistent-cache hit
+    and miss here) and decodes the same tokens."""
+    stdout, stderr = runs[AGAIN_RUN]
+    assert parse_json(stdout, AGAIN_RUN)["token_ids"] == parse_json(runs["tiny jax json"][0], "")["token_ids"]
+    hits = set(re.findall(r"Persistent compilation cache hit for '(\w+)'", stderr))
+    assert {"jit__prefill", "jit__fused_decode"} <= hits, f"hits: {hits}\n{stderr[-3000:]}"
+    assert "PERSISTENT COMPILATION CACHE MISS" not in stderr, stderr[-3000:]
+    assert any((cli_home / "compiled" / "jax").iterdir())
 
 
 def test_json_with_a_streaming_mode_decodes_in_that_mode(runs):
