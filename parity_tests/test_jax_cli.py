@@ -28,6 +28,7 @@ from torch_cache.generate import generate
 from torch_cache.model import Mistral
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.tokenizer import Tokenizer
+from twincache_app.backends import compiled_programs_dir
 from twincache_app.generate_cmd import DEFAULT_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,16 +112,16 @@ def test_jax_json_has_the_torch_keys_and_the_torch_tokens(runs):
     assert ours["max_cache_len"] == theirs["max_cache_len"] == len(ours["prompt_ids"]) + 40  # --max-new-tokens 40
 
 
-def test_a_second_jax_run_loads_its_executables_from_disk(runs, cli_home):
-    """`generate --backend jax` keeps XLA's executables under $TWINCACHE_HOME/compiled/jax (twincache_app.backends),
-    as inductor keeps torch's kernels: the same run again compiles none of them (JAX logs every persistent-cache hit
-    and miss here) and decodes the same tokens."""
+def test_a_second_jax_run_loads_its_executables_from_disk(runs):
+    """`generate --backend jax` keeps XLA's executables in the system temp dir (twincache_app.backends), as inductor
+    keeps torch's kernels: the same run again compiles none of them (JAX logs every persistent-cache hit and miss
+    here) and decodes the same tokens."""
     stdout, stderr = runs[AGAIN_RUN]
     assert parse_json(stdout, AGAIN_RUN)["token_ids"] == parse_json(runs["tiny jax json"][0], "")["token_ids"]
     hits = set(re.findall(r"Persistent compilation cache hit for '(\w+)'", stderr))
     assert {"jit__prefill", "jit__fused_decode"} <= hits, f"hits: {hits}\n{stderr[-3000:]}"
     assert "PERSISTENT COMPILATION CACHE MISS" not in stderr, stderr[-3000:]
-    assert any((cli_home / "compiled" / "jax").iterdir())
+    assert any(compiled_programs_dir("jax").iterdir())
 
 
 def test_json_with_a_streaming_mode_decodes_in_that_mode(runs):

@@ -8,6 +8,9 @@ the tower's `backend` module only when a command needs it: `--help` imports neit
 from __future__ import annotations
 
 import dataclasses
+import getpass
+import os
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -26,8 +29,8 @@ class Backend:
     block_streaming_modes: tuple[str, ...]  # of those, the ones that hand them over a block of steps at a time
     mesh_processes: bool  # a mesh runs one process per device (torch), not one process for all (JAX)
     importer: Callable[[], ModuleType]
-    # Keep compiled programs on disk under a directory, across processes; call before the tower's first compile.
-    persist_compiles: Callable[[Path], None] = lambda directory: None
+    # Keep compiled programs on disk across processes; call before the tower's first compile.
+    persist_compiles: Callable[[], None] = lambda: None
 
     @property
     def default_mode(self) -> str:
@@ -64,22 +67,32 @@ def _jax_backend() -> ModuleType:
     return jax_cache.backend
 
 
-def _persist_xla_compiles(directory: Path) -> None:
-    """XLA's persistent compilation cache in `directory`, for every executable however fast it compiled: inductor
-    keeps its kernels across runs by itself, XLA only when asked. On the trained default model a second
-    `twincache generate --backend jax` then spends 1.7 s instead of 4.4 s in prefill + first step. A directory the
-    user chose (JAX_COMPILATION_CACHE_DIR) wins; one that cannot be created leaves the cache off."""
+def compiled_programs_dir(backend_name: str) -> Path:
+    """Where a backend's compiled programs persist across runs: beside inductor's, in the system temp dir, per user
+    (not in TWINCACHE_HOME, which a refused run must leave untouched)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError, ModuleNotFoundError):
+        user = f"uid_{os.getuid()}"
+    return Path(tempfile.gettempdir()) / f"twincache_{user}" / backend_name
+
+
+def _persist_xla_compiles() -> None:
+    """XLA's persistent compilation cache in compiled_programs_dir("jax"), for every executable however fast it
+    compiled: inductor keeps its kernels across runs by itself, XLA only when asked. On the trained default model a
+    second `twincache generate --backend jax` then spends 1.7 s instead of 4.4 s in prefill + first step. A directory
+    the user chose (JAX_COMPILATION_CACHE_DIR) wins; one that could not be created leaves the cache off."""
     try:
         import jax
     except ImportError:
         return  # the tower's import says so, in one line
     if jax.config.jax_compilation_cache_dir is not None:
         return
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    directory = compiled_programs_dir("jax")
+    existing = next(parent for parent in (directory, *directory.parents) if parent.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
         return
-    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_compilation_cache_dir", str(directory))  # JAX creates it at its first compile
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
@@ -98,4 +111,4 @@ def modes_help() -> str:
                      for b in BACKENDS.values())
 
 
-__all__ = ["Backend", "BACKENDS", "modes_help"]
+__all__ = ["Backend", "BACKENDS", "compiled_programs_dir", "modes_help"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from twincache import phases
 from twincache.checkpoint import load_config
 from twincache.config import MistralConfig
-from twincache.default_model import DEFAULT_WINDOW, cache_root, default_model_dir
+from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError, MeshError
 from twincache.generation import CACHE_KINDS, DTYPES, NOTICES, SamplingParams, parse_token_id_text, parse_token_ids
 from twincache.mesh import MeshShape, parse_mesh, plan_shards
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     phases.enter("load")  # importing the framework is part of it
-    backend.persist_compiles(cache_root() / "compiled" / backend.name)
+    backend.persist_compiles()
     tower = backend.module()
     model = tower.load(model_path, args.dtype, mesh=args.mesh)
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
