@@ -94,6 +94,9 @@ def _persist_xla_compiles() -> None:
         return
     jax.config.update("jax_compilation_cache_dir", str(directory))  # JAX creates it at its first compile
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # A bounded cache evicts the least recently used entries, and reads and writes its entries under a file lock:
+    # unbounded, a run could read an entry another run was still writing (the tests start several at once).
+    jax.config.update("jax_compilation_cache_max_size", 1 << 30)
 
 
 # torch: inductor's own on-disk caches (FX graphs, kernels) are on by default.
