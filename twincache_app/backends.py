@@ -99,12 +99,15 @@ def _persist_xla_compiles() -> None:
     jax.config.update("jax_compilation_cache_max_size", 1 << 30)
 
 
-# torch: inductor's own on-disk caches (FX graphs, kernels) are on by default.
+def _inductor_persists_by_itself() -> None:
+    """torch: inductor's on-disk caches (FX graphs, kernels) are on by default."""
+
+
 BACKENDS: dict[str, Backend] = {
     package.NAME: Backend(package.NAME, package.__name__, package.MODES, package.STREAMING_MODES,
-                          package.BLOCK_STREAMING_MODES, package.MESH_PROCESSES, importer, **persist)
-    for package, importer, persist in ((torch_cache, _torch_backend, {}),
-                                       (jax_cache, _jax_backend, {"persist_compiles": _persist_xla_compiles}))
+                          package.BLOCK_STREAMING_MODES, package.MESH_PROCESSES, importer, persist_compiles)
+    for package, importer, persist_compiles in ((torch_cache, _torch_backend, _inductor_persists_by_itself),
+                                                (jax_cache, _jax_backend, _persist_xla_compiles))
 }
 
 
