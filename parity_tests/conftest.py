@@ -7,6 +7,7 @@ ring several times while each forward stays tiny.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,23 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 WINDOW = 8
+
+
+@pytest.fixture(autouse=True)
+def jax_compile_cache_left_as_found():
+    """An in-process `twincache generate --backend jax` (cli.main) turns on XLA's persistent compilation cache for
+    the whole process (twincache_app.backends): turned off again after the test, so later tests compile in memory
+    as they would alone, and a test session leaves no executables on disk."""
+    jax_before = sys.modules.get("jax")
+    before = (jax_before.config.jax_compilation_cache_dir if jax_before is not None
+              else os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.config.jax_compilation_cache_dir != before:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()  # JAX opened the cache once per process; the next compile reads the setting
 
 # name -> overrides of the base transformers MistralConfig
 CHECKPOINT_VARIANTS: dict[str, dict] = {
