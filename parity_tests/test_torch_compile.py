@@ -66,6 +66,20 @@ import sys
 import torch
 if sys.argv[2] == "vectorisation off":
     torch._inductor.config.cpp.vec_isa_ok = False
+from torch._inductor import cpu_vec_isa
+full_checks = []  # inductor's full check of an ISA: a test program with ATen's vector headers, ~1.3 s of a core
+check_build = cpu_vec_isa.VecISA.check_build
+
+
+def counted_check_build(isa, code):
+    if code == cpu_vec_isa.VecISA._avx_code:
+        full_checks.append(str(isa))
+    return check_build(isa, code)
+
+
+cpu_vec_isa.VecISA.check_build = counted_check_build
+cpu_flags = cpu_vec_isa.x86_isa_checker()
+candidates = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in cpu_flags for f in str(isa).split())]
 imported = []
 if sys.argv[1] == "probed":
     import torch_cache.generate as tg
@@ -81,7 +95,6 @@ if sys.argv[1] == "probed":
     tg._probe_vector_isas = watched_checks
     tg.start_compiler_probe()
     tg._compiler_probe.join()
-from torch._inductor import cpu_vec_isa
 isa = str(cpu_vec_isa.pick_vec_isa())
 
 
@@ -94,20 +107,21 @@ def headers():
 headers_before = headers()
 torch.compile(lambda x: (x.sin() + 1).cos())(torch.randn(64))  # inductor's own first CPU kernel
 print(json.dumps({"isa": isa, "imported by the thread": imported, "headers before a compile": headers_before,
-                  "headers after it": headers()}))
+                  "headers after it": headers(), "full checks": full_checks, "candidates": candidates}))
 """
 
 
-@pytest.mark.parametrize("setting", ["default config", "vectorisation off"])
+@pytest.mark.parametrize("setting", ["default config", "vectorisation off", "AVX2 forced"])
 def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself(tmp_path: Path, setting: str):
     """torch_cache runs inductor's CPU vector-ISA checks side by side in threads (start_compiler_probe); inductor must
     then pick the same ISA as when it runs them itself, one after another, in a fresh process, also when the caller
-    has set inductor's config (a context variable, which a new thread would not see). The second process shares the
-    first one's inductor cache, so it rebuilds nothing, but it checks every ISA again.
+    has set inductor's config (a context variable, which a new thread would not see) or ATEN_CPU_CAPABILITY. The
+    second process shares the first one's inductor cache, so it rebuilds nothing, but it checks every ISA again.
     The thread must import no module: torch's modules import each other in cycles, and one imported in the
     background while the caller imports torch._dynamo can come out partly initialised (an ImportError in CI).
     It also builds the precompiled header inductor's kernels use (in a fresh temp dir here, as on a new machine):
-    inductor's first kernel then builds none."""
+    inductor's first kernel then builds none. With the default config it runs inductor's full check (a test program
+    with ATen's vector headers) for the ISA inductor picks only, where inductor alone runs one per candidate."""
     import json
     import shutil
     import subprocess
@@ -116,6 +130,9 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TMPDIR": str(tmp_path / "tmp"),
            "PYTHONPATH": str(REPO)}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if setting == "AVX2 forced":
+        env["ATEN_CPU_CAPABILITY"] = "avx2"
     try:
         runs = {how: json.loads(subprocess.run([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
                                                capture_output=True, text=True, check=True, timeout=300).stdout)
@@ -127,6 +144,13 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     assert probed["imported by the thread"] == [], probed
     assert len(probed["headers before a compile"]) == 1, probed
     assert probed["headers after it"] == probed["headers before a compile"], probed
+    if setting == "default config":
+        assert len(probed["full checks"]) == min(1, len(probed["candidates"])), probed
+        assert probed["full checks"] == [probed["isa"]] * len(probed["full checks"]), probed
+    elif setting == "AVX2 forced":  # inductor may pick any candidate: each gets its full check
+        assert sorted(probed["full checks"]) == sorted(probed["candidates"]), probed
+    else:  # vectorisation off: no ISA is checked at all
+        assert probed["full checks"] == runs["inductor"]["full checks"] == [], runs
 
 
 _IMPORT_WHILE_PROBING = """

@@ -182,11 +182,11 @@ def start_compiler_probe() -> None:
     """Start, in a background thread, the checks inductor runs before its first CPU kernel: which vector ISAs
     (AVX2, AVX-512, VNNI, AMX...) the C++ compiler can build for and the process can load. Each builds a test program
     and loads it in a child process: measured on a 2-core Xeon, 10.2 s in series with an empty inductor cache, 1.5 s
-    with a filled one. Here they run side by side (6.2 s cold), while the caller loads its model; they are subprocess
-    waits, so the GIL stays free. Inductor reads the same cached results; a check it reaches while this thread still
-    runs it waits on the check's file lock and reuses the built program. Then it builds the precompiled header
-    inductor's kernels include (~4 s, once per machine). Idempotent; on a torch without these internals inductor
-    simply does all of it itself."""
+    with a filled one. Here they run while the caller loads its model (subprocess waits: the GIL stays free), and
+    with inductor's default config only the ISA it will compile for gets the full check. Inductor reads the same
+    cached results; a check it reaches while this thread still runs it waits on the check's file lock and reuses the
+    built program. Then it builds the precompiled header inductor's kernels include (~4 s, once per machine).
+    Idempotent; on a torch without these internals inductor simply does all of it itself."""
     global _compiler_probe
     if _compiler_probe is not None:
         return
@@ -214,20 +214,30 @@ def _probe_vector_isas() -> None:
     try:
         from concurrent.futures import ThreadPoolExecutor
 
+        from torch._inductor import config as inductor_config
         from torch._inductor import cpu_vec_isa
         _lower_thread_priority()
         if platform.machine() in ("x86_64", "AMD64"):
             cpu_flags = cpu_vec_isa.x86_isa_checker()
             candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                           if all(flag in cpu_flags for flag in str(isa).split())]
-            contexts = [contextvars.copy_context() for _ in candidates]  # a context is entered by one thread at a time
+            if _inductor_picks_the_widest_isa(inductor_config):
+                # Inductor will compile for the first candidate that passes its check: check them in order and stop
+                # there. The ones after it are then listed by the CPU's flags and their short intrinsic checks,
+                # without the full test program each (ATen's vector headers, ~1.3 s of a core apiece): nothing
+                # compiles for them unless the config changes in this process.
+                next((isa for isa in candidates if isa), None)  # each verdict is cached on its ISA object
+                with inductor_config.patch({"cpp.vec_isa_ok": True}):
+                    cpu_vec_isa.valid_vec_isa_list()
+            else:  # the config or ATEN_CPU_CAPABILITY may pick any of them: inductor's full check for each
+                contexts = [contextvars.copy_context() for _ in candidates]  # a context is entered by one thread
 
-            def check(context: contextvars.Context, isa: object) -> bool:
-                _lower_thread_priority()
-                return context.run(bool, isa)
+                def check(context: contextvars.Context, isa: object) -> bool:
+                    _lower_thread_priority()
+                    return context.run(bool, isa)
 
-            with ThreadPoolExecutor(max(1, len(candidates))) as pool:
-                list(pool.map(check, contexts, candidates))  # each verdict is cached on its ISA object
+                with ThreadPoolExecutor(max(1, len(candidates))) as pool:
+                    list(pool.map(check, contexts, candidates))
         cpu_vec_isa.valid_vec_isa_list()  # cached: inductor reads this list
         # Inductor compiles every CPU kernel against a precompiled cpp_prefix.h (ATen's vector headers, ~150 MB),
         # built on first use for its flags and the ISA picked above, and kept across processes in the system's temp
@@ -236,6 +246,12 @@ def _probe_vector_isas() -> None:
         CppPythonBindingsCodeCache.load_pybinding(["const float*", "float*"], _VECTOR_KERNEL)
     except Exception:  # noqa: BLE001 - a warm-up only: inductor repeats any check that did not finish
         return
+
+
+def _inductor_picks_the_widest_isa(inductor_config: object) -> bool:
+    """Whether inductor will take the first ISA of its valid list: no ISA forced by config or environment."""
+    cpp = inductor_config.cpp  # type: ignore[attr-defined]
+    return cpp.vec_isa_ok is None and cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY")
 
 
 _VECTOR_KERNEL = """
