@@ -74,6 +74,8 @@ check_build = cpu_vec_isa.VecISA.check_build
 def counted_check_build(isa, code):
     if code == cpu_vec_isa.VecISA._avx_code:
         full_checks.append(str(isa))
+        if sys.argv[2] == "widest ISA fails" and str(isa) == candidates[0]:  # a compiler without its flags
+            return False
     return check_build(isa, code)
 
 
@@ -111,7 +113,7 @@ print(json.dumps({"isa": isa, "imported by the thread": imported, "headers befor
 """
 
 
-@pytest.mark.parametrize("setting", ["default config", "vectorisation off", "AVX2 forced"])
+@pytest.mark.parametrize("setting", ["default config", "vectorisation off", "AVX2 forced", "widest ISA fails"])
 def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself(tmp_path: Path, setting: str):
     """torch_cache runs inductor's CPU vector-ISA checks side by side in threads (start_compiler_probe); inductor must
     then pick the same ISA as when it runs them itself, one after another, in a fresh process, also when the caller
@@ -147,6 +149,9 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     if setting == "default config":
         assert len(probed["full checks"]) == min(1, len(probed["candidates"])), probed
         assert probed["full checks"] == [probed["isa"]] * len(probed["full checks"]), probed
+    elif setting == "widest ISA fails":  # the next one is checked, and picked
+        assert probed["full checks"] == probed["candidates"][:2], probed
+        assert probed["isa"] == (probed["candidates"][1:] or ["INVALID_VEC_ISA"])[0], probed
     elif setting == "AVX2 forced":  # inductor may pick any candidate: each gets its full check
         assert sorted(probed["full checks"]) == sorted(probed["candidates"]), probed
     else:  # vectorisation off: no ISA is checked at all

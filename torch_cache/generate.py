@@ -226,9 +226,12 @@ def _probe_vector_isas() -> None:
                 # there. The ones after it are then listed by the CPU's flags and their short intrinsic checks,
                 # without the full test program each (ATen's vector headers, ~1.3 s of a core apiece): nothing
                 # compiles for them unless the config changes in this process.
-                next((isa for isa in candidates if isa), None)  # each verdict is cached on its ISA object
-                with inductor_config.patch({"cpp.vec_isa_ok": True}):
-                    cpu_vec_isa.valid_vec_isa_list()
+                picked = next((isa for isa in candidates if isa), None)  # verdicts are cached on the ISA objects
+                if picked is not None:
+                    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+                        listed = cpu_vec_isa.valid_vec_isa_list()
+                    if listed[:1] != [picked]:  # a failed check the patch overrode (AVX2's is keyed by the flag)
+                        cpu_vec_isa.valid_vec_isa_list.cache_clear()  # listed below with every full check
             else:  # the config or ATEN_CPU_CAPABILITY may pick any of them: inductor's full check for each
                 contexts = [contextvars.copy_context() for _ in candidates]  # a context is entered by one thread
 
