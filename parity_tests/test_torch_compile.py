@@ -68,10 +68,19 @@ if sys.argv[2] == "vectorisation off":
     torch._inductor.config.cpp.vec_isa_ok = False
 from torch._inductor import cpu_vec_isa
 full_checks = []  # inductor's full check of an ISA: a test program with ATen's vector headers, ~1.3 s of a core
+checks_before_the_header = []  # every check of an ISA (full or short) made while no precompiled header existed
 check_build = cpu_vec_isa.VecISA.check_build
 
 
+def headers():
+    import glob
+    import tempfile
+    return sorted(glob.glob(os.path.join(tempfile.gettempdir(), "torchinductor_*", "precompiled_headers", "*.gch")))
+
+
 def counted_check_build(isa, code):
+    if not headers():
+        checks_before_the_header.append(str(isa))
     if code == cpu_vec_isa.VecISA._avx_code:
         full_checks.append(str(isa))
         if sys.argv[2] == "widest ISA fails" and str(isa) == candidates[0]:  # a compiler without its flags
@@ -98,18 +107,12 @@ if sys.argv[1] == "probed":
     tg.start_compiler_probe()
     tg._compiler_probe.join()
 isa = str(cpu_vec_isa.pick_vec_isa())
-
-
-def headers():
-    import glob
-    import tempfile
-    return sorted(glob.glob(os.path.join(tempfile.gettempdir(), "torchinductor_*", "precompiled_headers", "*.gch")))
-
-
 headers_before = headers()
 torch.compile(lambda x: (x.sin() + 1).cos())(torch.randn(64))  # inductor's own first CPU kernel
 print(json.dumps({"isa": isa, "imported by the thread": imported, "headers before a compile": headers_before,
-                  "headers after it": headers(), "full checks": full_checks, "candidates": candidates}))
+                  "headers after it": headers(), "full checks": full_checks, "candidates": candidates,
+                  "valid list": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()],
+                  "checks before the header": checks_before_the_header}))
 """
 
 
@@ -123,7 +126,8 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     background while the caller imports torch._dynamo can come out partly initialised (an ImportError in CI).
     It also builds the precompiled header inductor's kernels use (in a fresh temp dir here, as on a new machine):
     inductor's first kernel then builds none. With the default config it runs inductor's full check (a test program
-    with ATen's vector headers) for the ISA inductor picks only, where inductor alone runs one per candidate."""
+    with ATen's vector headers) for the ISA inductor picks only, where inductor alone runs one per candidate, and
+    builds the header before it checks the ISAs after that one; the list of valid ISAs ends up as inductor's own."""
     import json
     import shutil
     import subprocess
@@ -143,12 +147,15 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
         shutil.rmtree(tmp_path / "tmp", ignore_errors=True)  # a precompiled header is ~150 MB
     probed = runs["probed"]
     assert probed["isa"] == runs["inductor"]["isa"], runs
+    assert probed["valid list"] == runs["inductor"]["valid list"], runs  # read if the config changes later
     assert probed["imported by the thread"] == [], probed
     assert len(probed["headers before a compile"]) == 1, probed
     assert probed["headers after it"] == probed["headers before a compile"], probed
     if setting == "default config":
         assert len(probed["full checks"]) == min(1, len(probed["candidates"])), probed
         assert probed["full checks"] == [probed["isa"]] * len(probed["full checks"]), probed
+        # the header, which inductor's first kernel waits for, is built before the ISAs after the picked one are
+        assert set(probed["checks before the header"]) <= {probed["isa"]}, probed
     elif setting == "widest ISA fails":  # the next one is checked, and picked
         assert probed["full checks"] == probed["candidates"][:2], probed
         assert probed["isa"] == (probed["candidates"][1:] or ["INVALID_VEC_ISA"])[0], probed

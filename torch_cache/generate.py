@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import torch
 
@@ -222,16 +223,20 @@ def _probe_vector_isas() -> None:
             candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                           if all(flag in cpu_flags for flag in str(isa).split())]
             if _inductor_picks_the_widest_isa(inductor_config):
-                # Inductor will compile for the first candidate that passes its check: check them in order and stop
-                # there. The ones after it are then listed by the CPU's flags and their short intrinsic checks,
-                # without the full test program each (ATen's vector headers, ~1.3 s of a core apiece): nothing
-                # compiles for them unless the config changes in this process.
+                # Inductor will compile for the first candidate that passes its check, and reads only that one off
+                # its list: check them in order and stop there, list it alone while the precompiled header builds
+                # for its flags, and only then add the ones after it, by the CPU's flags and their short intrinsic
+                # checks (~0.4 s of a core each) without the full test program (ATen's vector headers, ~1.3 s of a
+                # core apiece): nothing compiles for them unless the config changes in this process.
                 picked = next((isa for isa in candidates if isa), None)  # verdicts are cached on the ISA objects
                 if picked is not None:
+                    listed = _list_vec_isas(cpu_vec_isa, [picked])
+                    _build_precompiled_header()
                     with inductor_config.patch({"cpp.vec_isa_ok": True}):
-                        listed = cpu_vec_isa.valid_vec_isa_list()
-                    if listed[:1] != [picked]:  # a failed check the patch overrode (AVX2's is keyed by the flag)
-                        cpu_vec_isa.valid_vec_isa_list.cache_clear()  # listed below with every full check
+                        later = [isa for isa in candidates[candidates.index(picked) + 1:] if isa]
+                    if cpu_vec_isa.valid_vec_isa_list() is listed:  # the cached list, unless inductor raced to it
+                        listed.extend(later)
+                    return
             else:  # the config or ATEN_CPU_CAPABILITY may pick any of them: inductor's full check for each
                 contexts = [contextvars.copy_context() for _ in candidates]  # a context is entered by one thread
 
@@ -242,13 +247,29 @@ def _probe_vector_isas() -> None:
                 with ThreadPoolExecutor(max(1, len(candidates))) as pool:
                     list(pool.map(check, contexts, candidates))
         cpu_vec_isa.valid_vec_isa_list()  # cached: inductor reads this list
-        # Inductor compiles every CPU kernel against a precompiled cpp_prefix.h (ATen's vector headers, ~150 MB),
-        # built on first use for its flags and the ISA picked above, and kept across processes in the system's temp
-        # dir. Building it is ~4 s on the first kernel's path; one tiny vector kernel here builds it instead.
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-        CppPythonBindingsCodeCache.load_pybinding(["const float*", "float*"], _VECTOR_KERNEL)
+        _build_precompiled_header()
     except Exception:  # noqa: BLE001 - a warm-up only: inductor repeats any check that did not finish
         return
+
+
+def _list_vec_isas(cpu_vec_isa: ModuleType, candidates: list[object]) -> list[object]:
+    """Inductor's cached list of valid vector ISAs, computed over `candidates` only (their verdicts are cached)."""
+    supported = cpu_vec_isa.supported_vec_isa_list
+    cpu_vec_isa.supported_vec_isa_list = candidates  # read by valid_vec_isa_list alone; restored at once
+    try:
+        return cpu_vec_isa.valid_vec_isa_list()
+    finally:
+        cpu_vec_isa.supported_vec_isa_list = supported
+
+
+def _build_precompiled_header() -> None:
+    """Inductor compiles every CPU kernel against a precompiled cpp_prefix.h (ATen's vector headers, ~150 MB), built
+    on first use for its flags and the ISA it picked, and kept across processes in the system's temp dir. Building
+    it is ~4 s on the first kernel's path. Inductor's loader builds it before it submits a kernel: submitting one
+    tiny vector kernel that nobody loads builds the header alone (that kernel's own compile, ~0.5 s of a core, never
+    runs)."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+    CppPythonBindingsCodeCache.load_pybinding_async(["const float*", "float*"], _VECTOR_KERNEL)
 
 
 def _inductor_picks_the_widest_isa(inductor_config: object) -> bool:
