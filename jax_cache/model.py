@@ -109,6 +109,11 @@ def attention_visibility(query_positions: jax.Array, key_positions: jax.Array, q
     return visible[:, None]  # [B, 1, S, Lkv]
 
 
+# K or V as attention reads it: one array [B, Hkv, L, D], or segments read one after another along the slots (the
+# buffers as they were before this forward's write, then the new tokens' [B, Hkv, S, D]).
+_KeySegments = jax.Array | tuple[jax.Array, ...]
+
+
 class Attention(nnx.Module):
     def __init__(self, config: MistralConfig, dtype: jnp.dtype) -> None:
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -126,13 +131,15 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v  # k, v: [B, Hkv, S, D]
 
-    def attend(self, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array) -> jax.Array:
-        """q [B, H, S, D] over the K/V the cache update returned ([B, Hkv, L, D]), through o_proj: [B, S, hidden]."""
+    def attend(self, q: jax.Array, keys: _KeySegments, values: _KeySegments, visible: jax.Array) -> jax.Array:
+        """q [B, H, S, D] over the K/V the cache update returned ([B, Hkv, L, D]), or over the buffers as they were
+        and the new tokens' K/V (a pair, read in that order), through o_proj: [B, S, hidden]."""
         batch, _, seq_len, _ = q.shape
         groups = self.num_heads // self.num_kv_heads
-        # Attention reads as many slots as the mask covers: a prefix of the buffers when the forward was given an
-        # attend_len bucket (every live key is in it), else all of them.
-        keys, values = keys[:, :, :visible.shape[-1]], values[:, :, :visible.shape[-1]]  # [B, Hkv, Lkv, D]
+        if not isinstance(keys, tuple):
+            # Attention reads as many slots as the mask covers: a prefix of the buffers when the forward was given an
+            # attend_len bucket (every live key is in it), else all of them.
+            keys, values = keys[:, :, :visible.shape[-1]], values[:, :, :visible.shape[-1]]  # [B, Hkv, Lkv, D]
         # Grouped-query attention without repeating K/V: the G query heads of one KV head become G*S query rows.
         q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
         mask = jnp.broadcast_to(visible[:, :, None], (batch, 1, groups, seq_len, visible.shape[-1]))
@@ -142,28 +149,36 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim))
 
 
-def scaled_dot_product_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
+def scaled_dot_product_attention(q: jax.Array, keys: _KeySegments, values: _KeySegments, mask: jax.Array,
                                  decode: bool) -> jax.Array:
-    """softmax(q k^T / sqrt(D)) v with softmax in fp32. q [B, Hkv, R, D], keys/values [B, Hkv, L, D]. [B, Hkv, R, D]
+    """softmax(q k^T / sqrt(D)) v with softmax in fp32. q [B, Hkv, R, D], keys/values [B, Hkv, L, D] or segments
+    of it (_KeySegments), contracted one by one: nothing is concatenated. [B, Hkv, R, D]
 
-    On XLA-CPU, `decode` (one new token, reading the buffers it has just updated in place) contracts over the two
-    halves of the slots separately. One dot over the buffer made XLA-CPU duplicate the in-place update into the dot's
-    operand and copy every K/V buffer per step; multiply-and-sum avoided that over a whole buffer but not over a
-    prefix of it (an attention bucket), and it streams K/V at ~0.3 GB/s past a few thousand slots (docs/design.md
-    §7.2). Other backends keep one dot (einsum on the updated cache is the usual, in-place pattern there).
+    On XLA-CPU, `decode` (one new token) over a buffer it has just updated in place contracts over the two halves of
+    the slots separately. One dot over the buffer made XLA-CPU duplicate the in-place update into the dot's operand
+    and copy every K/V buffer per step; multiply-and-sum avoided that over a whole buffer but not over a prefix of it
+    (an attention bucket), and it streams K/V at ~0.3 GB/s past a few thousand slots (docs/design.md §7.2). A whole
+    buffer read before the write (segments) needs no halves: DecoderLayer orders the write after this read.
+    Other backends keep one dot (einsum on the updated cache is the usual, in-place pattern there).
     """
     scale = jnp.sqrt(jnp.float32(q.shape[-1]))
-    slots = keys.shape[2]
-    halves = decode and jax.default_backend() == "cpu" and slots >= 2
-    bounds = [(0, slots // 2), (slots // 2, slots)] if halves else [(0, slots)]
-    scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, keys[:, :, start:stop], precision=_precision(q.dtype),
-                                         preferred_element_type=jnp.float32) for start, stop in bounds],
+    if isinstance(keys, tuple):
+        key_parts, value_parts = keys, values
+    elif decode and jax.default_backend() == "cpu" and keys.shape[2] >= 2:
+        half = keys.shape[2] // 2
+        key_parts, value_parts = (keys[:, :, :half], keys[:, :, half:]), (values[:, :, :half], values[:, :, half:])
+    else:
+        key_parts, value_parts = (keys,), (values,)
+    scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, part, precision=_precision(q.dtype),
+                                         preferred_element_type=jnp.float32) for part in key_parts],
                              axis=-1) / scale  # [B, Hkv, R, L]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # [B, Hkv, R, L] fp32
-    out = sum(jnp.einsum("bhrl,bhld->bhrd", weights[..., start:stop], values[:, :, start:stop].astype(jnp.float32),
-                         precision=lax.Precision.HIGHEST) for start, stop in bounds)  # [B, Hkv, R, D] fp32
-    return out.astype(values.dtype)
+    starts = np.cumsum([0] + [part.shape[2] for part in value_parts])
+    out = sum(jnp.einsum("bhrl,bhld->bhrd", weights[..., start:stop], part.astype(jnp.float32),
+                         precision=lax.Precision.HIGHEST)
+              for part, start, stop in zip(value_parts, starts[:-1], starts[1:], strict=True))  # [B, Hkv, R, D] fp32
+    return out.astype(value_parts[0].dtype)
 
 
 class MLP(nnx.Module):
@@ -187,6 +202,12 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, visible: jax.Array,
                  cache: StaticCache, layer_idx: int) -> tuple[jax.Array, StaticCache]:
         q, k, v = self.pre_attention(x, cos, sin)  # [B, H, S, D], [B, Hkv, S, D] x2
+        if visible.shape[-1] == cache.cache_len + k.shape[2]:
+            # Attention reads the buffers as they were plus the new tokens (StaticCache.attended_positions), and the
+            # write comes after: made to depend on the layer's output, so XLA must finish reading a buffer before it
+            # updates it in place, and copies none (docs/design.md §7.2).
+            x = self.post_attention(x, q, (cache.keys[layer_idx], k), (cache.values[layer_idx], v), visible)
+            return x, cache.update(layer_idx, *_ordered_after(x, k, v))[2]  # [B, S, hidden]
         keys, values, cache = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
         return self.post_attention(x, q, keys, values, visible), cache  # [B, S, hidden]
 
@@ -198,6 +219,13 @@ class DecoderLayer(nnx.Module):
                        visible: jax.Array) -> jax.Array:
         x = x + self.self_attn.attend(q, keys, values, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _ordered_after(x: jax.Array, *states: jax.Array) -> tuple[jax.Array, ...]:
+    """`states` ([B, Hkv, S, D]) with their values, plus a zero computed from x ([B, S, hidden]): a data dependency,
+    so whatever x needs runs before anything that uses them. nan_to_num keeps a non-finite x out of the zero."""
+    zero = jnp.nan_to_num(x[:, None, :, :1], nan=0.0, posinf=0.0, neginf=0.0) * 0  # [B, 1, S, 1]
+    return tuple(state + zero.astype(state.dtype) for state in states)
 
 
 class MistralModel(nnx.Module):

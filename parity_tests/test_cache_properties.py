@@ -129,10 +129,15 @@ class JaxAdapter:
         jnp = self.jnp
         positions = jnp.asarray(new_positions)
         key_positions = np.asarray(cache.attended_positions(positions))
+        reads_before_writing = key_positions.shape[1] == cache.cache_len + positions.shape[1]
         attended = []
         for layer_idx, (k, v) in enumerate(kv):
+            if reads_before_writing:  # the buffers as they were, then the new tokens (jax_cache.model.DecoderLayer)
+                attended.append((np.concatenate([np.asarray(cache.keys[layer_idx]), k], axis=2),
+                                 np.concatenate([np.asarray(cache.values[layer_idx]), v], axis=2)))
             keys, values, cache = cache.update(layer_idx, jnp.asarray(k), jnp.asarray(v))
-            attended.append((np.asarray(keys), np.asarray(values)))
+            if not reads_before_writing:
+                attended.append((np.asarray(keys), np.asarray(values)))
         return cache.advance(positions), key_positions, attended
 
     def visibility(self, query_positions: np.ndarray, key_positions: np.ndarray, query_valid: np.ndarray,

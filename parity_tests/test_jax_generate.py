@@ -143,7 +143,8 @@ def test_compiled_decode_copies_no_kv_buffer(model, mha_model, heads, kind, cach
     the freshly updated buffer through a dot, at batch 1 (64 MB per step on the small bench's 2066-slot cache), and
     twice when it read a prefix of it by multiply-and-sum with one query row per KV head (the `long` bench preset:
     65 ms per step for a 256-slot bucket of a 16k cache). Whole buffers and prefixes (an attention bucket of 16 of
-    the 48 slots, 64 of 1024), grouped and one-to-one heads: no copy of a K/V buffer."""
+    the 48 slots, 64 of 1024), grouped and one-to-one heads: no copy of a K/V buffer. A step over every slot reads
+    the buffers before its write, which depends on the layer's output: without that dependency XLA copied them."""
     if jax.default_backend() != "cpu":
         pytest.skip("an XLA-CPU property: other backends keep the attention dots (jax_cache/model.py)")
     model = model if heads == "gqa" else mha_model
@@ -162,12 +163,12 @@ def test_compiled_decode_copies_no_kv_buffer(model, mha_model, heads, kind, cach
 
 
 def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
-    """The donated cache is the loop's output buffer (alias = every cache byte) and its temporaries are smaller than
+    """The donated cache is the loop's output buffer (alias = every cache byte) and its temporaries are far smaller than
     the cache, so it is not copied: XLA regressed to copying a donated buffer read by a while_loop (docs/design.md
-    §7.9). The temporaries hold one layer's attention operands at a time: each half of the slots a decode step reads
-    is materialised for its dot (a slice of [B, Hkv, L, D] is not contiguous), i.e. up to one K and one V buffer,
-    half of this 2-layer cache, plus the scores. A static cache of 1024 slots, so that the buffers outweigh the
-    step's other temporaries."""
+    §7.9). A step over every slot reads each layer's buffers as they were and writes after (jax_cache.model
+    .DecoderLayer), so no part of a buffer is materialised: the temporaries are the scores and the new tokens' K/V
+    (~7% of this cache). Reading the updated buffer in two halves materialised each half for its dot: 53%. A static
+    cache of 1024 slots, so that the buffers outweigh the step's other temporaries."""
     cache = make_cache("static", model.config, 1, 1024)
     graph, params = jg.split_model(model)
     state = jg.initial_state(jnp.asarray([3], jnp.int32), jnp.asarray([0], jnp.int32), cache, None, 0)
@@ -179,7 +180,21 @@ def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
     kv_bytes = sum(array.nbytes for array in (*cache.keys, *cache.values))
     assert len(cache.keys) == 2
     assert analysis.alias_size_in_bytes >= cache_bytes
-    assert analysis.temp_size_in_bytes < 0.75 * kv_bytes, (analysis.temp_size_in_bytes, kv_bytes)
+    limit = 0.25 if jax.default_backend() == "cpu" else 0.75  # elsewhere the step reads the updated buffers
+    assert analysis.temp_size_in_bytes < limit * kv_bytes, (analysis.temp_size_in_bytes, kv_bytes)
+
+
+def test_a_write_ordered_after_the_layer_output_keeps_its_values_whatever_that_output_holds():
+    """The write that follows a read of the old buffers depends on the layer's output through a zero; a NaN or inf in
+    that output must not reach the cache (nan_to_num), and finite values pass unchanged."""
+    from jax_cache.model import _ordered_after
+
+    k = jnp.arange(2 * 3 * 1 * 4, dtype=jnp.float32).reshape(2, 3, 1, 4) - 5  # [B, Hkv, S, D]
+    v = -k
+    x = jnp.asarray([[[jnp.nan, 1.0]], [[jnp.inf, -jnp.inf]]], jnp.float32)  # [B, S, hidden]
+    for output in (x, jnp.ones_like(x)):
+        ordered_k, ordered_v = _ordered_after(output, k, v)
+        chex.assert_trees_all_equal((ordered_k, ordered_v), (k, v))
 
 
 # --- traces and compiles ---------------------------------------------------------------------------------------------
