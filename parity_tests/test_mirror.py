@@ -31,8 +31,6 @@ TORCH_ONLY = {
     "sharding.weight_slice": f"{_TORCH_RANK}; JAX's weight_sharding places the global array instead",
     "sharding.local_device": f"{_TORCH_RANK}; one JAX process drives every device of its mesh",
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
-    "generate.start_compiler_probe": "inductor's CPU vector-ISA checks, started while the weights load; XLA has no "
-                                     "such step",
     "model.compile_region": "regional compilation for torch.compile (each half of a decoder layer traced once); XLA "
                             "compiles a whole step in seconds",
 }
@@ -66,6 +64,12 @@ JAX_ONLY = {
     "generate.FIRST_BLOCK_STEPS": "as FUSED_BLOCK_STEPS",
     "generate.BlockCallback": "as FUSED_BLOCK_STEPS",
 }
+# Modules only one tower has -> why. Every other module file is in both towers.
+TORCH_ONLY_MODULES = {
+    "inductor_cpu": "inductor's C++ toolchain for CPU kernels (vector-ISA checks, a precompiled header, a compiler run "
+                    "per kernel), warmed while the weights load and batched; XLA compiles a step itself",
+}
+JAX_ONLY_MODULES: dict[str, str] = {}
 # Parameters only one tower's signature has: qualified function -> parameter names (and why).
 TORCH_ONLY_PARAMS = {
     "cache.StaticCache.__init__": ("device",),  # torch allocates on a device; JAX on its default one
@@ -85,6 +89,14 @@ JAX_ONLY_PARAMS = {
 }
 RENAMED_PARAMS: dict[str, str] = {}  # none today: both towers take a key and fold the step into it
 METHOD_NAMES = {"forward": "__call__"}  # torch modules compute in forward, NNX modules in __call__
+
+
+def test_mirror_towers_have_the_same_module_files_but_for_the_listed_ones():
+    files = {tower: {path.stem for path in (Path(__file__).resolve().parents[1] / tower).glob("*.py")}
+             for tower in TOWERS}
+    assert files["torch_cache"] - files["jax_cache"] == set(TORCH_ONLY_MODULES), files
+    assert files["jax_cache"] - files["torch_cache"] == set(JAX_ONLY_MODULES), files
+    assert files["torch_cache"] & files["jax_cache"] == {name or "__init__" for name in MODULES}, files
 
 
 def tower_module(tower: str, name: str) -> ModuleType:

@@ -69,6 +69,7 @@ if sys.argv[2] == "vectorisation off":
 from torch._inductor import cpu_vec_isa
 full_checks = []  # inductor's full check of an ISA: a test program with ATen's vector headers, ~1.3 s of a core
 checks_before_the_header = []  # every check of an ISA (full or short) made while no precompiled header existed
+checks_of_other_isas = []  # every check of an ISA other than the one picked, before a config reads past it
 check_build = cpu_vec_isa.VecISA.check_build
 
 
@@ -81,6 +82,8 @@ def headers():
 def counted_check_build(isa, code):
     if not headers():
         checks_before_the_header.append(str(isa))
+    if not reading_past_the_first:
+        checks_of_other_isas.append(str(isa))
     if code == cpu_vec_isa.VecISA._avx_code:
         full_checks.append(str(isa))
         if sys.argv[2] == "widest ISA fails" and str(isa) == candidates[0]:  # a compiler without its flags
@@ -92,25 +95,32 @@ cpu_vec_isa.VecISA.check_build = counted_check_build
 cpu_flags = cpu_vec_isa.x86_isa_checker()
 candidates = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in cpu_flags for f in str(isa).split())]
 imported = []
+reading_past_the_first = False
 if sys.argv[1] == "probed":
-    import torch_cache.generate as tg
-    checks = tg._probe_vector_isas
+    import torch_cache.inductor_cpu as probe
+    checks = probe._probe_vector_isas
 
     def watched_checks():
         before = set(sys.modules)
         checks()
         imported.extend(sorted(set(sys.modules) - before))
 
-    tg._probe_vector_isas = watched_checks
-    tg.start_compiler_probe()
-    tg._compiler_probe.join()
+    probe._probe_vector_isas = watched_checks
+    probe.start_compiler_probe()
+    probe._compiler_probe.join()
 isa = str(cpu_vec_isa.pick_vec_isa())
 headers_before = headers()
 torch.compile(lambda x: (x.sin() + 1).cos())(torch.randn(64))  # inductor's own first CPU kernel
+checks_of_other_isas = [checked for checked in checks_of_other_isas if checked != isa]
+headers_after = headers()
+reading_past_the_first = True
+torch._inductor.config.cpp.simdlen = 256  # a config set later in the process: inductor reads past its first ISA
 print(json.dumps({"isa": isa, "imported by the thread": imported, "headers before a compile": headers_before,
-                  "headers after it": headers(), "full checks": full_checks, "candidates": candidates,
+                  "headers after it": headers_after, "full checks": full_checks, "candidates": candidates,
+                  "picked for simdlen 256": str(cpu_vec_isa.pick_vec_isa()),
                   "valid list": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()],
-                  "checks before the header": checks_before_the_header}))
+                  "checks before the header": checks_before_the_header,
+                  "checks of other ISAs before a config read past the first": checks_of_other_isas}))
 """
 
 
@@ -125,7 +135,8 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     It also builds the precompiled header inductor's kernels use (in a fresh temp dir here, as on a new machine):
     inductor's first kernel then builds none. With the default config it runs inductor's full check (a test program
     with ATen's vector headers) for the ISA inductor picks only, where inductor alone runs one per candidate, and
-    builds the header before it checks the ISAs after that one; the list of valid ISAs ends up as inductor's own."""
+    checks the ISAs after that one only when a config set later reads past it (cpp.simdlen here): the ISA picked
+    then and the list of valid ISAs are inductor's own."""
     import json
     import shutil
     import subprocess
@@ -145,7 +156,9 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
         shutil.rmtree(tmp_path / "tmp", ignore_errors=True)  # a precompiled header is ~150 MB
     probed = runs["probed"]
     assert probed["isa"] == runs["inductor"]["isa"], runs
-    assert probed["valid list"] == runs["inductor"]["valid list"], runs  # read if the config changes later
+    # read when a config set later asks for another ISA
+    assert probed["picked for simdlen 256"] == runs["inductor"]["picked for simdlen 256"], runs
+    assert probed["valid list"] == runs["inductor"]["valid list"], runs
     assert probed["imported by the thread"] == [], probed
     assert len(probed["headers before a compile"]) == 1, probed
     assert probed["headers after it"] == probed["headers before a compile"], probed
@@ -154,6 +167,8 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
         assert probed["full checks"] == [probed["isa"]] * len(probed["full checks"]), probed
         # the header, which inductor's first kernel waits for, is built before the ISAs after the picked one are
         assert set(probed["checks before the header"]) <= {probed["isa"]}, probed
+        # which are checked only when a config first reads past the picked one, not while a first graph compiles
+        assert probed["checks of other ISAs before a config read past the first"] == [], probed
     elif setting == "widest ISA fails":  # the next one is checked, and picked
         assert probed["full checks"] == probed["candidates"][:2], probed
         assert probed["isa"] == (probed["candidates"][1:] or ["INVALID_VEC_ISA"])[0], probed
@@ -165,8 +180,8 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
 
 _IMPORT_WHILE_PROBING = """
 import torch
-import torch_cache.generate as tg
-tg.start_compiler_probe()
+import torch_cache.inductor_cpu as probe
+probe.start_compiler_probe()
 import torch._dynamo  # what the caller's thread does next: StaticCache marks its buffers static
 """
 

@@ -13,7 +13,7 @@ import torch
 from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from torch_cache.cache import StaticCache
 from torch_cache.generate import generate as _generate
-from torch_cache.generate import start_compiler_probe
+from torch_cache.inductor_cpu import start_compiler_probe
 from torch_cache.model import Mistral
 from twincache.config import MistralConfig
 from twincache.generation import PREFILL_CHUNK, GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode

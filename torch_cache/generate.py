@@ -9,22 +9,16 @@ so compiling it would only add that compile.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-import importlib
-import os
-import platform
-import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from types import ModuleType
 
 import torch
 
 from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
+from torch_cache.inductor_cpu import batched_kernels
 from torch_cache.model import Mistral, _pack_projections
 from twincache import cache_checks, phases
 from twincache.buckets import step_attend_len
@@ -176,126 +170,6 @@ def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, for
     return next_ids, finished, torch.cat([next_ids, (~finite_rows.all()).long()[None]])
 
 
-_compiler_probe: threading.Thread | None = None
-
-
-def start_compiler_probe() -> None:
-    """Start, in a background thread, the checks inductor runs before its first CPU kernel: which vector ISAs
-    (AVX2, AVX-512, VNNI, AMX...) the C++ compiler can build for and the process can load. Each builds a test program
-    and loads it in a child process: measured on a 2-core Xeon, 10.2 s in series with an empty inductor cache, 1.5 s
-    with a filled one. Here they run while the caller loads its model (subprocess waits: the GIL stays free), and
-    with inductor's default config only the ISA it will compile for gets the full check. Inductor reads the same
-    cached results; a check it reaches while this thread still runs it waits on the check's file lock and reuses the
-    built program. Then it builds the precompiled header inductor's kernels include (~4 s, once per machine).
-    Idempotent; on a torch without these internals inductor simply does all of it itself."""
-    global _compiler_probe
-    if _compiler_probe is not None:
-        return
-    try:  # in this thread: see _CHECKS_IMPORT
-        for module in _CHECKS_IMPORT:
-            importlib.import_module(module)
-    except ImportError:
-        return
-    # torch's config overrides (inductor's cpp.vec_isa_ok, simdlen...) are context variables: the checks run in copies
-    # of the caller's context, so they see what inductor would see in the caller's thread
-    _compiler_probe = threading.Thread(target=contextvars.copy_context().run, args=(_probe_vector_isas,),
-                                       name="twincache-isa-probe", daemon=True)
-    _compiler_probe.start()
-
-
-# Everything the checks import, imported by the caller before the thread starts. torch's modules import each other
-# in cycles: a thread importing them while the caller imports torch._dynamo (the cache marks its buffers static) can
-# hand one of them a partly initialised module (CI: "cannot import name 'IndentedBuffer' from
-# 'torch._inductor.utils'"). The thread then imports nothing; a test checks it.
-_CHECKS_IMPORT = ("concurrent.futures", "torch._inductor.cpu_vec_isa", "torch._inductor.codecache",
-                  "torch._inductor.cpp_builder", "torch.utils._filelock", "torch.utils.cpp_extension")
-
-
-def _probe_vector_isas() -> None:
-    try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from torch._inductor import config as inductor_config
-        from torch._inductor import cpu_vec_isa
-        _lower_thread_priority()
-        if platform.machine() in ("x86_64", "AMD64"):
-            cpu_flags = cpu_vec_isa.x86_isa_checker()
-            candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                          if all(flag in cpu_flags for flag in str(isa).split())]
-            if _inductor_picks_the_widest_isa(inductor_config):
-                # Inductor will compile for the first candidate that passes its check, and reads only that one off
-                # its list: check them in order and stop there, list it alone while the precompiled header builds
-                # for its flags, and only then add the ones after it, by the CPU's flags and their short intrinsic
-                # checks (~0.4 s of a core each) without the full test program (ATen's vector headers, ~1.3 s of a
-                # core apiece): nothing compiles for them unless the config changes in this process.
-                picked = next((isa for isa in candidates if isa), None)  # verdicts are cached on the ISA objects
-                if picked is not None:
-                    listed = _list_vec_isas(cpu_vec_isa, [picked])
-                    _build_precompiled_header()
-                    with inductor_config.patch({"cpp.vec_isa_ok": True}):
-                        later = [isa for isa in candidates[candidates.index(picked) + 1:] if isa]
-                    if cpu_vec_isa.valid_vec_isa_list() is listed:  # the cached list, unless inductor raced to it
-                        listed.extend(later)
-                    return
-            else:  # the config or ATEN_CPU_CAPABILITY may pick any of them: inductor's full check for each
-                contexts = [contextvars.copy_context() for _ in candidates]  # a context is entered by one thread
-
-                def check(context: contextvars.Context, isa: object) -> bool:
-                    _lower_thread_priority()
-                    return context.run(bool, isa)
-
-                with ThreadPoolExecutor(max(1, len(candidates))) as pool:
-                    list(pool.map(check, contexts, candidates))
-        cpu_vec_isa.valid_vec_isa_list()  # cached: inductor reads this list
-        _build_precompiled_header()
-    except Exception:  # noqa: BLE001 - a warm-up only: inductor repeats any check that did not finish
-        return
-
-
-def _list_vec_isas(cpu_vec_isa: ModuleType, candidates: list[object]) -> list[object]:
-    """Inductor's cached list of valid vector ISAs, computed over `candidates` only (their verdicts are cached)."""
-    supported = cpu_vec_isa.supported_vec_isa_list
-    cpu_vec_isa.supported_vec_isa_list = candidates  # read by valid_vec_isa_list alone; restored at once
-    try:
-        return cpu_vec_isa.valid_vec_isa_list()
-    finally:
-        cpu_vec_isa.supported_vec_isa_list = supported
-
-
-def _build_precompiled_header() -> None:
-    """Inductor compiles every CPU kernel against a precompiled cpp_prefix.h (ATen's vector headers, ~150 MB), built
-    on first use for its flags and the ISA it picked, and kept across processes in the system's temp dir. Building
-    it is ~4 s on the first kernel's path. Inductor's loader builds it before it submits a kernel: submitting one
-    tiny vector kernel that nobody loads builds the header alone (that kernel's own compile, ~0.5 s of a core, never
-    runs)."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-    CppPythonBindingsCodeCache.load_pybinding_async(["const float*", "float*"], _VECTOR_KERNEL)
-
-
-def _inductor_picks_the_widest_isa(inductor_config: object) -> bool:
-    """Whether inductor will take the first ISA of its valid list: no ISA forced by config or environment."""
-    cpp = inductor_config.cpp  # type: ignore[attr-defined]
-    return cpp.vec_isa_ok is None and cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY")
-
-
-_VECTOR_KERNEL = """
-#include <torch/csrc/inductor/cpp_prefix.h>
-extern "C" void kernel(const float* in_ptr0, float* out_ptr0)
-{
-    at::vec::Vectorized<float>::loadu(in_ptr0, static_cast<int64_t>(1)).store(out_ptr0, static_cast<int64_t>(1));
-}
-"""
-
-
-def _lower_thread_priority() -> None:
-    """Nice this thread, and so the compilers it starts (Linux: a child inherits its thread's nice value), by 10:
-    on 2 cores the checks otherwise slowed the foreground's loading, prefill and tracing (trained model, empty
-    inductor cache: prefill + first step 14.6-14.7 s with equal priority, 13.1-13.7 s niced)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-
-
 _DecodeOne = Callable[..., tuple[torch.Tensor, ...]]
 _compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeOne] = weakref.WeakKeyDictionary()
 
@@ -338,7 +212,7 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
 
         def inference_step(*args: object) -> tuple[torch.Tensor, ...]:
             # grad mode is guarded on: entering inference mode here keeps it one graph for all callers
-            with torch.inference_mode(), symbolic_bucket, fusion_window:
+            with torch.inference_mode(), symbolic_bucket, fusion_window, batched_kernels():
                 return compiled(*args)
 
         _compiled_decode[model] = inference_step
@@ -576,4 +450,4 @@ def _raise_if_non_finite(non_finite: int, step: int, dtype: torch.dtype) -> None
 
 
 __all__ = ["MAX_DECODE_VARIANTS", "DecodeStep", "sample", "decode_step_fn", "prefill", "generate",
-           "continue_generation", "MIN_TEMPERATURE", "filter_logits", "start_compiler_probe"]
+           "continue_generation", "MIN_TEMPERATURE", "filter_logits"]
