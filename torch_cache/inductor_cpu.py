@@ -194,6 +194,8 @@ def _install() -> bool:
     """Wrap inductor's AsyncCompile.cpp_pybinding (a generated module asks for each kernel) and wait (it asks for
     them all at once), once per process; they behave as before outside batched_kernels."""
     global _installed
+    if _installed is not None:  # every decode step enters batched_kernels: no lock once decided
+        return _installed
     with _install_lock:
         if _installed is None:
             try:
@@ -202,11 +204,12 @@ def _install() -> bool:
             except ImportError:
                 _installed = False
                 return False
-            _installed = all(hasattr(owner, name) for owner, name in (
+            wrappable = all(hasattr(owner, name) for owner, name in (
                 (AsyncCompile, "cpp_pybinding"), (AsyncCompile, "wait"), (AsyncCompile, "submit"),
                 (CppPythonBindingsCodeCache, "load_async")))
-            if _installed:
+            if wrappable:
                 _wrap(AsyncCompile, CodeCacheFuture)
+            _installed = wrappable  # published once wrapped: the fast path above reads it without the lock
     return bool(_installed)
 
 
