@@ -1,4 +1,4 @@
-"""Inductor's CPU C++ toolchain, made cheaper for a first compile on a small machine (docs/design.md §7.17).
+"""Inductor's CPU C++ toolchain, made cheaper for a first compile on a small machine (docs/design.md §7.17, §7.19).
 
 Before its first CPU kernel inductor checks which vector ISAs the compiler can build for and builds a precompiled
 header (ATen's vector headers); then it compiles each kernel of a graph as its own shared library, every one of them
