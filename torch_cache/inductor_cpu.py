@@ -33,7 +33,8 @@ def start_compiler_probe() -> None:
     with a filled one. Here they run while the caller loads its model (subprocess waits: the GIL stays free), and
     with inductor's default config only the ISA it will compile for gets the full check. Inductor reads the same
     cached results; a check it reaches while this thread still runs it waits on the check's file lock and reuses the
-    built program. Then it builds the precompiled header inductor's kernels include (~4 s, once per machine).
+    built program. Then it builds the precompiled header inductor's kernels include (~4 s, once per machine); the
+    ISAs after the picked one are checked only if a config set later reads past it (_check_later_isas_on_demand).
     Idempotent; on a torch without these internals inductor simply does all of it itself."""
     global _compiler_probe
     if _compiler_probe is not None:
@@ -236,9 +237,10 @@ def _wrap(async_compile: Any, code_cache_future: type) -> None:
 
     def wait(self: Any, scope: dict[str, Any]) -> None:
         batch = self.__dict__.pop(_BATCH_ATTR, None)
-        for name, value in list(scope.items()):
-            if isinstance(value, PendingKernel) and value.batch is batch:
-                scope[name] = value.result()
+        if batch is not None:  # a module compiled outside batched_kernels has none: inductor's wait alone
+            for name, value in list(scope.items()):
+                if isinstance(value, PendingKernel) and value.batch is batch:
+                    scope[name] = value.result()
         own_wait(self, scope)
 
     async_compile.cpp_pybinding, async_compile.wait = cpp_pybinding, wait
