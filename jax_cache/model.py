@@ -40,7 +40,12 @@ _HALF_PRECISION_MIN_ROWS = 3
 
 
 def project(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """x @ weight.T for weight [out, in] (HF layout), contracted over the last axis of both."""
+    """x @ weight.T for weight [out, in] (HF layout), contracted over the last axis of both, in x's dtype. A weight
+    stored wider than x (stored_dtype) is contracted in its own dtype."""
+    if weight.dtype != x.dtype:
+        out = lax.dot_general(x.astype(weight.dtype), weight, (((x.ndim - 1,), (1,)), ((), ())),
+                              precision=_precision(weight.dtype))  # [..., out] in the stored dtype
+        return out.astype(x.dtype)
     rows = int(np.prod(x.shape[:-1]))
     if (jnp.dtype(weight.dtype).itemsize == 2 and rows < _HALF_PRECISION_MIN_ROWS
             and jax.default_backend() == "cpu"):
@@ -49,6 +54,15 @@ def project(x: jax.Array, weight: jax.Array) -> jax.Array:
                               preferred_element_type=jnp.float32)[:rows]  # [rows, out] fp32 accumulated
         return out.astype(weight.dtype).reshape(*x.shape[:-1], weight.shape[0])
     return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=_precision(weight.dtype))
+
+
+def stored_dtype(array: jax.Array) -> jnp.dtype:
+    """The dtype a weight is kept in. XLA-CPU contracts float16 at ~2 GB/s in every form measured (one row, padded
+    rows, a conversion ahead of an fp32 dot), fp32 at 35-70 GB/s (docs/design.md §7.20). So on CPU a float16 model
+    keeps its matrices as float32 holding the same float16 values: twice the bytes, ~5x the decode speed, and the
+    sums of the same float16 products (accumulated in fp32). Norms, activations and the cache stay float16."""
+    on_cpu = all(device.platform == "cpu" for device in array.devices())
+    return jnp.dtype(jnp.float32 if array.ndim == 2 and array.dtype == jnp.float16 and on_cpu else array.dtype)
 
 
 class Linear(nnx.Module):
@@ -252,16 +266,16 @@ class Mistral(nnx.Module):
         attend_len: the cache slots attention reads (twincache.buckets.step_attend_len), None = all of them.
         Returns logits [B, S, V], or of the last `logits_to_keep` tokens only (a prefill needs the last one), and
         the new cache."""
-        embed = self.model.embed_tokens.weight[...]
+        embed, dtype = self.model.embed_tokens.weight[...], self.dtype
         if not isinstance(input_ids, jax.core.Tracer):
             self.check_inputs(input_ids, positions, attention_mask)
-            cache.check_forward(self.config, input_ids, embed.dtype, self.device)
+            cache.check_forward(self.config, input_ids, dtype, self.device)
         query_valid = jnp.ones_like(input_ids, dtype=bool) if attention_mask is None else attention_mask.astype(bool)
         new_positions = jnp.where(query_valid, positions, -1).astype(jnp.int32)  # [B, S]; padding is never a key
         key_positions = cache.attended_positions(new_positions, attend_len)  # [B, Lkv]
         visible = attention_visibility(positions, key_positions, query_valid, self.config.sliding_window)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, embed.dtype)
-        x = self.model.embed_tokens(input_ids)  # [B, S, hidden]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+        x = self.model.embed_tokens(input_ids).astype(dtype)  # [B, S, hidden]; the table may be stored wider
         for layer_idx, layer in enumerate(self.model.layers):
             x, cache = layer(x, cos, sin, visible, cache, layer_idx)
         cache = cache.advance(new_positions)
@@ -293,7 +307,9 @@ class Mistral(nnx.Module):
 
     @property
     def dtype(self) -> jnp.dtype:
-        return self.model.embed_tokens.weight[...].dtype
+        """The compute dtype (of activations and the cache): the norms' weights keep it, while matrices may be
+        stored wider (stored_dtype)."""
+        return self.model.norm.weight[...].dtype
 
     @property
     def device(self) -> str:
@@ -302,7 +318,8 @@ class Mistral(nnx.Module):
 
     @classmethod
     def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array], mesh: Mesh | None = None) -> Mistral:
-        """Build a model from HF-named arrays (no copy of the arrays themselves), or place them on `mesh`."""
+        """Build a model from HF-named arrays (no copy of the arrays themselves, but for float16 matrices on CPU,
+        widened: stored_dtype), or place them on `mesh`."""
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(config, jnp.float32)))
@@ -311,7 +328,8 @@ class Mistral(nnx.Module):
             name = ".".join(map(str, path))
             if name not in weights:
                 raise CheckpointError(f"weights lack tensor {name}")
-            flat.append((path, variable.replace(weights[name])))
+            array = weights[name]
+            flat.append((path, variable.replace(array.astype(stored_dtype(array)))))
         model = nnx.merge(graphdef, nnx.from_flat_state(flat))
         model.mesh = mesh
         return model
@@ -350,5 +368,6 @@ class Mistral(nnx.Module):
         return cls.from_weights(config, weights, mesh)
 
 
-__all__ = ["project", "Linear", "Embedding", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility",
-           "Attention", "scaled_dot_product_attention", "MLP", "DecoderLayer", "MistralModel", "Mistral"]
+__all__ = ["project", "stored_dtype", "Linear", "Embedding", "RMSNorm", "rope_cos_sin", "apply_rope",
+           "attention_visibility", "Attention", "scaled_dot_product_attention", "MLP", "DecoderLayer", "MistralModel",
+           "Mistral"]

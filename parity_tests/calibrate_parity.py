@@ -3,11 +3,12 @@
 Runs `twincache parity --json` (in this process, through twincache_app.cli.main) on the trained model
 (SmolLM2-135M-Instruct as Mistral checkpoints with window 64 and without a window, built by
 parity_tests/trained_model.py; its 93-token English prompt, 100 teacher-forced steps) and on the tiny test
-checkpoints of conftest.py (a 13-token prompt, 30 steps), in fp32 and bf16, every implementation, both caches where
-the config has a window. Saves each case's JSON in OUT_DIR, prints its table, and prints per metric the largest
+checkpoints of conftest.py (a 13-token prompt, 30 steps), in fp32, bf16 and fp16, every implementation, both caches
+where the config has a window. Saves each case's JSON in OUT_DIR, prints its table, and prints per metric the largest
 ratio to the floor over the implementation rows and over the direct torch-vs-JAX rows. Cases already saved in OUT_DIR
 are not rerun, so an interrupted calibration resumes; --summary only prints what OUT_DIR holds.
-Usage: python -m parity_tests.calibrate_parity OUT_DIR [--steps 100] [--cases window64 no_window tiny] [--summary]
+Usage: python -m parity_tests.calibrate_parity OUT_DIR [--steps 100] [--cases window64 no_window tiny]
+       [--dtypes float32 bfloat16 float16] [--summary]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from parity_tests.conftest import CHECKPOINT_VARIANTS, save_hf_checkpoint
 from twincache import parity_metrics
 from twincache_app import cli, parity
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float16")
 TINY_PROMPT = np.random.default_rng(0).integers(1, 128, 13).tolist()
 
 
@@ -76,6 +77,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=100, help="teacher-forced steps on the trained model")
     parser.add_argument("--cases", nargs="+", choices=("window64", "no_window", "tiny"),
                         default=["window64", "no_window", "tiny"])
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--summary", action="store_true", help="only print the summary of what OUT_DIR holds")
     args = parser.parse_args(argv)
     out = args.out_dir
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> int:
             trained = trained_model.build(out / "trained") if not (out / "trained").is_dir() else {
                 name: out / "trained" / name for name in trained_model.WINDOWS}
             for name in trained_cases:
-                for dtype in DTYPES:
+                for dtype in args.dtypes:
                     run_case(f"trained-{name}-{dtype}", ["--model", str(trained[name]), "--prompt",
                                                          trained_model.PROMPT, "--max-new-tokens", str(args.steps),
                                                          "--dtype", dtype], out)
@@ -96,7 +98,7 @@ def main(argv: list[str]) -> int:
                 model_dir = out / "tiny" / name
                 if not model_dir.is_dir():
                     save_hf_checkpoint(model_dir, seed=i, **overrides)
-                for dtype in DTYPES:
+                for dtype in args.dtypes:
                     run_case(f"tiny-{name}-{dtype}", ["--model", str(model_dir), "--prompt-ids", prompt_ids,
                                                       "--max-new-tokens", "30", "--dtype", dtype], out)
     cases = {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("*.json"))}

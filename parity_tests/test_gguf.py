@@ -312,6 +312,7 @@ def test_tiny_gguf_matches_transformers_gguf_loading(tiny_ggufs, qtype):
 def test_tiny_gguf_converts_to_the_requested_dtype_as_transformers_does(tiny_ggufs, dtype):
     """Dequantized to fp32, then rounded to `dtype`: every weight of both towers is bit for bit the tensor
     transformers' GGUF loading gives in that dtype (Q8_0 values and fp32 norms, so the rounding matters)."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -332,9 +333,14 @@ def test_tiny_gguf_converts_to_the_requested_dtype_as_transformers_does(tiny_ggu
     for key, variable in nnx.to_flat_state(nnx.state(jax_model, nnx.Param)):
         name = ".".join(map(str, key))
         array = np.asarray(variable[...])
-        assert array.dtype == jnp.dtype(dtype), name
-        expected = theirs[name].view(torch.int16).numpy()  # compare the bits
-        np.testing.assert_array_equal(array.view(np.int16), expected, err_msg=name)
+        if dtype == "float16" and array.ndim == 2 and jax.default_backend() == "cpu":
+            # float16 matrices kept as float32 on XLA-CPU (jax_cache.model.stored_dtype): the same values, exactly
+            assert array.dtype == np.float32, name
+            np.testing.assert_array_equal(array, theirs[name].float().numpy(), err_msg=name)
+        else:
+            assert array.dtype == jnp.dtype(dtype), name
+            expected = theirs[name].view(torch.int16).numpy()  # compare the bits
+            np.testing.assert_array_equal(array.view(np.int16), expected, err_msg=name)
         seen += 1
     assert seen == len(ours)
 

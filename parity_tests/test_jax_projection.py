@@ -1,20 +1,27 @@
-"""jax_cache.model.project: a half-precision decode row is contracted as one of 3 rows with fp32 accumulation.
+"""jax_cache.model.project on XLA-CPU: a half-precision decode row is contracted as one of 3 rows with fp32
+accumulation, and a float16 model keeps its matrices as float32 holding the float16 values (stored_dtype).
 
 XLA-CPU's matrix-vector path for bf16/fp16 weights streams at ~1.4 GB/s, against ~14-23 GB/s for 3 or more rows
-with fp32 accumulation (bench/README), which made JAX bf16 decoding ~7x slower than fp32. These tests check the
-lowered HLO (what XLA is asked to do) and the values; speed is measured in bench/.
+with fp32 accumulation (bench/README), which made JAX bf16 decoding ~7x slower than fp32; float16 stays at ~2 GB/s
+in every form, fp32 at 35-70 GB/s (docs/design.md §7.20). These tests check the lowered HLO (what XLA is asked to
+do), the stored weights and the values; speed is measured in bench/.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from safetensors.numpy import load_file
 
-from jax_cache.model import project
+from jax_cache.cache import StaticCache
+from jax_cache.model import Mistral, project
+from twincache.errors import CacheError
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA-CPU workaround (jax_cache/model.py)")
 
@@ -40,3 +47,42 @@ def test_fp32_and_three_or_more_rows_contract_as_they_are(dtype, rows):
     hlo = jax.jit(project).lower(x, weight).compile().as_text()
     dots = [line for line in hlo.splitlines() if " dot(" in line]
     assert dots and all(f"[{rows},96]" in line.split(" dot(")[0] for line in dots), dots
+
+
+def compiled_dots(fn, *args) -> list[str]:
+    return [line for line in jax.jit(fn).lower(*args).compile().as_text().splitlines() if " dot(" in line]
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_weight_stored_wider_than_x_is_contracted_in_its_dtype_and_returns_x_dtype(rows):
+    weight = jax.random.normal(jax.random.key(0), (96, 64), jnp.float16).astype(jnp.float32)  # fp16 values
+    x = jax.random.normal(jax.random.key(1), (rows, 64), jnp.float16)
+    out = project(x, weight)
+    assert out.shape == (rows, 96) and out.dtype == jnp.float16
+    dots = compiled_dots(project, x, weight)
+    assert dots and all(re.search(rf"= f32\[{rows},96\]", line) and "f16" not in line for line in dots), dots
+    expected = (np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T).astype(np.float16)  # one rounding
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+def test_a_float16_model_keeps_its_matrices_as_float32_holding_the_float16_values(checkpoints: dict[str, Path]):
+    checkpoint = {name: array for name, array in load_file(str(checkpoints["gqa"] / "model.safetensors")).items()}
+    model = Mistral.from_pretrained(checkpoints["gqa"], jnp.float16)
+    stored = {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))}
+    assert set(stored) == set(checkpoint)
+    for name, array in stored.items():
+        assert array.dtype == (jnp.float32 if array.ndim == 2 else jnp.float16), (name, array.dtype)
+        np.testing.assert_array_equal(np.asarray(array, np.float32),
+                                      checkpoint[name].astype(np.float16).astype(np.float32), err_msg=name)
+    assert model.dtype == jnp.float16
+
+
+def test_a_float16_model_computes_and_caches_in_float16(checkpoints: dict[str, Path]):
+    model = Mistral.from_pretrained(checkpoints["tied"], jnp.float16)  # the tied table is also the LM head
+    ids = jnp.asarray([[5, 17, 3]], jnp.int32)
+    positions = jnp.arange(3, dtype=jnp.int32)[None]
+    logits, cache = model(ids, positions, StaticCache(model.config, 1, 16, jnp.float16))
+    assert logits.dtype == jnp.float16 and {k.dtype for k in (*cache.keys, *cache.values)} == {jnp.dtype("float16")}
+    assert np.isfinite(np.asarray(logits, np.float32)).all()
+    with pytest.raises(CacheError, match="float32"):
+        model(ids, positions, StaticCache(model.config, 1, 16, jnp.float32))

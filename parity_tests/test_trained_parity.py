@@ -6,8 +6,9 @@ One left-padded batch: the 93-token English prompt of parity_tests/trained_model
 prefill already wraps the ring) and a 9-token one. The float64 model chooses both continuations (8 tokens: the
 float64 greedy loop and every 30-layer run cost seconds per step on 2 CPU cores); every run is teacher-forced with
 them. Each JAX run compiles a 30-layer prefill and decode loop and bf16 runs slowly on CPU, so the runs cover each
-axis rather than the product: fp32 on both caches, bf16 on the ring (sliding_window), torch eager beside a JAX mode
-in each (a direct torch-vs-JAX row), JAX step and fused both. torch compiled, and every cell of the product, run on
+axis rather than the product: fp32 on both caches, bf16 on the ring (sliding_window), fp16 on the static cache
+(where JAX on CPU keeps float16 matrices as float32: jax_cache.model.stored_dtype), torch eager beside a JAX mode in
+each (a direct torch-vs-JAX row), JAX step and fused both. torch compiled, and every cell of the product, run on
 the tiny checkpoints (test_parity_matrix.py, test_parity_cli.py) and in `twincache parity` on this model
 (docs/parity.md has those tables).
 """
@@ -73,3 +74,12 @@ def test_bf16_within_bounds_of_the_float64_truth(setup):
     judge(report)
     assert [row.name for row in report.rows][1:] == ["torch:eager", "jax:step", "torch:eager vs jax:step"]
     assert report.rows[0].distance.max_abs_logit_diff > 0.1, "a bf16 floor far from 0, else this judges nothing"
+
+
+def test_fp16_within_bounds_of_the_float64_truth(setup):
+    models = parity.load_models(setup["path"], "float16", impls=("torch:eager", "jax:fused"))
+    report = parity.parity_report(models, setup["prompts"], STEPS, "float16", ["static"],
+                                  ("torch:eager", "jax:fused"), reference=setup["reference"])
+    judge(report)
+    assert [row.name for row in report.rows][1:] == ["torch:eager", "jax:fused", "torch:eager vs jax:fused"]
+    assert report.rows[0].distance.max_abs_logit_diff > 1e-2, "an fp16 floor far from 0, else this judges nothing"
