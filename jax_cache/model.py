@@ -41,7 +41,7 @@ _HALF_PRECISION_MIN_ROWS = 3
 
 def project(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x @ weight.T for weight [out, in] (HF layout), contracted over the last axis of both, in x's dtype. A weight
-    stored wider than x (stored_dtype) is contracted in its own dtype."""
+    stored wider than x (stored_dtype) is contracted in its own dtype, then rounded to x's."""
     if weight.dtype != x.dtype:
         out = lax.dot_general(x.astype(weight.dtype), weight, (((x.ndim - 1,), (1,)), ((), ())),
                               precision=_precision(weight.dtype))  # [..., out] in the stored dtype
@@ -56,13 +56,18 @@ def project(x: jax.Array, weight: jax.Array) -> jax.Array:
     return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=_precision(weight.dtype))
 
 
-def stored_dtype(array: jax.Array) -> jnp.dtype:
-    """The dtype a weight is kept in. XLA-CPU contracts float16 at ~2 GB/s in every form measured (one row, padded
-    rows, a conversion ahead of an fp32 dot), fp32 at 35-70 GB/s (docs/design.md §7.20). So on CPU a float16 model
-    keeps its matrices as float32 holding the same float16 values: twice the bytes, ~5x the decode speed, and the
-    sums of the same float16 products (accumulated in fp32). Norms, activations and the cache stay float16."""
+_EMBEDDING_TABLE = "model.embed_tokens.weight"
+
+
+def stored_dtype(name: str, array: jax.Array) -> jnp.dtype:
+    """The dtype weight `name` is kept in: its own, but float32 on XLA-CPU (docs/design.md §7.20) for
+    - every matrix of a float16 model: XLA-CPU contracts float16 at ~2 GB/s in every form measured, fp32 at 35-70 GB/s;
+    - a bfloat16 embedding table: XLA-CPU gathers bf16 rows from an fp32 copy of the whole table, and in a decode loop
+      it hoists that copy out of the loop, so every call of a loop converted the table (22 ms for the trained model's).
+    The float32 arrays hold the same values, and the model computes in its own dtype (Mistral.dtype)."""
     on_cpu = all(device.platform == "cpu" for device in array.devices())
-    return jnp.dtype(jnp.float32 if array.ndim == 2 and array.dtype == jnp.float16 and on_cpu else array.dtype)
+    half = array.dtype == jnp.float16 or (array.dtype == jnp.bfloat16 and name == _EMBEDDING_TABLE)
+    return jnp.dtype(jnp.float32 if on_cpu and array.ndim == 2 and half else array.dtype)
 
 
 class Linear(nnx.Module):
@@ -307,8 +312,8 @@ class Mistral(nnx.Module):
 
     @property
     def dtype(self) -> jnp.dtype:
-        """The compute dtype (of activations and the cache): the norms' weights keep it, while matrices may be
-        stored wider (stored_dtype)."""
+        """The compute dtype (of activations, logits and the cache): the norms' weights keep it, while matrices may
+        be stored wider (stored_dtype)."""
         return self.model.norm.weight[...].dtype
 
     @property
@@ -318,8 +323,8 @@ class Mistral(nnx.Module):
 
     @classmethod
     def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array], mesh: Mesh | None = None) -> Mistral:
-        """Build a model from HF-named arrays (no copy of the arrays themselves, but for float16 matrices on CPU,
-        widened: stored_dtype), or place them on `mesh`."""
+        """Build a model from HF-named arrays (no copy of the arrays themselves, but for the half-precision ones
+        stored_dtype widens on CPU), or place them on `mesh`."""
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(config, jnp.float32)))
@@ -329,7 +334,7 @@ class Mistral(nnx.Module):
             if name not in weights:
                 raise CheckpointError(f"weights lack tensor {name}")
             array = weights[name]
-            flat.append((path, variable.replace(array.astype(stored_dtype(array)))))
+            flat.append((path, variable.replace(array.astype(stored_dtype(name, array)))))
         model = nnx.merge(graphdef, nnx.from_flat_state(flat))
         model.mesh = mesh
         return model

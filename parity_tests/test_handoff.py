@@ -143,13 +143,16 @@ def test_from_torch_model_equals_the_jax_loader(checkpoints, jax_model):
     assert ours.token_ids == jg.generate(jax_model, PROMPTS, N1, cache="sliding_window").token_ids
 
 
-def test_a_float16_model_crosses_in_float16_both_ways(checkpoints):
-    """On CPU a float16 JAX model keeps its matrices as float32 (jax_cache.model.stored_dtype); torch gets float16."""
-    reference = TorchMistral.from_pretrained(checkpoints["gqa"], torch.float16)
-    back = interop.to_torch(Mistral.from_pretrained(checkpoints["gqa"], jnp.float16))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_model_crosses_in_its_dtype_both_ways(checkpoints, dtype):
+    """On CPU a half-precision JAX model keeps some weights as float32 (jax_cache.model.stored_dtype); torch gets
+    them back in the model's dtype, bit for bit."""
+    reference = TorchMistral.from_pretrained(checkpoints["tied"], getattr(torch, dtype))
+    back = interop.to_torch(Mistral.from_pretrained(checkpoints["tied"], jnp.dtype(dtype)))
     for name, tensor in reference.state_dict().items():
         got = back.state_dict()[name]
-        assert got.dtype == torch.float16 and torch.equal(got, tensor), f"{name}: {got.dtype}, or values differ"
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), f"{name}: {got.dtype}, or values differ"
     crossed = interop.from_torch(reference)
-    assert crossed.dtype == jnp.float16
-    chex.assert_trees_all_equal(nnx.state(crossed), nnx.state(Mistral.from_pretrained(checkpoints["gqa"], jnp.float16)))
+    assert crossed.dtype == jnp.dtype(dtype)
+    chex.assert_trees_all_equal(nnx.state(crossed),
+                                nnx.state(Mistral.from_pretrained(checkpoints["tied"], jnp.dtype(dtype))))

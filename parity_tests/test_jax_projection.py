@@ -1,10 +1,11 @@
-"""jax_cache.model.project on XLA-CPU: a half-precision decode row is contracted as one of 3 rows with fp32
-accumulation, and a float16 model keeps its matrices as float32 holding the float16 values (stored_dtype).
+"""jax_cache.model on XLA-CPU: a half-precision decode row is contracted as one of 3 rows with fp32 accumulation, and
+stored_dtype keeps as float32 (holding the same values) the matrices of a float16 model and a bf16 embedding table.
 
 XLA-CPU's matrix-vector path for bf16/fp16 weights streams at ~1.4 GB/s, against ~14-23 GB/s for 3 or more rows
 with fp32 accumulation (bench/README), which made JAX bf16 decoding ~7x slower than fp32; float16 stays at ~2 GB/s
-in every form, fp32 at 35-70 GB/s (docs/design.md §7.20). These tests check the lowered HLO (what XLA is asked to
-do), the stored weights and the values; speed is measured in bench/.
+in every form, fp32 at 35-70 GB/s, and a bf16 table's row gather converted the whole table on every call of a decode
+loop (docs/design.md §7.20). These tests check the compiled HLO (what XLA runs), the stored weights and the values;
+speed is measured in bench/.
 """
 
 from __future__ import annotations
@@ -65,16 +66,45 @@ def test_a_weight_stored_wider_than_x_is_contracted_in_its_dtype_and_returns_x_d
     np.testing.assert_allclose(np.asarray(out, np.float32), expected.astype(np.float32), rtol=2e-3, atol=2e-3)
 
 
-def test_a_float16_model_keeps_its_matrices_as_float32_holding_the_float16_values(checkpoints: dict[str, Path]):
-    checkpoint = {name: array for name, array in load_file(str(checkpoints["gqa"] / "model.safetensors")).items()}
-    model = Mistral.from_pretrained(checkpoints["gqa"], jnp.float16)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_model_keeps_the_weights_xla_cpu_is_slow_on_as_float32(checkpoints: dict[str, Path], dtype):
+    """float16: every matrix; bfloat16: the embedding table. Each holds exactly the values of the dtype."""
+    checkpoint = load_file(str(checkpoints["gqa"] / "model.safetensors"))
+    model = Mistral.from_pretrained(checkpoints["gqa"], jnp.dtype(dtype))
     stored = {".".join(map(str, path)): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model))}
     assert set(stored) == set(checkpoint)
     for name, array in stored.items():
-        assert array.dtype == (jnp.float32 if array.ndim == 2 else jnp.float16), (name, array.dtype)
-        np.testing.assert_array_equal(np.asarray(array, np.float32),
-                                      checkpoint[name].astype(np.float16).astype(np.float32), err_msg=name)
-    assert model.dtype == jnp.float16
+        widened = array.ndim == 2 and (dtype == "float16" or name == "model.embed_tokens.weight")
+        assert array.dtype == (jnp.float32 if widened else jnp.dtype(dtype)), (name, array.dtype)
+        rounded = np.asarray(jnp.asarray(checkpoint[name]).astype(dtype), np.float32)
+        np.testing.assert_array_equal(np.asarray(array, np.float32), rounded, err_msg=name)
+    assert model.dtype == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_a_decode_loop_converts_no_whole_weight_outside_its_body(checkpoints: dict[str, Path], dtype, name):
+    """XLA-CPU gathers bf16 embedding rows from an fp32 copy of the table, and hoists that copy out of a while loop:
+    each call of a decode loop then converted the whole table (22 ms on the trained model). No [V, hidden] array may
+    be computed in the entry computation of a loop over decode steps (both decode modes are such loops)."""
+    model = Mistral.from_pretrained(checkpoints[name], jnp.dtype(dtype))
+    graphdef, params = nnx.split(model)
+
+    def decode_loop(params, cache, ids, steps):
+        def body(carry):
+            cache, ids, step = carry
+            logits, cache = nnx.merge(graphdef, params)(ids, step[None, None], cache)
+            return cache, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], step + 1
+
+        return jax.lax.while_loop(lambda carry: carry[2] < steps, body, (cache, ids, jnp.int32(0)))
+
+    cache = StaticCache(model.config, 1, 16, model.dtype)
+    hlo = jax.jit(decode_loop).lower(params, cache, jnp.ones((1, 1), jnp.int32), jnp.int32(4)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    shape = rf"= \w+\[{model.config.vocab_size},{model.config.hidden_size}\]"
+    computed = [line.strip()[:160] for line in entry
+                if re.search(shape, line) and not re.search(r"parameter\(|get-tuple-element\(", line)]
+    assert not computed, computed
 
 
 def test_a_float16_model_computes_and_caches_in_float16(checkpoints: dict[str, Path]):

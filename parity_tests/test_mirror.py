@@ -40,8 +40,9 @@ JAX_ONLY = {
     **{f"sharding.{name}": _JAX_SPMD for name in ("cache_shardings", "batch_sharding", "replicated", "place",
                                                     "place_cache")},
     "model.Embedding": "torch uses nn.Embedding; NNX builds the HF [vocab, hidden] table itself",
-    "model.stored_dtype": "XLA-CPU contracts float16 at ~2 GB/s, so a float16 model keeps its matrices as float32 "
-                          "there (docs/design.md §7.20); torch's CPU kernels read float16 weights as they are",
+    "model.stored_dtype": "XLA-CPU contracts float16 at ~2 GB/s and gathers bf16 rows from an fp32 copy of the "
+                          "table, so there some half-precision weights are kept as float32 (docs/design.md §7.20); "
+                          "torch's CPU kernels read half-precision weights as they are",
     "model.scaled_dot_product_attention": "torch has F.scaled_dot_product_attention; JAX spells it out (and contracts "
                                           "over two halves of the slots on XLA-CPU, docs/design.md §7.2)",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
