@@ -3,9 +3,9 @@ cache length) into a `Run` with the same timing definitions, so the numbers side
 towers' adapters live in the app layer (twincache_app.bench_adapters); transformers' are here.
 
 Timing, for every adapter (twincache's GenerationResult definitions): `prefill_s` ends when the first token is on
-the host; `first_step_s` holds compilation/tracing and, when stepping, the first decode step; `decode_s` covers the
-`timed_steps` steady-state steps after it (all steps of a fused loop, whose compile is ahead of time), so decode
-tok/s = timed_steps / decode_s per sequence. transformers' timings come from a logits processor's timestamps, with
+the host; `first_step_s` holds compilation/tracing and the first decode step (a fused loop's first block, of one
+step); `decode_s` covers the `timed_steps` steady-state steps after it, so decode tok/s = timed_steps / decode_s per
+sequence. transformers' timings come from a logits processor's timestamps, with
 the same split. `step_times` are host timestamps taken after each token is on the host.
 """
 
@@ -22,7 +22,7 @@ from bench.workload import Workload
 @dataclasses.dataclass
 class Run:
     prefill_s: float
-    first_step_s: float  # compile/trace plus, when stepping, the first decode step; kept out of decode_s
+    first_step_s: float  # compile/trace plus the first decode step (a fused loop's first block); kept out of decode_s
     decode_s: float  # wall time of the `timed_steps` steady-state decode steps
     decode_steps: int  # forward calls after prefill
     timed_steps: int

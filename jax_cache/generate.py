@@ -58,7 +58,9 @@ MIN_PROMPT_BUCKET = 16
 # speed only from 256 steps per block (32: 56%).
 FUSED_BLOCK_STEPS = 256
 FUSED_BLOCK_SECONDS = 0.1
-FIRST_BLOCK_STEPS = 8  # before any block was timed: small, so the first tokens come soon
+# Before any block was timed: one step, so the first token comes as soon as the step mode's, and that block (whose
+# first run also sets up XLA-CPU's kernels, ~0.4-0.9 s on the trained model) is the fused mode's "first step".
+FIRST_BLOCK_STEPS = 1
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
                "twincache_app.handoff.cache_from_torch), or a kind name")
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
@@ -295,7 +297,7 @@ BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
 def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
                  eos: int | None, num_steps: int, length: int, vocab_size: int, return_logits: bool,
                  on_block: BlockCallback, forced: np.ndarray | None = None,
-                 block_steps: int | None = None) -> tuple[DecodeState, int, int, float]:
+                 block_steps: int | None = None) -> tuple[DecodeState, int, int, float, int]:
     """The fused mode: up to `num_steps` decode steps from a cache holding `length` columns, as jitted blocks, each
     one lax.while_loop over `decode_body` of at most `block_steps` (default FUSED_BLOCK_STEPS) steps. The block's
     step limit is an array, so every block of every budget runs one compiled executable per attention bucket
@@ -306,7 +308,8 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     `on_block(tokens [B, n] numpy, logits [B, n, V] or None)` after each block that ran n > 0 steps. Block k + 1 is
     queued before block k's tokens are read, so the device does not wait for the host. `forced` ([B, num_steps]
     int32, on the host) as in `decode_body`. Returns (the final state, steps run, the first non-finite step or -1,
-    seconds spent compiling).
+    untimed seconds, untimed steps): what is not steady decoding, as the step mode counts it: compiling, and the first
+    block up to its tokens on the host (the first run of an executable also sets up its kernels).
     """
     capacity, cache = block_steps or FUSED_BLOCK_STEPS, state.cache  # the cache for its placement only (donated)
     cache_len = cache.cache_len
@@ -331,15 +334,16 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
         return executables[attend], room, seconds
 
     phases.enter("compile")
-    first_step, done, non_finite_step = int(state.step), 0, -1
-    *_, compile_s = executable_at(0)  # the first bucket's loop is compiled before any block runs
+    start, first_step, done, non_finite_step = time.perf_counter(), int(state.step), 0, -1
+    executable_at(0)  # the first bucket's loop is compiled before any block runs
+    untimed_s, untimed_steps, first_read = 0.0, 0, False
     dispatched, steps = 0, min(FIRST_BLOCK_STEPS, capacity)  # steps dispatched so far; the next block's steps
     queued, last_read = None, time.perf_counter()  # the block dispatched last: (outputs, its steps)
     while queued is not None or dispatched < num_steps:
         pending, compiled_now = None, 0.0
         if dispatched < num_steps:  # dispatch the next block on the live state (donated: it stays on the device) ...
             executable, room, compiled_now = executable_at(dispatched)
-            compile_s += compiled_now
+            untimed_s += compiled_now if first_read else 0.0  # before the first read, inside the first interval
             size = min(steps, num_steps - dispatched, room)
             outputs = executable(params, state, key, block_forced(dispatched), jnp.int32(size))
             state, pending, dispatched = outputs[3], (outputs[:3], size), dispatched + size
@@ -350,10 +354,11 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             ran = (step_after if non_finite_step < 0 else non_finite_step) - first_step - done
             if ran:
                 on_block(np.asarray(tokens)[:, :ran], logits[:, :ran] if return_logits else None)
-            if not done:
+            now = time.perf_counter()
+            if not first_read:  # the first block: the fused mode's first step
+                first_read, untimed_s, untimed_steps = True, now - start, ran
                 phases.enter("decode")
             done += ran
-            now = time.perf_counter()
             # The device ran this block while the host handled the one before: its time is this interval (unless the
             # host compiled a new bucket's loop meanwhile; then the size stays).
             if ran and not compiled_now:
@@ -362,7 +367,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             if non_finite_step >= 0 or ran < queued_steps:  # halted: the blocks after it run no step
                 break
         queued = pending
-    return state, done, non_finite_step, compile_s
+    return state, done, non_finite_step, untimed_s, untimed_steps
 
 
 def decode_step_fn(model: Mistral) -> DecodeStep:
@@ -546,10 +551,11 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 logits_per_step.append(block_logits)
 
         decode_start = time.perf_counter()
-        state, decode_steps, non_finite_step, first_step_s = decode_fused(
+        state, decode_steps, non_finite_step, first_step_s, untimed_steps = decode_fused(
             graph, params, state, key, static_sampling, eos, max_new_tokens, length, config.vocab_size,
             return_logits, on_block=take_block, forced=forced)
-        decode_s, timed_steps = time.perf_counter() - decode_start - first_step_s, decode_steps
+        decode_s = time.perf_counter() - decode_start - first_step_s
+        timed_steps = decode_steps - untimed_steps
         _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
     elif max_new_tokens and not all_done:
         cache.check_live()

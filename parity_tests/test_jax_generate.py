@@ -223,8 +223,8 @@ def test_decode_is_traced_once_per_mode_across_generations_that_wrap_three_times
     assert dict(traces) == {16: 1, 1: 2}, f"expected 1 prefill trace (bucket 16), 1 step and 1 loop body: {traces}"
     assert jg._prefill._cache_size() == 1
     assert jg._sampled_step._cache_size() == 1
-    assert len(jg._fused_executables) == fused_before + 1
-    assert result.first_step_s == 0.0  # the second fused generation reused the memoised executable
+    assert len(jg._fused_executables) == fused_before + 1  # the second fused generation reused the executable
+    assert result.timed_steps == result.decode_steps - 1  # its first block (one step) is its first step, untimed
 
 
 def test_prompt_bucket_is_a_power_of_two_at_least_16_capped_by_the_room():

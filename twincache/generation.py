@@ -103,7 +103,7 @@ class GenerationResult:
     prompt_ids: list[list[int]]  # per row, without padding
     token_ids: list[list[int]]  # per row, generated ids up to and including its EOS
     prefill_s: float
-    first_step_s: float  # compilation/tracing plus, in step mode, the first decode step: kept out of decode_s
+    first_step_s: float  # compilation/tracing plus the first decode step (JAX fused: its first block, one step)
     decode_s: float  # wall time of the `timed_steps` steady-state decode steps
     decode_steps: int  # forward calls after prefill
     timed_steps: int  # decode steps inside decode_s
