@@ -67,19 +67,12 @@ def test_fp32_within_bounds_of_the_float64_truth(setup):
     assert floor.max_abs_logit_diff > 1e-5, "a trained model's fp32 floor is far above the tiny models' ~1e-6"
 
 
-def test_bf16_within_bounds_of_the_float64_truth(setup):
-    models = parity.load_models(setup["path"], "bfloat16", impls=("torch:eager", "jax:step"))
-    report = parity.parity_report(models, setup["prompts"], STEPS, "bfloat16", ["sliding_window"],
-                                  ("torch:eager", "jax:step"), reference=setup["reference"])
+@pytest.mark.parametrize(("dtype", "cache", "jax_impl", "floor_above"),
+                         [("bfloat16", "sliding_window", "jax:step", 0.1), ("float16", "static", "jax:fused", 1e-2)])
+def test_half_precision_within_bounds_of_the_float64_truth(setup, dtype, cache, jax_impl, floor_above):
+    models = parity.load_models(setup["path"], dtype, impls=("torch:eager", jax_impl))
+    report = parity.parity_report(models, setup["prompts"], STEPS, dtype, [cache], ("torch:eager", jax_impl),
+                                  reference=setup["reference"])
     judge(report)
-    assert [row.name for row in report.rows][1:] == ["torch:eager", "jax:step", "torch:eager vs jax:step"]
-    assert report.rows[0].distance.max_abs_logit_diff > 0.1, "a bf16 floor far from 0, else this judges nothing"
-
-
-def test_fp16_within_bounds_of_the_float64_truth(setup):
-    models = parity.load_models(setup["path"], "float16", impls=("torch:eager", "jax:fused"))
-    report = parity.parity_report(models, setup["prompts"], STEPS, "float16", ["static"],
-                                  ("torch:eager", "jax:fused"), reference=setup["reference"])
-    judge(report)
-    assert [row.name for row in report.rows][1:] == ["torch:eager", "jax:fused", "torch:eager vs jax:fused"]
-    assert report.rows[0].distance.max_abs_logit_diff > 1e-2, "an fp16 floor far from 0, else this judges nothing"
+    assert [row.name for row in report.rows][1:] == ["torch:eager", jax_impl, f"torch:eager vs {jax_impl}"]
+    assert report.rows[0].distance.max_abs_logit_diff > floor_above, "a floor far from 0, else this judges nothing"
