@@ -90,17 +90,24 @@ def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, step
     return [dict(row, case=name, seconds=seconds) for row in data["rows"]]
 
 
-def main(out_dir: str) -> int:
+AT_7B = ("torch:eager", "jax:step")
+# (name, config, dtype, prompt length, steps, implementations): the three cases of the module docstring.
+CASES = [("mistral-7b-shape", MISTRAL_7B, "bfloat16", 502, 128, AT_7B),
+         ("mistral-7b-shape-window-256", dataclasses.replace(MISTRAL_7B, sliding_window=256), "bfloat16", 300, 128,
+          AT_7B),
+         ("small-fp32-window-64", SMALL_FP32, "float32", 160, 128, parity.IMPLEMENTATIONS)]
+
+
+def main(out_dir: str | Path, cases: list[tuple] = CASES) -> int:
+    """Runs `cases` (a CPU smoke test passes tiny ones), writes OUT_DIR/gpu_parity.{md,json}; 0 when every row
+    passes."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity needs true fp32 matmuls
     torch.backends.cudnn.allow_tf32 = False
     records = []
-    at_7b = ("torch:eager", "jax:step")
-    records += run_case("mistral-7b-shape", MISTRAL_7B, "bfloat16", 502, 128, out, at_7b)
-    records += run_case("mistral-7b-shape-window-256", dataclasses.replace(MISTRAL_7B, sliding_window=256),
-                        "bfloat16", 300, 128, out, at_7b)
-    records += run_case("small-fp32-window-64", SMALL_FP32, "float32", 160, 128, out, parity.IMPLEMENTATIONS)
+    for name, config, dtype, prompt_len, steps, impls in cases:
+        records += run_case(name, config, dtype, prompt_len, steps, out, impls)
     (out / "gpu_parity.json").write_text(json.dumps(records, indent=1))
     judged = [r for r in records if r["kind"] != "floor"]
     passed = all(not r["failed"] for r in judged)
