@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jax_cache import sharding
-from jax_cache.cache import StaticCache, device_label
+from jax_cache.cache import StaticCache, available_memory, device_label
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
@@ -324,17 +324,23 @@ class Mistral(nnx.Module):
     @classmethod
     def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array], mesh: Mesh | None = None) -> Mistral:
         """Build a model from HF-named arrays (no copy of the arrays themselves, but for the half-precision ones
-        stored_dtype widens on CPU), or place them on `mesh`."""
+        stored_dtype widens on CPU, when the host has the memory for them), or place them on `mesh`."""
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
         graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: cls(config, jnp.float32)))
+        stored = {name: stored_dtype(name, array) for name, array in weights.items()}
+        widened = [name for name, dtype in stored.items() if dtype != weights[name].dtype]
+        free = available_memory(next(iter(weights[widened[0]].devices()))) if widened else None
+        if free is not None and sum(2 * weights[name].nbytes for name in widened) > free:
+            # The float32 copies would crowd the host: the weights stay as they are (slower, the same sums).
+            stored = {name: array.dtype for name, array in weights.items()}
         flat = []
         for path, variable in nnx.to_flat_state(abstract_state):
             name = ".".join(map(str, path))
             if name not in weights:
                 raise CheckpointError(f"weights lack tensor {name}")
             array = weights[name]
-            flat.append((path, variable.replace(array.astype(stored_dtype(name, array)))))
+            flat.append((path, variable.replace(array.astype(stored[name]))))
         model = nnx.merge(graphdef, nnx.from_flat_state(flat))
         model.mesh = mesh
         return model

@@ -116,3 +116,20 @@ def test_a_float16_model_computes_and_caches_in_float16(checkpoints: dict[str, P
     assert np.isfinite(np.asarray(logits, np.float32)).all()
     with pytest.raises(CacheError, match="float32"):
         model(ids, positions, StaticCache(model.config, 1, 16, jnp.float32))
+
+
+def test_without_the_memory_for_float32_copies_the_weights_stay_as_they_are(checkpoints: dict[str, Path],
+                                                                             monkeypatch):
+    """As torch_cache's packed weights: copies that would crowd the host are not made; the model is slower, and its
+    logits are the same sums of the same products."""
+    import jax_cache.model as jax_model
+
+    widened = Mistral.from_pretrained(checkpoints["gqa"], jnp.float16)
+    monkeypatch.setattr(jax_model, "available_memory", lambda device: 1000)  # bytes
+    narrow = Mistral.from_pretrained(checkpoints["gqa"], jnp.float16)
+    assert {variable.get_value().dtype for _, variable in nnx.to_flat_state(nnx.state(narrow))} == {
+        jnp.dtype("float16")}
+    ids, positions = jnp.asarray([[5, 17, 3]], jnp.int32), jnp.arange(3, dtype=jnp.int32)[None]
+    logits = [np.asarray(model(ids, positions, StaticCache(model.config, 1, 8, jnp.float16))[0], np.float32)
+              for model in (widened, narrow)]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=2e-2)
