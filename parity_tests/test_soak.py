@@ -50,7 +50,7 @@ def _one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str,
 
 def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     """Through the CLI: eager torch for the record's shape (nothing compiles there, so its recompile count says
-    nothing), then JAX, whose jitted step really is traced, for the counts."""
+    nothing), then JAX in float16, whose jitted step really is traced, for the counts."""
     code, out, err = _one_line(capsys, ["soak", "--steps", "80", "--mode", "eager", "--model", str(tiny_model_dir)])
     assert code == 0, err
     record = json.loads(out)
@@ -58,10 +58,12 @@ def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     assert record["finite"] and record["cache_ok"] and record["ok"]
     assert set(record) >= {"rss_start_mb", "rss_end_mb", "rss_growth_mb", "first_step_s", "decode_tok_s",
                            "recompiles_after_first"}
-    code, out, err = _one_line(capsys, ["soak", "--backend", "jax", "--steps", "80", "--model", str(tiny_model_dir)])
+    code, out, err = _one_line(capsys, ["soak", "--backend", "jax", "--steps", "80", "--model", str(tiny_model_dir),
+                                        "--dtype", "float16"])  # every dtype generate takes
     assert code == 0, err
     record = json.loads(out)
     assert record["backend"] == "jax" and record["steps"] == 80 and record["mode"] == "step"
+    assert record["dtype"] == "float16"
     assert record["recompiles_after_first"] == 0 and record["finite"] and record["cache_ok"] and record["ok"]
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from twincache.checkpoint import load_config
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError, NonFiniteLogitsError
+from twincache.generation import DTYPES
 from twincache_app.backends import BACKENDS
 
 DEFAULT_STEPS = 10_000
@@ -141,7 +142,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sliding-window", type=int, help="run with this sliding window instead of the model's "
                                                            "(needed for a model without one, like most GGUFs)")
     parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.set_defaults(run=run)
 
 
