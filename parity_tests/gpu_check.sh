@@ -8,5 +8,6 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu_parity_out}}"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX shares the GPU with torch, which holds the weights
-python -c "import torch, jax; print('torch', torch.__version__, torch.cuda.get_device_name(), '| jax', jax.__version__, jax.devices())"
-timeout 470 python -m parity_tests.gpu_parity "$out"
+py="${PYTHON:-python3}"  # the GPU machine's image has python3 (the one holding torch); `python` may not exist
+"$py" -c "import torch, jax; print('torch', torch.__version__, torch.cuda.get_device_name(), '| jax', jax.__version__, jax.devices())"
+timeout 470 "$py" -m parity_tests.gpu_parity "$out"
