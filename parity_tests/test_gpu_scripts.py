@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,14 @@ def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(tmp_path):
     assert not (tmp_path / "home" / "bench").exists() or not any((tmp_path / "home" / "bench").iterdir()), \
         "weights on the device: no checkpoint directory is written"
     assert (out / "results.md").is_file()
+
+
+def test_the_gpu_shell_scripts_parse_and_run_python3():
+    """Each script parses, and runs Python as ${PYTHON:-python3}: the GPU image's python3 holds torch, and a bare
+    `python` may not exist there."""
+    scripts = sorted([*REPO.glob("bench/gpu_*.sh"), *REPO.glob("parity_tests/gpu_*.sh")])
+    assert [script.name for script in scripts] == ["gpu_7b.sh", "gpu_mesh.sh", "gpu_check.sh"]
+    for script in scripts:
+        subprocess.run(["bash", "-n", str(script)], check=True)
+        code = [line.split("#")[0] for line in script.read_text().splitlines()]
+        assert not [line for line in code if re.search(r"(^|[\s;|&(])python\s", line)], script.name
