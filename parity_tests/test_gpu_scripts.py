@@ -45,7 +45,7 @@ def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path):
 
 
 _SEVEN_B_AT_A_TINY_SHAPE = """
-import dataclasses, json, sys
+import dataclasses, sys
 from pathlib import Path
 from bench.presets import PRESETS
 from bench.runner import Options, run_bench
