@@ -62,7 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-compile-cache", action="store_true",
                         help="reuse inductor's on-disk compile cache (default: a fresh one, so compile_s is cold)")
     parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after which remaining curve and batch points are skipped (recorded as such)")
+                        help="seconds after which no more table warm-ups (compiles), curve or batch points start; "
+                             "what they skip is recorded as skipped, and cells already warmed up are still timed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--meshes", nargs="+", type=_mesh, default=None, metavar="MESH",
                         help="instead of the decode table: each backend on each mesh (model=N[,data=M]), recording "
@@ -134,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
                    fresh_compile_cache=not args.warm_compile_cache, deadline_s=args.deadline,
                    progress=not args.no_progress)
     records = run_bench(opts)
-    failed = [r for r in records if r["kind"] == "decode" and r["status"] not in ("ok", "unavailable")]
+    failed = [r for r in records if r["kind"] == "decode" and r["status"] not in ("ok", "unavailable", "skipped")]
+    skipped = [r for r in records if r["kind"] == "decode" and r["status"] == "skipped"]
     print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'} and plots"
-          + (f"; {len(failed)} cell(s) failed, see results.md" if failed else ""), file=sys.stderr)
+          + (f"; {len(failed)} cell(s) failed, see results.md" if failed else "")
+          + (f"; {len(skipped)} cell(s) skipped at the deadline" if skipped else ""), file=sys.stderr)
     return 0
 
 

@@ -38,7 +38,7 @@ class Options:
     batch: bool = True
     cache_dir: Path | None = None  # where checkpoint dirs are built (default $TWINCACHE_HOME/bench)
     fresh_compile_cache: bool = True  # compile_s then means a cold compile, as a first run sees it
-    deadline_s: float | None = None  # skip remaining curve/batch points past this many seconds
+    deadline_s: float | None = None  # past this many seconds, start no more warm-ups, curve or batch points
     progress: bool = True
 
 
@@ -242,9 +242,15 @@ class Bench:
         prompts = self.workload.prompts(1, p.prompt_len)
         max_cache_len = max(p.prompt_len + p.new_tokens, p.table_cache_len or 0)
         warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]] = {}
-        for cell in sorted(cells, key=lambda cell: not self.impls[cell[0]].warm_up_first):  # stable: else in order
+        # In the order given (a deadline cuts the last), but the first impl that must warm up first goes first.
+        first = next((name for name, _ in cells if self.impls[name].warm_up_first), None)
+        for cell in sorted(cells, key=lambda cell: cell[0] != first):  # stable
             name, cache = cell
             self._tick(f"{name}/{cache} warm-up")
+            if self._past_deadline():  # its compile would not fit: the cells warmed up so far still get timed
+                self.results.add("decode", impl=name, cache=cache, prompt_len=p.prompt_len, new_tokens=p.new_tokens,
+                                 batch=1, max_cache_len=max_cache_len, status="skipped", note="deadline: not warmed up")
+                continue
             measured, error = self._guarded(f"{name} {cache} warm-up", self._measure, self.impls[name], prompts,
                                             p.new_tokens, cache, max_cache_len, track_rss=True)
             if error:

@@ -3,20 +3,23 @@
 Runs `twincache parity`'s report, with its rule (docs/design.md §4): each implementation teacher-forced with the float64
 model's greedy continuation, its distance to transformers in float64 judged beside transformers' own in the dtype:
   1. bf16, Mistral-7B shape (32 layers, hidden 4096, 32 heads, 8 KV heads, window 4096, vocab 32000), prompt 502;
-  2. bf16, the same shape with the window cut to 256 and a 300-token prompt, so the ring wraps on the GPU;
-  3. fp32 (TF32 off, JAX precision "highest") on a smaller shape with window 64 and a 160-token prompt, every
-     implementation (torch compiled included).
+  2. fp32 (TF32 off, JAX precision "highest") on a smaller shape with window 64 and a 160-token prompt, every
+     implementation (torch compiled, under CUDA graphs, included): the ring wraps;
+  3. bf16, the 7B shape with the window cut to 256 and a 300-token prompt, so the ring wraps at that shape too.
+In that order, so that a deadline (--deadline; bench/gpu_lease.sh) cuts the last.
 At 7B shape the float64 reference alone holds 58 GB of weights; torch eager and JAX step are measured there (a
 compile of the 7B decode step per cache would not fit the time limit).
-Usage: PYTHONPATH=. python -m parity_tests.gpu_parity OUT_DIR   (see gpu_check.sh)
+Usage: PYTHONPATH=. python -m parity_tests.gpu_parity OUT_DIR [--deadline S] [--smoke]   (see gpu_check.sh)
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -91,30 +94,58 @@ def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, step
 
 
 AT_7B = ("torch:eager", "jax:step")
+TINY = dataclasses.replace(MISTRAL_7B, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8)
 # (name, config, dtype, prompt length, steps, implementations): the three cases of the module docstring.
 CASES = [("mistral-7b-shape", MISTRAL_7B, "bfloat16", 502, 128, AT_7B),
+         ("small-fp32-window-64", SMALL_FP32, "float32", 160, 128, parity.IMPLEMENTATIONS),
          ("mistral-7b-shape-window-256", dataclasses.replace(MISTRAL_7B, sliding_window=256), "bfloat16", 300, 128,
-          AT_7B),
-         ("small-fp32-window-64", SMALL_FP32, "float32", 160, 128, parity.IMPLEMENTATIONS)]
+          AT_7B)]
+SMOKE_CASES = [("tiny-bf16-wraps", TINY, "bfloat16", 12, 10, AT_7B)]
 
 
-def main(out_dir: str | Path, cases: list[tuple] = CASES) -> int:
-    """Runs `cases` (a CPU smoke test passes tiny ones), writes OUT_DIR/gpu_parity.{md,json}; 0 when every row
-    passes."""
+def main(out_dir: str | Path, cases: list[tuple] = CASES, deadline_s: float | None = None,
+         clock: Callable[[], float] = time.monotonic) -> int:
+    """Runs `cases` in order (a CPU smoke test passes tiny ones) and writes OUT_DIR/gpu_parity.{md,json} after each,
+    so a run cut short keeps the cases it finished. No case starts once `deadline_s` seconds have passed: it is
+    recorded as skipped. 0 when at least one case ran and every judged row passes."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity needs true fp32 matmuls
     torch.backends.cudnn.allow_tf32 = False
-    records = []
+    start = clock()
+    records: list[dict] = []
+    skipped = []
     for name, config, dtype, prompt_len, steps, impls in cases:
-        records += run_case(name, config, dtype, prompt_len, steps, out, impls)
-    (out / "gpu_parity.json").write_text(json.dumps(records, indent=1))
-    judged = [r for r in records if r["kind"] != "floor"]
-    passed = all(not r["failed"] for r in judged)
-    print(f"{'PASS' if passed else 'FAIL'}: {sum(not r['failed'] for r in judged)}/{len(judged)} rows within bounds "
-          "of the floor")
+        if deadline_s is not None and clock() - start > deadline_s:
+            skipped.append(name)
+            records.append(dict(case=name, kind="skipped", failed=False, note=f"deadline: {deadline_s:g} s passed"))
+            with (out / "gpu_parity.md").open("a") as f:
+                f.write(f"## {name}: skipped (deadline: {deadline_s:g} s passed before it could start)\n\n")
+        else:
+            records += run_case(name, config, dtype, prompt_len, steps, out, impls)
+        (out / "gpu_parity.json").write_text(json.dumps(records, indent=1))
+    judged = [r for r in records if r["kind"] not in ("floor", "skipped")]
+    passed = bool(judged) and all(not r["failed"] for r in judged)
+    verdict = (f"{'PASS' if passed else 'FAIL'}: {sum(not r['failed'] for r in judged)}/{len(judged)} rows within "
+               "bounds of the floor" + (f"; skipped at the deadline: {', '.join(skipped)}" if skipped else ""))
+    print(verdict)
+    with (out / "gpu_parity.md").open("a") as f:
+        f.write(verdict + "\n")
     return 0 if passed else 1
 
 
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m parity_tests.gpu_parity", description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir", nargs="?", default="gpu_parity_out")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no more cases start (each is recorded as skipped)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="one tiny bf16 case whose ring wraps, instead of the GPU cases: runs on CPU in seconds "
+                             "(bench/gpu_lease.sh's smoke mode)")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "gpu_parity_out"))
+    args = _parse_args(sys.argv[1:])
+    sys.exit(main(args.out_dir, SMOKE_CASES if args.smoke else CASES, args.deadline))

@@ -1,10 +1,9 @@
-"""The Python behind the GPU scripts (parity_tests/gpu_check.sh, bench/gpu_7b.sh), run end to end on CPU with tiny
-shapes. A GPU is lent to few sessions, for minutes: a bug found there costs them. (On CPU this checks that the scripts
-run, record and judge, not GPU numerics.)"""
+"""The GPU scripts (bench/gpu_lease.sh, which runs bench/gpu_7b.sh and parity_tests/gpu_check.sh) and the Python
+behind them, run end to end on CPU with tiny shapes. A GPU is lent to few sessions, for minutes: a bug found there
+costs them. (On CPU this checks that the scripts run, record, judge and keep to a lease's limits, not GPU numerics.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -16,32 +15,49 @@ from parity_tests import gpu_parity
 from twincache_app import parity
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = dataclasses.replace(gpu_parity.MISTRAL_7B, vocab_size=128, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           sliding_window=8)
+TINY = gpu_parity.TINY
 
 
 def test_gpu_parity_cases_are_the_ones_its_docstring_names():
     assert [(name, config.num_hidden_layers, config.sliding_window, dtype, prompt, steps)
             for name, config, dtype, prompt, steps, _ in gpu_parity.CASES] == [
         ("mistral-7b-shape", 32, 4096, "bfloat16", 502, 128),
-        ("mistral-7b-shape-window-256", 32, 256, "bfloat16", 300, 128),
-        ("small-fp32-window-64", 8, 64, "float32", 160, 128)]
-    assert gpu_parity.CASES[2][5] == parity.IMPLEMENTATIONS  # fp32: every implementation, torch compiled included
+        ("small-fp32-window-64", 8, 64, "float32", 160, 128),
+        ("mistral-7b-shape-window-256", 32, 256, "bfloat16", 300, 128)]
+    assert gpu_parity.CASES[1][5] == parity.IMPLEMENTATIONS  # fp32: every implementation, torch compiled included
 
 
 def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path):
+    """Two tiny cases run and pass; a third, reached after the deadline (a clock that jumps), is recorded as
+    skipped, not run; the JSON is written after each case, so a run killed later keeps the finished ones."""
     cases = [("tiny-bf16-wraps", TINY, "bfloat16", 12, 10, gpu_parity.AT_7B),
-             ("tiny-fp32", TINY, "float32", 5, 10, ("torch:eager", "jax:fused"))]
-    assert gpu_parity.main(tmp_path, cases) == 0
+             ("tiny-fp32", TINY, "float32", 5, 10, ("torch:eager", "jax:fused")),
+             ("past-the-deadline", TINY, "float32", 5, 10, gpu_parity.AT_7B)]
+    written_before_each_case = []
+    ticks = iter([0.0, 0.0, 0.0, 100.0])  # start, then before each case
+
+    def clock():
+        written_before_each_case.append((tmp_path / "gpu_parity.json").exists())
+        return next(ticks)
+
+    assert gpu_parity.main(tmp_path, cases, deadline_s=50.0, clock=clock) == 0
+    assert written_before_each_case == [False, False, True, True]
     records = json.loads((tmp_path / "gpu_parity.json").read_text())
-    rows = {(r["case"], r["cache"], r["name"]) for r in records}
+    rows = {(r["case"], r["cache"], r["name"]) for r in records if r["kind"] != "skipped"}
     for case, impls in (("tiny-bf16-wraps", gpu_parity.AT_7B), ("tiny-fp32", ("torch:eager", "jax:fused"))):
         for cache in ("static", "sliding_window"):
             assert {(case, cache, impl) for impl in impls} <= rows
-    assert all(not r["failed"] for r in records) and len({r["case"] for r in records}) == 2
+    assert all(not r["failed"] for r in records) and len({r["case"] for r in records}) == 3
+    assert [r["case"] for r in records if r["kind"] == "skipped"] == ["past-the-deadline"]
     text = (tmp_path / "gpu_parity.md").read_text()
     assert "## tiny-bf16-wraps: bfloat16, window 8, prompt 12, 10 steps" in text and "## tiny-fp32" in text
+    assert "## past-the-deadline: skipped" in text
+    assert text.rstrip().splitlines()[-1].startswith("PASS: 12/12 rows") and "past-the-deadline" in text
+
+
+def test_gpu_parity_with_every_case_skipped_is_not_a_pass(tmp_path):
+    assert gpu_parity.main(tmp_path, gpu_parity.SMOKE_CASES, deadline_s=-1.0) == 1
+    assert "FAIL: 0/0 rows" in (tmp_path / "gpu_parity.md").read_text()
 
 
 _SEVEN_B_AT_A_TINY_SHAPE = """
@@ -52,10 +68,16 @@ from bench.runner import Options, run_bench
 from parity_tests.test_gpu_scripts import TINY
 preset = dataclasses.replace(
     PRESETS["7b"], config=TINY, device="cpu", prompt_len=12, new_tokens=8, repeats=1,
-    impls=("torch_eager", "jax_step", "jax_fused", "transformers_eager"), curve_impls=("jax_step",),
+    impls=("jax_fused", "transformers_eager", "jax_step", "torch_eager", "transformers"), curve_impls=("jax_step",),
     curve_contexts=(1, 16), curve_steps=2, batch_impls=("jax_fused",), batch_sizes=(1, 2), batch_prompt_len=8,
     batch_new_tokens=4, probe_bytes=16 << 20)
 assert preset.weights_on_device and preset.dtype == "bfloat16"
+from bench import runner
+checks = []
+def past_deadline(self):  # the deadline passes after the 8th check: the 9th and 10th warm-ups are skipped
+    checks.append(1)
+    return len(checks) > 8
+runner.Bench._past_deadline = past_deadline
 run_bench(Options(preset=preset, out=Path(sys.argv[1]), impls=list(preset.impls), progress=False))
 """
 
@@ -63,7 +85,10 @@ run_bench(Options(preset=preset, out=Path(sys.argv[1]), impls=list(preset.impls)
 def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(tmp_path):
     """bench/gpu_7b.sh runs `--preset 7b`: bf16 weights built in memory on the device and shared by every
     implementation (no checkpoint directory). The same preset at a tiny shape on CPU, through the runner (the CLI
-    refuses 7b without a GPU); compiled implementations left out for time. In a subprocess, as test_bench_smoke."""
+    refuses 7b without a GPU); torch compiled left out for time. In a subprocess, as test_bench_smoke. Warm-ups
+    (compiles) run in the order given, but for one transformers impl first (its first run registers pytree nodes that
+    torch_cache's graphs guard on); past the deadline (after the 8th warm-up here) none starts: the compiled
+    transformers, last, is recorded as skipped, and the curve and batch points are too."""
     out = tmp_path / "out"
     env = {**os.environ, "TWINCACHE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", _SEVEN_B_AT_A_TINY_SHAPE, str(out)], cwd=REPO, env=env,
@@ -75,6 +100,10 @@ def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(tmp_path):
         for cache in ("static", "sliding_window"):
             record = decode[(impl, cache)]
             assert record["status"] == "ok" and record["decode_tok_s"] > 0, (impl, cache, record["status"])
+    for cache in ("static", "sliding_window"):
+        assert decode[("transformers", cache)]["status"] == "skipped", decode[("transformers", cache)]
+    later = [r for r in records if r["kind"] in ("latency_vs_context", "batch")]
+    assert later and all(r["status"] == "skipped" for r in later)
     assert not (tmp_path / "home" / "bench").exists() or not any((tmp_path / "home" / "bench").iterdir()), \
         "weights on the device: no checkpoint directory is written"
     assert (out / "results.md").is_file()
@@ -84,8 +113,30 @@ def test_the_gpu_shell_scripts_parse_and_run_python3():
     """Each script parses, and runs Python as ${PYTHON:-python3}: the GPU image's python3 holds torch, and a bare
     `python` may not exist there."""
     scripts = sorted([*REPO.glob("bench/gpu_*.sh"), *REPO.glob("parity_tests/gpu_*.sh")])
-    assert [script.name for script in scripts] == ["gpu_7b.sh", "gpu_mesh.sh", "gpu_check.sh"]
+    assert [script.name for script in scripts] == ["gpu_7b.sh", "gpu_lease.sh", "gpu_mesh.sh", "gpu_check.sh"]
     for script in scripts:
         subprocess.run(["bash", "-n", str(script)], check=True)
         code = [line.split("#")[0] for line in script.read_text().splitlines()]
         assert not [line for line in code if re.search(r"(^|[\s;|&(])python\s", line)], script.name
+
+
+def test_the_lease_script_runs_both_and_returns_what_a_device_call_brings_back(tmp_path):
+    """bench/gpu_lease.sh is the one prepared call of a GPU lease. In its smoke mode (tiny shapes, CPU) it runs the
+    bench and the parity through the same shell scripts, and leaves under $OUT only what a device call brings back:
+    at most 8 files, no more than 2 folders down, named in letters, digits, '.', '_' and '-'. The reply carries the
+    end of the output: the decode table and the parity verdict."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "GPU_LEASE_SMOKE": "1", "PYTHON": sys.executable,
+           "TWINCACHE_HOME": str(tmp_path / "home")}
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), "360"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    files = sorted(path.relative_to(out) for path in out.rglob("*") if path.is_file())
+    assert {str(path) for path in files} >= {"bench_7b/results.json", "bench_7b/results.md", "parity/gpu_parity.json",
+                                              "parity/gpu_parity.md"}, files
+    assert len(files) <= 8 and all(len(path.parts) <= 3 for path in files), files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", part) for path in files for part in path.parts), files
+    decode = [r for r in json.loads((out / "bench_7b" / "results.json").read_text()) if r["kind"] == "decode"]
+    assert {(r["impl"], r["status"]) for r in decode} == {("transformers_eager", "ok"), ("torch_eager", "ok")}
+    tail = proc.stdout[-12000:]
+    assert "## Decode, batch 1" in tail and "| torch_eager | static |" in tail and "PASS: 6/6 rows" in tail, tail
