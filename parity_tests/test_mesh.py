@@ -83,6 +83,32 @@ def test_every_device_holds_the_kv_heads_its_query_heads_read(kv_heads, model):
     assert sorted(h for rank in range(model) for h in plan.q_heads(rank)) == list(range(8)), "every head once"
 
 
+def test_torch_gathers_the_split_vocabulary_along_dim_0_and_lays_it_side_by_side(monkeypatch):
+    """torch 2.11's functional all-gather along any dim but 0 calls a helper dynamo will not trace
+    (_maybe_view_chunk_cat), which broke every compiled decode on a torch mesh there (the GPU machine's torch):
+    gather_logits gathers along dim 0 only, and must still give the ranks' vocabulary slices side by side, in rank
+    order. A fake two-rank all-gather stands in for the process group."""
+    import types
+
+    import torch
+
+    from torch_cache import sharding
+
+    ranks = [torch.arange(12.0).reshape(2, 1, 6), 100 + torch.arange(12.0).reshape(2, 1, 6)]  # [B, S, V / 2] each
+    gather_dims = []
+
+    def all_gather(tensor: torch.Tensor, gather_dim: int, group: object) -> torch.Tensor:
+        gather_dims.append(gather_dim)
+        return torch.cat(ranks, dim=gather_dim)
+
+    monkeypatch.setattr(sharding, "_all_gather", all_gather)
+    parallel = object.__new__(sharding.TensorParallel)
+    parallel.mesh, parallel.model_group, parallel.model_ways, parallel.data_ways = object(), None, 2, 1
+    parallel.plan = types.SimpleNamespace(vocab_split=True)
+    assert torch.equal(parallel.gather_logits(ranks[0]), torch.cat(ranks, dim=-1))  # [B, S, V]
+    assert gather_dims == [0]
+
+
 def test_a_batch_pads_to_the_data_axis_and_the_padding_rows_are_dropped():
     batch = Batch([[1, 2], [3]], np.array([[1, 2], [0, 3]]), np.array([[1, 1], [0, 1]]), SamplingParams(), 4,
                   prefill_chunk=3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -174,3 +175,28 @@ def test_a_closed_pipe_ends_quietly(tiny_model_dir, tmp_path, backend, flags, no
     finally:
         os.close(write_end)
     assert (proc.returncode, proc.stderr) == (141, notice), proc.stderr[-2000:]
+
+
+_AS_A_CUDA_BUILD_WITHOUT_A_GPU = """
+import sys
+from twincache_app.cli import main
+code = main(["generate", "--backend", "torch", "--mode", "eager", "--model", sys.argv[1], "--max-new-tokens", "4"])
+import torch.utils.cpp_extension as cpp_extension
+# What a CUDA build's toolchain calls at its import and at each compile; on a CPU build only this call logs
+assert cpp_extension._find_cuda_home(), "no CUDA_HOME: the check would pass vacuously"
+sys.exit(code)
+"""
+
+
+def test_a_cuda_build_of_torch_on_a_machine_without_a_gpu_adds_no_line_to_stderr(tiny_model_dir, tmp_path):
+    """pip's default torch is a CUDA build; on a machine with a CUDA toolkit but no GPU its C++ toolchain logs 'No
+    CUDA runtime is found, using CUDA_HOME=...' whenever it looks for CUDA, as the CPU path's compiler checks do (seen
+    with torch 2.11's wheel here): the CLI keeps stderr to its own line."""
+    (tmp_path / "cuda").mkdir()
+    env = dict(os.environ, TWINCACHE_HOME=str(tiny_model_dir.parent), PYTHONPATH=str(REPO),
+               CUDA_HOME=str(tmp_path / "cuda"))
+    proc = subprocess.run([sys.executable, "-c", _AS_A_CUDA_BUILD_WITHOUT_A_GPU,
+                           str(tiny_model_dir)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[torch sliding_window cache: eager mode"), proc.stderr[-2000:]

@@ -148,9 +148,12 @@ class TensorParallel:
         if self.mesh is None:
             return logits
         if self.plan.vocab_split and self.model_ways > 1:
-            logits = _all_gather(logits.contiguous(), logits.dim() - 1, self.model_group)
+            gathered = _all_gather(logits.contiguous(), 0, self.model_group)  # [model * B / data, S, V / model]
+            # side by side along the vocabulary: torch 2.11's all-gather along a later dim calls a helper dynamo
+            # will not trace (_maybe_view_chunk_cat), so a compiled step gathers along dim 0 and lays them out itself
+            logits = torch.cat(gathered.chunk(self.model_ways, 0), dim=-1)  # [B / data, S, V]
         if self.data_ways > 1:
-            logits = _all_gather(logits.contiguous(), 0, self.data_group)
+            logits = _all_gather(logits.contiguous(), 0, self.data_group)  # [B, S, V]
         return logits
 
 
