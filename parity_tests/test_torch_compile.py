@@ -40,7 +40,7 @@ def captured_step_graph(model: Mistral) -> torch.fx.GraphModule:
     return graphs[0]
 
 
-@pytest.mark.skipif(TorchVersion(torch.__version__) < "2.12", reason="regional compilation needs torch >= 2.12 "
+@pytest.mark.skipif(TorchVersion(torch.__version__) < "2.11", reason="regional compilation needs torch >= 2.11 "
                     "(torch_cache.model.compile_region): older versions compile the whole stack, as before")
 def test_dynamo_traces_each_half_of_a_decoder_layer_once_for_the_whole_stack(tmp_path: Path):
     """Each layer runs its two regions (before and after its cache write), and dynamo traces each region once: the
@@ -56,7 +56,8 @@ def test_dynamo_traces_each_half_of_a_decoder_layer_once_for_the_whole_stack(tmp
     regions = sorted({node.args[0].target for node in calls})
     assert len(calls) == 2 * model.config.num_hidden_layers, "every layer runs both regions"
     assert len(regions) == 2, f"two traced regions for the whole stack, got {regions}"
-    assert traced == 2, f"dynamo traced the regions {traced} times for {model.config.num_hidden_layers} layers"
+    if TorchVersion(torch.__version__) >= "2.12":  # 2.11 does not time (so count) dynamo's region traces
+        assert traced == 2, f"dynamo traced the regions {traced} times for {model.config.num_hidden_layers} layers"
 
 
 _PICKED_ISA = """

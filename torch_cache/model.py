@@ -72,8 +72,8 @@ def compile_region(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.
     for every module of the class with the same input shapes (the two halves of one decoder layer for the whole
     stack, not 30 layers), which cuts the compile time of a deep model several fold; eager calls are unchanged.
     Marked methods take only tensors and their module, the inputs dynamo's subgraph reuse accepts (docs/design.md
-    §7.16). torch >= 2.12 only, where it was built and measured; older versions compile the whole stack."""
-    if TorchVersion(torch.__version__) < "2.12" or not hasattr(torch.compiler, "nested_compile_region"):
+    §7.16). torch >= 2.11, where it was measured (2.11 is the GPU machine's); older versions compile the whole stack."""
+    if TorchVersion(torch.__version__) < "2.11" or not hasattr(torch.compiler, "nested_compile_region"):
         return forward
     return functools.wraps(forward)(torch.compiler.nested_compile_region(forward))  # keeps the signature visible
 
