@@ -260,25 +260,27 @@ class Bench:
         live = [cell for cell in cells if cell in warm]
         timed: dict[tuple[str, str], list[tuple[Run, dict[str, Any]]]] = {cell: [] for cell in live}
         failed: dict[tuple[str, str], str] = {}
-        for round_idx in range(self.repeats):
-            # The bandwidth a shared machine offers drifts (this 2-core VM: 46 GB/s for minutes, then 76): a probe
-            # per round gives each timed run the limit measured next to it, beside the run-wide best.
-            self._probe(_round_label(round_idx + 1), repeats=5)
-            shift = round_idx % max(1, len(live))
-            for cell in live[shift:] + live[:shift]:  # rotate so no cell always runs right after a compile
-                self._tick(f"{cell[0]}/{cell[1]} #{round_idx + 1}")
-                if cell in failed:
-                    continue
-                measured, error = self._guarded(f"{cell[0]} {cell[1]}", self._measure, self.impls[cell[0]], prompts,
-                                                p.new_tokens, cell[1], max_cache_len, track_rss=False)
-                if error:
-                    failed[cell] = error
-                else:
-                    measured[1]["round"] = round_idx + 1
-                    timed[cell].append(measured)
-        for cell in live:
-            self._table_record(cell, warm[cell], timed[cell], failed.get(cell), max_cache_len)
-        self._ratios()
+        try:
+            for round_idx in range(self.repeats):
+                # The bandwidth a shared machine offers drifts (this 2-core VM: 46 GB/s for minutes, then 76): a
+                # probe per round gives each timed run the limit measured next to it, beside the run-wide best.
+                self._probe(_round_label(round_idx + 1), repeats=5)
+                shift = round_idx % max(1, len(live))
+                for cell in live[shift:] + live[:shift]:  # rotate so no cell always runs right after a compile
+                    self._tick(f"{cell[0]}/{cell[1]} #{round_idx + 1}")
+                    if cell in failed:
+                        continue
+                    measured, error = self._guarded(f"{cell[0]} {cell[1]}", self._measure, self.impls[cell[0]],
+                                                    prompts, p.new_tokens, cell[1], max_cache_len, track_rss=False)
+                    if error:
+                        failed[cell] = error
+                    else:
+                        measured[1]["round"] = round_idx + 1
+                        timed[cell].append(measured)
+        finally:  # a hard stop (SIGINT) between rounds still leaves a row for every cell timed so far
+            for cell in live:
+                self._table_record(cell, warm[cell], timed[cell], failed.get(cell), max_cache_len)
+            self._ratios()
         for impl in self.impls.values():
             impl.release()
 
