@@ -6,6 +6,7 @@ and a mode is checked before anything runs.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +123,38 @@ def test_torch_model_reports_its_dtype_and_device(models):
 
     assert models["torch"].dtype == torch.float32 and models["torch"].device == torch.device("cpu")
     assert models["jax"].dtype == np.float32
+
+
+_AS_ON_A_GPU = """
+import sys
+import jax
+import numpy as np
+jax.default_backend = lambda: "gpu"  # what jax_cache asks to pick a platform's path; JAX itself stays on the CPU
+from jax_cache import backend
+model = backend.load(sys.argv[1])
+sequence = [int(token) for token in sys.argv[3].split(",")]
+np.save(sys.argv[2], np.stack([backend.step_logits(model, sequence, int(sys.argv[4]), cache, mode)
+                               for cache in ("static", "sliding_window") for mode in ("fused", "step")]))
+"""
+
+
+def test_the_jax_paths_of_other_platforms_give_the_torch_logits(models, checkpoints, tmp_path):
+    """A GPU takes JAX paths the CPU never does: one attention dot over the buffer updated in place (no halves), the
+    cache write before the attention read (nothing orders it after). A GPU is lent rarely, for minutes, so here
+    jax_cache is told it runs on one (in a fresh process: nothing traced for the CPU is reused) and must give the
+    torch tower's teacher-forced logits (fp32) in both modes, both caches, across a window wrap. (A planted error in
+    the GPU-only attention branch fails it.)"""
+    import subprocess
+    import sys
+
+    sequence = PROMPT + [11, 23, 5, 64, 7, 90, 31, 2, 48, 77, 19, 60]  # window 8: the ring wraps
+    out = tmp_path / "logits.npy"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([sys.executable, "-c", _AS_ON_A_GPU, str(checkpoints["gqa"]), str(out),
+                           ",".join(map(str, sequence)), str(len(PROMPT))], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch_tower = BACKENDS["torch"].module()
+    expected = [torch_tower.step_logits(models["torch"], sequence, len(PROMPT), cache, "eager")
+                for cache in ("static", "sliding_window") for _ in ("fused", "step")]
+    np.testing.assert_allclose(np.load(out), np.stack(expected), rtol=0, atol=1e-4)
