@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _is_cuda_home_notice(record: logging.LogRecord) -> bool:
-    return record.getMessage().startswith("No CUDA runtime is found")
+def _not_a_cuda_home_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("No CUDA runtime is found")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A CUDA build of torch (pip's default) on a machine with a CUDA toolkit but no GPU logs "No CUDA runtime is
     # found, using CUDA_HOME=..." each time inductor's C++ toolchain looks for CUDA, as the CPU path's compiler checks
     # do: nothing to do with CPU decoding, and a second line on the one-line stderr.
-    logging.getLogger("torch.utils.cpp_extension").addFilter(lambda record: not _is_cuda_home_notice(record))
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_not_a_cuda_home_notice)  # once: the same function
     with interrupts.exit_on_interrupt() as interrupt:
         args = build_parser().parse_args(argv)
         args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
