@@ -13,6 +13,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-360}"
+if ! [[ "$seconds" =~ ^[0-9]+$ ]] || ((seconds < 120)); then
+  echo "gpu_lease.sh: SECONDS must be a whole number of seconds, at least 120 (got '$seconds'); default 360" >&2
+  exit 2
+fi
 out="${OUT:-gpu_lease_out}"
 start=$SECONDS
 bench_args=()

@@ -126,6 +126,11 @@ def test_the_gpu_shell_scripts_parse_and_run_python3():
         subprocess.run(["bash", "-n", str(script)], check=True)
         code = [line.split("#")[0] for line in script.read_text().splitlines()]
         assert not [line for line in code if re.search(r"(^|[\s;|&(])python\s", line)], script.name
+    for seconds in ("abc", "60"):  # not a number; too short to split (a timeout of 0 would mean none at all)
+        proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), seconds], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", proc
+        assert proc.stderr.count("\n") == 1 and "at least 120" in proc.stderr, proc.stderr
 
 
 def test_the_lease_script_runs_both_and_returns_what_a_device_call_brings_back(tmp_path):
