@@ -125,8 +125,46 @@ print(json.dumps({"isa": isa, "imported by the thread": imported, "headers befor
 """
 
 
-@pytest.mark.parametrize("setting", ["default config", "vectorisation off", "AVX2 forced", "widest ISA fails"])
-def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself(tmp_path: Path, setting: str):
+ISA_SETTINGS = ("default config", "vectorisation off", "AVX2 forced", "widest ISA fails")
+
+
+@pytest.fixture(scope="module")
+def isa_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+    """For each setting, the ISA report of a process that ran the checks in the background ("probed"), then of one
+    where inductor ran them itself ("inductor"), sharing the first one's inductor cache and temp dir (a fresh pair
+    per setting, as on a new machine). The settings are independent: their processes run side by side."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    envs = {}
+    for setting in ISA_SETTINGS:
+        root = tmp_path_factory.mktemp("isa")
+        (root / "tmp").mkdir()
+        envs[setting] = env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+                               "TMPDIR": str(root / "tmp"), "PYTHONPATH": str(REPO)}
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        if setting == "AVX2 forced":
+            env["ATEN_CPU_CAPABILITY"] = "avx2"
+    runs: dict[str, dict[str, dict]] = {setting: {} for setting in ISA_SETTINGS}
+    try:
+        for how in ("probed", "inductor"):
+            started = {setting: subprocess.Popen([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
+                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                       for setting, env in envs.items()}
+            for setting, proc in started.items():
+                stdout, stderr = proc.communicate(timeout=300)
+                assert proc.returncode == 0, (setting, how, stderr[-2000:])
+                runs[setting][how] = json.loads(stdout)
+    finally:
+        for env in envs.values():
+            shutil.rmtree(env["TMPDIR"], ignore_errors=True)  # a precompiled header is ~150 MB
+    return runs
+
+
+@pytest.mark.parametrize("setting", ISA_SETTINGS)
+def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself(isa_runs, setting: str):
     """torch_cache runs inductor's CPU vector-ISA checks in a background thread (start_compiler_probe); inductor must
     then pick the same ISA as when it runs them itself, one after another, in a fresh process, also when the caller
     has set inductor's config (a context variable, which a new thread would not see) or ATEN_CPU_CAPABILITY. The
@@ -138,23 +176,7 @@ def test_the_background_isa_checks_leave_inductor_the_vector_isa_it_picks_itself
     with ATen's vector headers) for the ISA inductor picks only, where inductor alone runs one per candidate, and
     checks the ISAs after that one only when a config set later reads past it (cpp.simdlen here): the ISA picked
     then and the list of valid ISAs are inductor's own."""
-    import json
-    import shutil
-    import subprocess
-    import sys
-
-    (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TMPDIR": str(tmp_path / "tmp"),
-           "PYTHONPATH": str(REPO)}
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if setting == "AVX2 forced":
-        env["ATEN_CPU_CAPABILITY"] = "avx2"
-    try:
-        runs = {how: json.loads(subprocess.run([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
-                                               capture_output=True, text=True, check=True, timeout=300).stdout)
-                for how in ("probed", "inductor")}
-    finally:
-        shutil.rmtree(tmp_path / "tmp", ignore_errors=True)  # a precompiled header is ~150 MB
+    runs = isa_runs[setting]
     probed = runs["probed"]
     assert probed["isa"] == runs["inductor"]["isa"], runs
     # read when a config set later asks for another ISA
