@@ -30,12 +30,12 @@ fi
 # Each `timeout` may add 20 s of grace (--kill-after) to its share.
 bench_s=$((seconds * 55 / 100 - 20))
 BENCH_TIMEOUT_S=$bench_s BENCH_DEADLINE_S=$((bench_s > 140 ? bench_s - 70 : bench_s / 2)) \
-  bash bench/gpu_7b.sh "$out/bench_7b" "${bench_args[@]}"
+  bash bench/gpu_7b.sh "$out/bench_7b" ${bench_args[@]+"${bench_args[@]}"}
 bench_status=$?
 parity_s=$((seconds - (SECONDS - start) - 25))
 parity_s=$((parity_s > 30 ? parity_s : 30))
 PARITY_TIMEOUT_S=$parity_s bash parity_tests/gpu_check.sh "$out/parity" \
-  --deadline $((parity_s > 140 ? parity_s - 70 : parity_s / 2)) "${parity_args[@]}"
+  --deadline $((parity_s > 140 ? parity_s - 70 : parity_s / 2)) ${parity_args[@]+"${parity_args[@]}"}
 parity_status=$?
 echo
 echo "== gpu_lease.sh: $((SECONDS - start)) s of $seconds; bench exit $bench_status, parity exit $parity_status =="

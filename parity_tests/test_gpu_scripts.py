@@ -117,7 +117,7 @@ def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(tmp_path):
     assert (out / "results.md").is_file()
 
 
-def test_the_gpu_shell_scripts_parse_and_run_python3():
+def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
     """Each script parses, and runs Python as ${PYTHON:-python3}: the GPU image's python3 holds torch, and a bare
     `python` may not exist there."""
     scripts = sorted([*REPO.glob("bench/gpu_*.sh"), *REPO.glob("parity_tests/gpu_*.sh")])
@@ -126,6 +126,13 @@ def test_the_gpu_shell_scripts_parse_and_run_python3():
         subprocess.run(["bash", "-n", str(script)], check=True)
         code = [line.split("#")[0] for line in script.read_text().splitlines()]
         assert not [line for line in code if re.search(r"(^|[\s;|&(])python\s", line)], script.name
+    # The commands a real lease runs, with `echo` for Python: the 7b preset with the deadline its share leaves (360 s:
+    # 178 s hard stop, warm-ups until 108 s), then the GPU cases with theirs; no smoke arguments
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), "360"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHON": "echo", "OUT": str(tmp_path)}, cwd=REPO)
+    calls = [line for line in proc.stdout.splitlines() if line.startswith("-m ")]
+    assert calls[0] == f"-m bench --preset 7b --out {tmp_path}/bench_7b --deadline 108 --no-progress", proc.stdout
+    assert re.fullmatch(rf"-m parity_tests\.gpu_parity {tmp_path}/parity --deadline \d+", calls[1]), proc.stdout
     for seconds in ("abc", "60"):  # not a number; too short to split (a timeout of 0 would mean none at all)
         proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), seconds], capture_output=True, text=True,
                               timeout=60)
