@@ -15,7 +15,6 @@ from parity_tests import gpu_parity
 from twincache_app import parity
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = gpu_parity.TINY
 
 
 def test_gpu_parity_cases_are_the_ones_its_docstring_names():
@@ -31,8 +30,8 @@ def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path):
     """A tiny fp32 case runs and passes (the bf16 one whose ring wraps runs in the lease's smoke test below); a
     second, reached after the deadline (a clock that jumps), is recorded as skipped, not run; the JSON is written
     after each case, so a run killed later keeps the finished ones."""
-    cases = [("tiny-fp32", TINY, "float32", 5, 10, ("torch:eager", "jax:fused")),
-             ("past-the-deadline", TINY, "float32", 5, 10, gpu_parity.AT_7B)]
+    cases = [("tiny-fp32", gpu_parity.TINY, "float32", 5, 10, ("torch:eager", "jax:fused")),
+             ("past-the-deadline", gpu_parity.TINY, "float32", 5, 10, gpu_parity.AT_7B)]
     written_before_each_case = []
     ticks = iter([0.0, 0.0, 100.0])  # start, then before each case
 
@@ -63,7 +62,7 @@ import dataclasses, sys
 from pathlib import Path
 from bench.presets import PRESETS
 from bench.runner import Options, run_bench
-from parity_tests.test_gpu_scripts import TINY
+from parity_tests.gpu_parity import TINY
 preset = dataclasses.replace(
     PRESETS["7b"], config=TINY, device="cpu", prompt_len=12, new_tokens=8, repeats=2,
     impls=("jax_fused", "transformers_eager", "jax_step", "torch_eager", "transformers"), curve_impls=("jax_step",),
