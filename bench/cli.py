@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return run_prefill_memory(args)
     if args.repeats is not None and args.repeats < 1:
         raise InputError(f"--repeats={args.repeats} must be >= 1")
+    if args.deadline is not None and not args.deadline >= 0:  # NaN too: it would never pass
+        raise InputError(f"--deadline={args.deadline} must be a number of seconds >= 0 (inf: none)")
     if args.sliding_window is not None and args.sliding_window < 1:
         raise InputError(f"--sliding-window={args.sliding_window} must be >= 1")
     preset = resolve(PRESETS[args.preset], args.model, args.sliding_window)

@@ -111,6 +111,10 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys):
     assert capsys.readouterr().err.count("\n") == 1
     assert main(["bench", "--repeats", "0"]) == 2
     assert "--repeats=0 must be >= 1" in capsys.readouterr().err
+    for deadline in ("-5", "nan"):  # every cell would be skipped, or none ever
+        assert main(["bench", "--deadline", deadline]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--deadline={float(deadline)} must be a number of seconds >= 0" in err, err
 
 
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
