@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,23 @@ def test_tiny_model_text_streams_the_same_tokens(cli_home, tiny_json, tiny_model
     assert stdout == tiny_json["text"] + "\n"
     summary = stderr.strip().splitlines()
     assert len(summary) == 1 and summary[0].startswith("[torch sliding_window cache:"), stderr
+    assert re.search(r", decode \d+\.\d tok/s over \d+ timed steps\]$", summary[0]), summary[0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_run_with_no_step_after_the_first_reports_no_decode_speed(tiny_model_dir, capsys, backend):
+    """Two new tokens: the prefill gives one, the first decode step (compile or warm-up included) the other, so no
+    steady step was timed: the summary says so and --json gives null, never a measured-looking 0.0 tok/s."""
+    from twincache_app import cli
+
+    mode = {"torch": "eager", "jax": "step"}[backend]
+    common = ["generate", "--backend", backend, "--mode", mode, "--model", str(tiny_model_dir), "--max-new-tokens", "2"]
+    assert cli.main(common) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.endswith(", no decode step after the first to time]"), summary
+    assert cli.main([*common, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["decode_steps"] == 1 and record["decode_tok_s"] is None, record
 
 
 # --- transformers-written checkpoints -----------------------------------------------------------------------------
@@ -159,6 +177,8 @@ ERROR_CASES = {
                                ["model.safetensors is a file, a safetensors weight file", "directory or a .gguf"]),
     "model_is_another_file": (lambda ck, tmp: ["--model", str(ck["gqa"] / "config.json"), "--prompt-ids", "1"],
                               ["config.json is a file, a config file"]),
+    "model_is_a_device": (lambda ck, tmp: ["--model", os.devnull, "--prompt-ids", "1"],
+                          [f"{os.devnull} is not a regular file or a directory"]),
     "missing_gguf": (lambda ck, tmp: ["--model", str(tmp / "absent.gguf"), "--prompt-ids", "1,2"],
                      ["absent.gguf does not exist", ".gguf file"]),
     "chat_with_prompt_ids": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "1,2", "--chat"],

@@ -33,6 +33,9 @@ def load_config(path: str | Path) -> MistralConfig:
         if is_gguf_file(path):
             return open_gguf(path).config
         raise CheckpointError(not_a_checkpoint(path))
+    if path.exists() and not path.is_dir():  # a device, a FIFO or a socket: nothing a checkpoint can be
+        raise CheckpointError(f"checkpoint {path} is not a regular file or a directory; give an HF Mistral "
+                              "checkpoint directory or a .gguf file")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist; give an HF Mistral checkpoint directory or a "
                               ".gguf file")
