@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -76,8 +77,22 @@ def leaves(cache: StaticCache) -> list[jax.Array]:
     return [*cache.keys, *cache.values, cache.slot_positions, cache.length]
 
 
+def buffers(cache: StaticCache) -> list[jax.Array]:
+    """The arrays a step writes in place: every layer's K/V and slot_positions. Deletion checks leave the length
+    scalar out: JAX >= 0.11 keeps a donated array alive once the host has read its value (the checks before each
+    dispatch read the length), so its is_deleted() tells the JAX version, not the donation. That it is donated too
+    is read off the compiled step (aliased_parameters)."""
+    return [*cache.keys, *cache.values, cache.slot_positions]
+
+
 def pointers(cache: StaticCache) -> list[int]:
-    return [array.unsafe_buffer_pointer() for array in (*cache.keys, *cache.values, cache.slot_positions)]
+    return [array.unsafe_buffer_pointer() for array in buffers(cache)]
+
+
+def aliased_parameters(hlo: str) -> list[int]:
+    """Parameter numbers of a compiled module that share a buffer with one of its outputs (its input_output_alias)."""
+    header = next(line for line in hlo.splitlines() if line.startswith("HloModule"))
+    return [int(number) for number in re.findall(r"\{[\d, ]*\}: \((\d+), \{[\d, ]*\}, \w+-alias\)", header)]
 
 
 def prefilled(model: Mistral, kind: str, prompts: list[list[int]], max_cache_len: int) -> tuple[jax.Array, StaticCache]:
@@ -112,7 +127,7 @@ def test_decode_steps_update_the_cache_in_place_by_donation(model, traces, kind,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3 * WINDOW + 1):
-            inputs = leaves(cache)
+            inputs = buffers(cache)
             logits, cache = step(tokens, positions, cache)
             assert pointers(cache) == first, f"a decode step moved the cache buffers: {first} -> {pointers(cache)}"
             assert all(array.is_deleted() for array in inputs), "the input cache must be consumed by donation"
@@ -120,6 +135,11 @@ def test_decode_steps_update_the_cache_in_place_by_donation(model, traces, kind,
     assert jg._decode_step._cache_size() == 1 and traces[1] == 1, "one compile of the step, inside the loop above"
     assert donation_warnings(caught) == []
     assert logits.shape == (2, VOCAB) and int(cache.length) == 13 + 3 * WINDOW + 1
+    graph, params = jg.split_model(model)
+    hlo = jg._decode_step.lower(graph, params, cache, tokens, positions, None).compile().as_text()
+    first_cache_parameter = len(jax.tree_util.tree_leaves(params))  # the step's arguments: params, then the cache
+    assert aliased_parameters(hlo) == list(range(first_cache_parameter, first_cache_parameter + len(leaves(cache)))), \
+        "every cache array, the length included, is donated to the step's output and nothing else is"
 
 
 def buffer_copies(hlo: str, buffer_shape: tuple[int, ...]) -> list[str]:
@@ -247,7 +267,7 @@ def test_bucket_padding_does_not_change_tokens(model):
 @pytest.mark.parametrize("fused", [True, False])
 def test_generation_keeps_the_cache_buffers_it_was_given(model, fused):
     _, cache = prefilled(model, "sliding_window", PROMPTS, 64)
-    before, inputs = pointers(cache), leaves(cache)
+    before, inputs = pointers(cache), buffers(cache)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = jg.continue_generation(model, cache, [3, 4], NEW_TOKENS, fused=fused)
