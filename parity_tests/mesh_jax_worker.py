@@ -20,6 +20,7 @@ from flax import nnx
 
 import jax_cache.generate as jg
 from jax_cache import backend, sharding
+from jax_cache.cache import StaticCache
 from jax_cache.model import Mistral
 from twincache.generation import SamplingParams
 
@@ -56,6 +57,12 @@ def shard_bytes(array: jax.Array) -> dict[str, object]:
 
 def pointers(arrays: list[jax.Array]) -> list[list[int]]:
     return [[shard.data.unsafe_buffer_pointer() for shard in array.addressable_shards] for array in arrays]
+
+
+def written_in_place(cache: StaticCache) -> list[jax.Array]:
+    """K/V and slot_positions; not the length scalar: JAX >= 0.11 keeps a donated array alive once the host has read
+    it (as the checks before each dispatch do), so its output takes a new buffer (test_jax_generate.buffers)."""
+    return [*cache.keys, *cache.values, cache.slot_positions]
 
 
 def main(out: Path, checkpoints: dict[str, Path]) -> None:
@@ -96,15 +103,10 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
             logits[f"case{index}"] = np.asarray(result.step_logits)
             logits[f"case{index}_reference"] = np.asarray(reference.step_logits)
             if mode == "step":  # continuing steps write the donated cache in place, shard by shard
-                # The buffers written in place; not the length scalar: JAX >= 0.11 keeps a donated array alive once
-                # the host has read it (as the checks before each dispatch do), so its output takes a new buffer
-                # (parity_tests/test_jax_generate.py, buffers).
-                written = (*cache.keys, *cache.values, cache.slot_positions)
-                first = pointers(written)
+                first = pointers(written_in_place(cache))
                 more = jg.continue_generation(model, cache, [t[-1] for t in again.token_ids], 1, fused=False)
-                case["pointers_kept"] = pointers([*more.cache.keys, *more.cache.values,
-                                                  more.cache.slot_positions]) == first
-                case["input_deleted"] = all(array.is_deleted() for array in written)
+                case["pointers_kept"] = pointers(written_in_place(more.cache)) == first
+                case["input_deleted"] = all(array.is_deleted() for array in written_in_place(cache))
             record["cases"].append(case)
         write_hlo(out, sharded[("gqa", 2, 4)], single["gqa"].config.vocab_size, record)
         record["handoff"] = handoff(checkpoints, sharded)
