@@ -58,6 +58,14 @@ def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     assert record["finite"] and record["cache_ok"] and record["ok"]
     assert set(record) >= {"rss_start_mb", "rss_end_mb", "rss_growth_mb", "first_step_s", "decode_tok_s",
                            "recompiles_after_first"}
+    assert record["decode_tok_s"] > 0
+    # A soak shorter than the window: its ring holds prompt + steps + 1 slots (the capacity generate asks for), one
+    # never written. One step is the first step, so no steady speed was measured.
+    code, out, err = _one_line(capsys, ["soak", "--steps", "1", "--mode", "eager", "--model", str(tiny_model_dir)])
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["cache_len"] == 16 + 1 + 1 and record["length"] == 17 and record["cache_ok"] and record["ok"]
+    assert record["decode_tok_s"] is None, record
     code, out, err = _one_line(capsys, ["soak", "--backend", "jax", "--steps", "80", "--model", str(tiny_model_dir),
                                         "--dtype", "float16"])  # every dtype generate takes
     assert code == 0, err
