@@ -112,9 +112,10 @@ class GenerationResult:
     mode: str | None = None  # the decode mode that ran (docs/design.md §5)
 
     @property
-    def decode_tok_s(self) -> float:
-        """Tokens per second per sequence in the steady state (warm-up and compile excluded)."""
-        return self.timed_steps / self.decode_s if self.timed_steps and self.decode_s > 0 else 0.0
+    def decode_tok_s(self) -> float | None:
+        """Tokens per second per sequence in the steady state (warm-up and compile excluded); None when no step after
+        the first was timed (max_new_tokens <= 2, or EOS at once): not measured, rather than 0 tok/s."""
+        return self.timed_steps / self.decode_s if self.timed_steps and self.decode_s > 0 else None
 
 
 def pad_token_id(config: MistralConfig) -> int:

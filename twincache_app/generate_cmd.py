@@ -247,8 +247,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": args.dtype, "max_cache_len": result.max_cache_len, "prompt_ids": prompt_ids,
             "token_ids": token_ids, "text": text,
             "prefill_s": round(result.prefill_s, 6), "first_step_s": round(result.first_step_s, 6),
-            # null when no step after the first was timed (max_new_tokens <= 2, or EOS at once): not measured
-            "decode_tok_s": round(result.decode_tok_s, 2) if result.timed_steps else None,
+            "decode_tok_s": None if result.decode_tok_s is None else round(result.decode_tok_s, 2),  # null: none timed
             "decode_steps": result.decode_steps,
         }))
         return 0
@@ -260,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()  # a closed pipe ends the run here, before the summary below
     if launch.rank() == 0:
         mesh = "" if args.mesh is None else f" on mesh {args.mesh}"
-        decode = (f"decode {result.decode_tok_s:.1f} tok/s over {result.timed_steps} timed steps" if result.timed_steps
-                  else "no decode step after the first to time")
+        decode = ("no decode step after the first to time" if result.decode_tok_s is None
+                  else f"decode {result.decode_tok_s:.1f} tok/s over {result.timed_steps} timed steps")
         print(f"[{args.backend} {result.cache_kind} cache{mesh}: {result.mode} mode, prefill "
               f"{result.prefill_s * 1000:.1f} ms, first step {result.first_step_s:.2f} s, {decode}]", file=sys.stderr)
     return 0

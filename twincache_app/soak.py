@@ -119,7 +119,7 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     record |= {
         "cache_len": cache.cache_len, "ring_wraps": total // cache.cache_len, "length": int(cache.length),
         "first_step_s": round(result.first_step_s, 3),
-        "decode_tok_s": round(result.decode_tok_s, 1) if result.timed_steps else None,  # null: no step timed
+        "decode_tok_s": None if result.decode_tok_s is None else round(result.decode_tok_s, 1),  # null: none timed
         "graphs_at_first_step": watch["graphs_first"] - watch["graphs_before"],
         "recompiles_after_first": graphs_end - watch["graphs_first"],
         "rss_start_mb": round(watch["rss_start"], 1), "rss_peak_mb": round(max(watch["rss_peak"], rss_end), 1),
