@@ -60,6 +60,41 @@ def test_dynamo_traces_each_half_of_a_decoder_layer_once_for_the_whole_stack(tmp
         assert traced == 2, f"dynamo traced the regions {traced} times for {model.config.num_hidden_layers} layers"
 
 
+def test_a_sampled_step_hashes_each_noise_entry_once_in_the_graph(checkpoints: dict[str, Path]):
+    """The seed's fold-in with the step index and the hash of each entry's index stay out of the compiled step
+    (torch_cache.generate._hash32: inductor's codegen time doubles with each hash stage of a fused chain, ~15 s of a
+    sampled step's cold compile on a 2-core CPU). The graph keeps one hash per noise entry, three right shifts, and
+    the shift that takes a uniform's 24 bits; the draws themselves are checked against an independent oracle
+    (test_sampling, test_buckets)."""
+    import operator
+
+    from torch_cache import generate as torch_generate
+
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    decode_one = torch.compile(torch_generate._decode_one_fn(model, compile=False), backend=record, fullgraph=True,
+                               dynamic=False)
+    sampling = torch_generate.SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    with torch.inference_mode():
+        cache = make_cache("static", model.config, 1, 16)
+        prefill(model, torch.tensor([[3, 4, 5]]), torch.ones(1, 3, dtype=torch.long), cache)
+        kind = torch_generate._sampling_kind(sampling)
+        forced, forcing, _, _, *_ = torch_generate._no_draw_args(1, model.device)
+        decode_one(torch.tensor([[6]]), torch.tensor([[3]]), cache, None, torch.zeros(1, dtype=torch.bool),
+                   torch.tensor(-1), forced, forcing, torch_generate._StepKey(sampling.seed, model.device).at(1),
+                   torch_generate._sampling_bits(kind, 1, model.config.vocab_size, model.device),
+                   *torch_generate._knobs(sampling, model.device), kind)
+    assert kind == "filtered" and len(graphs) == 1
+    shifts = [node for node in graphs[0].graph.nodes if node.op in ("call_function", "call_method")
+              and node.target in (operator.rshift, "__rshift__", torch.bitwise_right_shift)]
+    assert len(shifts) == 4, f"{len(shifts)} right shifts in the sampled step: hash chains moved into the graph"
+
+
 _PICKED_ISA = """
 import json
 import os

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -101,16 +102,21 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tenso
     return _filter(logits, *_knobs(sampling, logits.device), _sampling_kind(sampling) == "filtered")
 
 
-def _mul32(x: torch.Tensor, factor: int) -> torch.Tensor:
-    """x * factor mod 2^32, for x in [0, 2^32) in int64: in two 16-bit halves of the factor, so no product leaves
-    int64 (signed overflow is undefined in the C++ inductor writes)."""
+def _mul32(x: torch.Tensor | int, factor: int) -> torch.Tensor | int:
+    """x * factor mod 2^32, for x in [0, 2^32) in int64 (or a Python int): in two 16-bit halves of the factor, so no
+    product leaves int64 (signed overflow is undefined in the C++ inductor writes)."""
     low = x * (factor & 0xFFFF)
     high = ((x * (factor >> 16)) & 0xFFFF) << 16
     return (low + high) & _MASK32
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (C. Wellons' integer hash): a bijection on 32-bit values, held in int64 in [0, 2^32)."""
+def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """lowbias32 (C. Wellons' integer hash): a bijection on 32-bit values, held in int64 in [0, 2^32) (or Python ints).
+
+    Kept out of the compiled step where it can be: inductor's codegen evaluates a fused pointwise chain's shared
+    intermediates again at every use, and each of the hash's five stages uses its input twice, so chained hashes
+    compile in O(2^stages) (a sampled step's two-hash fold-in and two-hash noise: ~30 s on a 2-core CPU; the one
+    hash left in the step: ~2 s)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -118,16 +124,40 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _fold_in(key: torch.Tensor, data: torch.Tensor | int) -> torch.Tensor:
-    """A new key from `key` ([] int64, 32 bits) and `data` (the step index), as jax.random.fold_in. [] int64"""
-    return _hash32(key ^ _hash32(torch.as_tensor(data, device=key.device) & _MASK32))
+def _fold_in(key: int, data: int) -> int:
+    """A new 32-bit key from `key` (a seed) and `data` (the step index), as jax.random.fold_in; on the host, as a
+    step's key is written before the step runs (`_StepKey`)."""
+    return _hash32(key ^ _hash32(data & _MASK32))
 
 
-def _gumbel(key: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, V] fp32, a pure function of `key` and each entry's index: counter-based, so it needs
-    no generator state and runs inside the compiled step (24-bit uniforms in (0, 1), then -log(-log(u)))."""
-    counter = torch.arange(shape[0] * shape[1], device=key.device).view(shape)  # [B, V]
-    bits = _hash32(_hash32(counter) ^ key)  # [B, V] in [0, 2^32)
+@functools.lru_cache(maxsize=8)
+def _index_bits(batch: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """lowbias32 of each noise entry's flat index, [B, V] int64: the half of the Gumbel noise that does not depend on
+    the key, made once per shape and passed to the compiled step, which then hashes once per entry (`_hash32`)."""
+    with torch.inference_mode(False):  # a plain tensor, readable in and out of inference mode
+        bits = _hash32(torch.arange(batch * vocab, device=device).view(batch, vocab))  # [B, V] in [0, 2^32)
+    torch._dynamo.mark_static_address(bits)  # CUDA graphs read it where it is, with no copy per replay
+    return bits
+
+
+class _StepKey:
+    """The key a sampled step draws with, `_fold_in(seed, step)`, held in a [] int64 device tensor that the compiled
+    step reads: written in place before each step (`fill_` takes the value as a kernel argument: no host-to-device
+    copy, no sync), so the hash chain of the fold-in stays out of the graph (`_hash32`)."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed = seed
+        self.tensor = torch.zeros((), dtype=torch.long, device=device)
+
+    def at(self, step: int) -> torch.Tensor:
+        return self.tensor.fill_(_fold_in(self.seed, step))
+
+
+def _gumbel(key: torch.Tensor, index_bits: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] fp32, a pure function of `key` and each entry's index (`_index_bits`, [B, V]):
+    counter-based, so it needs no generator state and runs inside the compiled step (24-bit uniforms in (0, 1), then
+    -log(-log(u)))."""
+    bits = _hash32(index_bits ^ key)  # [B, V] in [0, 2^32)
     uniform = ((bits >> 8).float() + 0.5) * 2.0 ** -24  # [B, V] in (0, 1)
     return -torch.log(-torch.log(uniform))
 
@@ -141,29 +171,30 @@ def sample(logits: torch.Tensor, sampling: SamplingParams, key: torch.Tensor | N
     if sampling.greedy:
         return logits.argmax(dim=-1)
     key = torch.tensor(sampling.seed, device=logits.device) if key is None else key
-    return _draw(filter_logits(logits, sampling), key)
+    return _draw(filter_logits(logits, sampling), key, _index_bits(*logits.shape, logits.device))
 
 
-def _draw(scaled: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def _draw(scaled: torch.Tensor, key: torch.Tensor, index_bits: torch.Tensor) -> torch.Tensor:
     """Gumbel-max: argmax(scaled + noise) is a draw from softmax(scaled) [B, V]. [B] int64"""
-    return (scaled + _gumbel(key, tuple(scaled.shape))).argmax(dim=-1)
+    return (scaled + _gumbel(key, index_bits)).argmax(dim=-1)
 
 
 def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor,
-            forcing: torch.Tensor, key: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor,
+            forcing: torch.Tensor, step_key: torch.Tensor, index_bits: torch.Tensor, temperature: torch.Tensor,
             top_k: torch.Tensor, top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's decisions from fp32 logits [B, V], written to run inside the compiled step (and eagerly for the
     prefill's token): the tokens [B] (the `forced` ones [B] when `forcing`, [] bool: a tensor, so teacher forcing
     runs the greedy graph; finished rows keep emitting `eos`, [] int64, -1 for none), the new finished flags [B], and
     what the host reads, its one copy per step: [B + 1] int64, the tokens then 1 if any logit is NaN or Inf. A
-    sampled step draws with `key` folded with `step`, the generated-token index.
+    sampled step draws with `step_key` ([] int64: the seed folded with the generated-token index, `_StepKey`) and
+    `index_bits` ([B, V], read by sampled steps only: `_sampling_bits`).
     """
     finite_rows = torch.isfinite(logits).all(dim=-1, keepdim=True)  # [B, 1]
     if kind == "greedy":
         next_ids = logits.argmax(dim=-1)
     else:  # a row with NaN/Inf is drawn from zeros: its draw is reported, never used
         scaled = _filter(logits.where(finite_rows, 0.0), temperature, top_k, top_p, kind == "filtered")  # [B, V]
-        next_ids = _draw(scaled, _fold_in(key, step))
+        next_ids = _draw(scaled, step_key, index_bits)
     next_ids = torch.where(forcing, forced, next_ids)  # [B]
     next_ids = torch.where(finished, eos, next_ids)  # [B]
     finished = finished | ((next_ids == eos) & (eos >= 0))
@@ -176,18 +207,18 @@ _compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeOne] = weakref.WeakK
 
 def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
     """The whole decode step, compiled once per model: `(input_ids [B, 1], positions [B, 1], cache, attend_len,
-    finished [B], eos [], forced [B], forcing [], key [], step [], temperature [], top_k [], top_p [], kind) ->
-    (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], next step [], for_host [B + 1])`.
+    finished [B], eos [], forced [B], forcing [], step_key [], index_bits, temperature [], top_k [], top_p [], kind)
+    -> (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], for_host [B + 1])`.
     The forward, the choice (greedy or a seeded draw), the EOS bookkeeping and the finiteness flag are one graph per
     sampling kind (`_sampling_kind`); teacher forcing runs the greedy one."""
     def decode_one(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, attend_len: int | None,
                    finished: torch.Tensor, eos: torch.Tensor, forced: torch.Tensor, forcing: torch.Tensor,
-                   key: torch.Tensor, step: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   step_key: torch.Tensor, index_bits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
         logits = model(input_ids, positions, cache, attend_len=attend_len)[:, -1].float()  # [B, V]
-        next_ids, finished, for_host = _choose(logits, finished, eos, forced, forcing, key, step, temperature, top_k,
-                                               top_p, kind)
-        return logits, next_ids, finished, positions + 1, step + 1, for_host
+        next_ids, finished, for_host = _choose(logits, finished, eos, forced, forcing, step_key, index_bits,
+                                               temperature, top_k, top_p, kind)
+        return logits, next_ids, finished, positions + 1, for_host
 
     if not compile:
         return decode_one
@@ -363,8 +394,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     kind = "greedy" if forced is not None else _sampling_kind(sampling)  # forcing replaces the choice
     not_forced = torch.zeros(len(last_tokens), dtype=torch.long, device=device)  # [B]
     forcing = torch.tensor(forced is not None, device=device)  # [] bool
-    key = torch.tensor(sampling.seed, dtype=torch.long, device=device)  # [] int64
-    step = torch.tensor(_first_step, dtype=torch.long, device=device)  # [] int64, the generated-token index
+    step_key = _StepKey(sampling.seed, device)
+    index_bits = _sampling_bits(kind, len(last_tokens), config.vocab_size, device)
     knobs = _knobs(sampling, device)
     decode_one = _decode_one_fn(model, compile)
     if compile:  # batched CPU steps read packed weights (torch_cache/model.py): made or checked once per call
@@ -380,14 +411,14 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     while decode_steps < max_new_tokens and not all_done:
         attend = step_attend_len(length, 1, cache.cache_len)
         forced_now = not_forced if forced is None else forced[decode_steps]  # [B]
-        logits, next_ids, finished, positions, step, for_host = decode_one(
-            next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing, key, step, *knobs,
-            kind)
+        logits, next_ids, finished, positions, for_host = decode_one(
+            next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing,
+            step_key.at(_first_step + decode_steps), index_bits, *knobs, kind)
         length, decode_steps = length + 1, decode_steps + 1
         *row_ids, non_finite = for_host.tolist()  # the step's one host copy: its tokens and the NaN flag
         _raise_if_non_finite(non_finite, decode_steps, logits.dtype)
         # cudagraph outputs are overwritten by the next replay: what the next step reads is copied out
-        next_ids, finished, positions, step = next_ids.clone(), finished.clone(), positions.clone(), step.clone()
+        next_ids, finished, positions = next_ids.clone(), finished.clone(), positions.clone()
         if return_logits:
             step_logits.append(logits.clone())
         all_done = eos is not None and all(token == eos for token in row_ids)
@@ -418,10 +449,17 @@ def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.dev
 
 
 def _no_draw_args(batch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """forced, forcing, key, step, temperature, top_k, top_p for a greedy step that forces nothing."""
-    zero = torch.tensor(0, dtype=torch.long, device=device)
-    return (torch.zeros(batch, dtype=torch.long, device=device), torch.tensor(False, device=device), zero, zero,
+    """forced, forcing, step_key, index_bits, temperature, top_k, top_p for a greedy step that forces nothing."""
+    return (torch.zeros(batch, dtype=torch.long, device=device), torch.tensor(False, device=device),
+            torch.tensor(0, dtype=torch.long, device=device), _sampling_bits("greedy", batch, 0, device),
             *_knobs(SamplingParams(), device))
+
+
+def _sampling_bits(kind: str, batch: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The `index_bits` a step of this sampling kind reads: [B, V] when it draws; [B, 0] for greedy (it reads none)."""
+    if kind == "greedy":
+        return torch.zeros(batch, 0, dtype=torch.long, device=device)
+    return _index_bits(batch, vocab, device)
 
 
 def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | None,
@@ -431,13 +469,12 @@ def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | Non
     batch = logits.shape[0]
     device = logits.device
     eos_id = torch.tensor(-1 if eos is None else eos, device=device)
-    key = torch.tensor(sampling.seed, dtype=torch.long, device=device)
-    step = torch.tensor(0, dtype=torch.long, device=device)
     kind = "greedy" if forced is not None else _sampling_kind(sampling)
     forcing = torch.tensor(forced is not None, device=device)
     forced = torch.zeros(batch, dtype=torch.long, device=device) if forced is None else forced
+    index_bits = _sampling_bits(kind, batch, logits.shape[-1], device)
     _, _, for_host = _choose(logits, torch.zeros(batch, dtype=torch.bool, device=device), eos_id, forced, forcing,
-                             key, step, *_knobs(sampling, device), kind)
+                             _StepKey(sampling.seed, device).at(0), index_bits, *_knobs(sampling, device), kind)
     *row_ids, non_finite = for_host.tolist()
     _raise_if_non_finite(non_finite, 0, logits.dtype)
     return row_ids
