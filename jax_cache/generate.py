@@ -64,6 +64,10 @@ FIRST_BLOCK_STEPS = 1
 _CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
                "twincache_app.handoff.cache_from_torch), or a kind name")
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
+# top-p looks for its cut among this many most probable tokens first, and sorts the whole vocabulary only when their
+# mass stays under top_p: XLA-CPU sorts a 49,152-token row in ~20 ms (top_k of 1,024: ~0.9 ms), a 135M model's step
+# is ~40 ms.
+TOP_P_CANDIDATES = 1024
 DecodeStep = Callable[[jax.Array, jax.Array, StaticCache, int | None], tuple[jax.Array, StaticCache]]
 
 
@@ -80,15 +84,33 @@ def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
         kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
     if sampling.top_p < 1.0:
-        sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # [B, V], descending
-        sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
-        # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
-        above = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # [B, V], the mass ranked above each token
-        kept = jnp.maximum(jnp.sum(above < sampling.top_p, axis=-1, keepdims=True), 1)  # [B, 1]
-        cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)  # [B, 1], the smallest logit kept
+        total = jnp.sum(jnp.exp(logits), axis=-1, keepdims=True)  # [B, 1], softmax's denominator (the top logit is 0)
+
+        def from_whole_vocabulary() -> jax.Array:
+            return _top_p_cutoff(jnp.flip(jnp.sort(logits, axis=-1), axis=-1), total, sampling.top_p)[0]
+
+        if logits.shape[-1] > TOP_P_CANDIDATES:
+            top = jax.lax.top_k(logits, TOP_P_CANDIDATES)[0]  # [B, N], the first N of the sorted row
+            cutoff, cut_inside = _top_p_cutoff(top, total, sampling.top_p)
+            cutoff = jax.lax.cond(jnp.all(cut_inside), lambda: cutoff, from_whole_vocabulary)
+        else:
+            cutoff = from_whole_vocabulary()
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return logits
+
+
+def _top_p_cutoff(sorted_logits: jax.Array, total: jax.Array, top_p: float) -> tuple[jax.Array, jax.Array]:
+    """From the first N logits of each row sorted in descending order [B, N] and the softmax's denominator over the
+    whole row [B, 1]: the smallest logit top-p keeps [B, 1], and whether the cut fell inside those N [B, 1] (else the
+    tokens after them might be kept too). The probabilities are elementwise the whole row's, and a cumulative sum's
+    prefix does not depend on what follows it, so any N that holds the cut gives the whole vocabulary's answer."""
+    sorted_probs = jnp.exp(sorted_logits) / total  # [B, N]
+    # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
+    # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
+    above = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # [B, N], the mass ranked above each token
+    kept = jnp.maximum(jnp.sum(above < top_p, axis=-1, keepdims=True), 1)  # [B, 1]
+    cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)  # [B, 1], the smallest logit kept
+    return cutoff, kept < sorted_logits.shape[-1]
 
 
 def sample(logits: jax.Array, sampling: SamplingParams, key: jax.Array) -> jax.Array:

@@ -108,6 +108,26 @@ def test_filters_keep_exactly_the_defined_set_on_model_logits(backend, model_log
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_top_p_keeps_the_defined_set_over_a_large_vocabulary_whether_its_cut_is_among_the_top_tokens_or_not(backend):
+    """jax_cache looks for the top-p cut among its TOP_P_CANDIDATES most probable tokens and sorts the whole row only
+    when their mass stays under top_p: rows of 5,000 tokens whose cut falls inside the candidates (peaked), after
+    them (flat), and a batch of both, each against the float64 definition."""
+    vocab = 5 * jg.TOP_P_CANDIDATES
+    rng = np.random.default_rng(7)
+    peaked, flat = (rng.standard_normal((2, vocab)) * scale for scale in (8.0, 0.05))
+    settings = (SamplingParams(1.0, top_p=0.9), SamplingParams(0.7, top_k=2 * jg.TOP_P_CANDIDATES, top_p=0.95))
+    for logits in (peaked, flat, np.stack([peaked[0], flat[0]])):
+        for sampling in settings:
+            assert filtered(backend, logits, sampling) == oracle_kept(logits, sampling), sampling
+    # the cases above take both of jax_cache's paths
+    scaled = jnp.asarray(peaked - peaked.max(-1, keepdims=True), jnp.float32)
+    for rows, inside in ((scaled, True), (scaled * 0.05 / 8.0, False)):
+        top = jax.lax.top_k(rows, jg.TOP_P_CANDIDATES)[0]
+        total = jnp.sum(jnp.exp(rows), axis=-1, keepdims=True)
+        assert bool(jnp.all(jg._top_p_cutoff(top, total, 0.9)[1])) is inside
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sampling_tends_to_greedy_as_temperature_goes_to_zero(backend, model_logits):
     """Below some temperature every draw is the argmax (no overflow, no NaN), down to the smallest float."""
     for temperature in (1e-4, 1e-30, 1e-38, 1e-45, 5e-324):
