@@ -654,4 +654,4 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
 __all__ = ["MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS", "DecodeStep",
            "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body", "FusedCarry",
            "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket", "prefill",
-           "generate", "continue_generation", "MIN_TEMPERATURE", "filter_logits"]
+           "generate", "continue_generation", "MIN_TEMPERATURE", "TOP_P_CANDIDATES", "filter_logits"]
