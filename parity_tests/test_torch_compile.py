@@ -5,6 +5,7 @@ inductor."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,20 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def captured_step_graph(model: Mistral) -> torch.fx.GraphModule:
-    """The FX graph dynamo hands to the backend for one decode step of `model` (fullgraph)."""
+def recording_backend() -> tuple[list[torch.fx.GraphModule], Callable]:
+    """A torch.compile backend that keeps each FX graph dynamo hands it (and runs it as is), and that list."""
     graphs: list[torch.fx.GraphModule] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
         graphs.append(gm)
         return gm.forward
+
+    return graphs, record
+
+
+def captured_step_graph(model: Mistral) -> torch.fx.GraphModule:
+    """The FX graph dynamo hands to the backend for one decode step of `model` (fullgraph)."""
+    graphs, record = recording_backend()
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         return model(input_ids, positions, cache)[:, -1]
@@ -71,12 +79,7 @@ def test_a_sampled_step_hashes_each_noise_entry_once_in_the_graph(checkpoints: d
     from torch_cache import generate as torch_generate
 
     model = Mistral.from_pretrained(checkpoints["gqa"])
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(gm)
-        return gm.forward
-
+    graphs, record = recording_backend()
     decode_one = torch.compile(torch_generate._decode_one_fn(model, compile=False), backend=record, fullgraph=True,
                                dynamic=False)
     sampling = torch_generate.SamplingParams(temperature=0.8, top_p=0.9, seed=5)
