@@ -67,7 +67,8 @@ JAX_ONLY = {
     "generate.FIRST_BLOCK_STEPS": "as FUSED_BLOCK_STEPS",
     "generate.BlockCallback": "as FUSED_BLOCK_STEPS",
     "generate.TOP_P_CANDIDATES": "XLA-CPU sorts a vocabulary ~3x slower than torch, so top-p looks among the top "
-                                 "tokens first (lax.cond); torch sorts, since torch.cond would risk CUDA graphs",
+                                 "tokens first (lax.cond); torch sorts: torch.cond cost more than the sort on CPU "
+                                 "and could take the step out of CUDA graphs (design.md §5)",
 }
 # Modules only one tower has -> why. Every other module file is in both towers.
 TORCH_ONLY_MODULES = {
