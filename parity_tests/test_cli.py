@@ -3,7 +3,7 @@ tokenizer) and on transformers-written checkpoints (which have no tokenizer.json
 default model's end-to-end runs are in test_jax_cli.py.
 
 The tokens the CLI prints must equal those of the Python API on the same model. Most runs pass --mode eager; one
-run takes the default compiled decode path.
+run takes the default compiled decode path. The error cases and a few others call cli.main in this process.
 """
 
 from __future__ import annotations
@@ -187,11 +187,20 @@ ERROR_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
-def test_errors_are_one_line_exit_2_without_traceback(checkpoints, cli_home, tmp_path, case):
+def test_errors_are_one_line_exit_2_without_traceback(checkpoints, tmp_path, capsys, monkeypatch, case):
+    """In process (cli.main), which is what the script calls: test_cli_bad_inputs runs cases through the real entry
+    point, and a subprocess per case here would cost an interpreter start and a torch import each (~4 s)."""
+    from twincache_app import cli
+
+    monkeypatch.delenv("TWINCACHE_DEBUG", raising=False)  # it would turn unexpected errors into tracebacks
     make_args, fragments = ERROR_CASES[case]
-    proc = twincache(cli_home, *make_args(checkpoints, tmp_path), "--mode", "eager")
-    stdout, stderr = proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
-    assert proc.returncode == 2, f"{case}: exit {proc.returncode}; stderr: {stderr}"
+    capsys.readouterr()
+    try:
+        code = cli.main(["generate", *make_args(checkpoints, tmp_path), "--mode", "eager"])
+    except SystemExit as exit_:  # argparse's own errors exit through the one-line parser
+        code = exit_.code
+    stdout, stderr = capsys.readouterr()
+    assert code == 2, f"{case}: exit {code}; stderr: {stderr}"
     assert "Traceback" not in stderr + stdout
     assert stdout == ""
     lines = stderr.splitlines()
