@@ -36,9 +36,10 @@ class Run:
                    wall_s, step_times)
 
     @property
-    def decode_tok_s(self) -> float:
-        """Steady-state decode steps per second (= tokens per second per sequence)."""
-        return self.timed_steps / self.decode_s if self.timed_steps and self.decode_s > 0 else 0.0
+    def decode_tok_s(self) -> float | None:
+        """Steady-state decode steps per second (= tokens per second per sequence); None when no step after the first
+        was timed, as GenerationResult.decode_tok_s: not measured, rather than 0 tok/s."""
+        return self.timed_steps / self.decode_s if self.timed_steps and self.decode_s > 0 else None
 
     def step_latencies(self) -> list[float]:
         """Seconds per decode step, the first (compiling) step left out."""

@@ -291,10 +291,12 @@ class Bench:
         common = dict(impl=name, cache=cache, prompt_len=p.prompt_len, new_tokens=p.new_tokens, batch=1,
                       max_cache_len=max_cache_len, note=impl.note(cache),
                       bytes_per_step=self._bytes(cache, 1, p.prompt_len, p.new_tokens))
-        if error or not timed:
-            self.results.add("decode", status="error", **common, note=error or "no timed run")
-            return
         runs = [run for run, _ in timed]
+        if not error and any(run.decode_tok_s is None for run in runs):
+            error = f"no decode step after the first was timed ({p.new_tokens} new tokens, or an early EOS)"
+        if error or not timed:
+            self.results.add("decode", status="error", **{**common, "note": error or "no timed run"})
+            return
         # Each run against the best probe of its own round: the fraction of the bandwidth available at the time.
         local_fracs = [metrics.gbps(common["bytes_per_step"], run.decode_tok_s) / limit for run, info in timed
                        if (limit := self._round_limit(info["round"]))]
@@ -393,6 +395,8 @@ class Bench:
                     self._tick(f"batch {name} x{batch} {attempt}")
                     measured, error = self._guarded(f"batch {name} x{batch}", self._measure, impl, prompts,
                                                     p.batch_new_tokens, "static", max_cache_len, track_rss=False)
+                    if not error and measured[0].decode_tok_s is None:
+                        error = f"no decode step after the first was timed ({p.batch_new_tokens} new tokens)"
                     if error:
                         break
                     runs.append(measured)

@@ -149,3 +149,31 @@ def test_long_preset_is_a_16k_static_cache_where_kv_reads_dominate():
     assert kv_bytes_per_step(long.config, 4, 1, max(long.curve_contexts)) > 5 * weight_bytes_per_step(long.config, 4, 1)
     assert {"torch_compiled", "jax_step"} <= set(long.curve_impls)
     assert min(long.curve_contexts) <= 256
+
+
+def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, monkeypatch):
+    """Two new tokens: the prefill gives one and the first (untimed) decode step the other, so nothing was timed. The
+    decode and batch records then say so, as GenerationResult.decode_tok_s (None) does, never 0.0 tok/s or a division
+    by zero. No preset asks for so few tokens; a preset edited to would."""
+    import dataclasses
+
+    import torch._dynamo
+
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=2, batch_new_tokens=2,
+                                                             batch_sizes=(1,), repeats=1, probe_bytes=16 << 20))
+    # the bench's process-wide settings, restored afterwards
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+    out = tmp_path / "out"
+    assert main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--caches", "static", "--no-curves",
+                 "--warm-compile-cache", "--no-progress", "--out", str(out)]) == 0
+    records = [r for r in json.loads((out / "results.json").read_text()) if r["kind"] in ("decode", "batch")]
+    assert [(r["kind"], r["status"]) for r in records] == [("decode", "error"), ("batch", "error")], records
+    assert all("no decode step after the first was timed (2 new tokens" in r["note"] for r in records), records
+    assert all(r["decode_tok_s"] is None for r in records)
+    assert "| torch_eager | static |" in (out / "results.md").read_text()
