@@ -2,7 +2,7 @@
 
 It asserts the counts, never the time: no recompile after the first step, finite logits, the ring holding exactly the
 last W positions, and RSS that does not grow (bounded loosely: allocator noise is a few MB, a per-step leak over
-~300 steps of this model is far more). The full 10,000-step run is `twincache soak` (bench/soak.py).
+~300 steps of this model is far more). The full 10,000-step run is `twincache soak` (twincache_app/soak.py).
 """
 
 from __future__ import annotations
@@ -92,3 +92,24 @@ def test_soak_refusals_are_one_line_exit_2(tiny_model_dir, checkpoints, capsys, 
     lines = err.splitlines()
     assert len(lines) == 1 and "Traceback" not in err and "unexpected" not in err
     assert expected in lines[0], lines[0]
+
+
+def test_soak_goes_past_max_position_embeddings_and_says_so(checkpoints, capsys):
+    """`twincache soak` with its defaults decodes 10,000 steps, past the default model's 8192 positions, which
+    generate refuses: the soak lifts the limit and records that it did. Here at scale: a checkpoint of 512 positions
+    (window 8), a prompt of 500 and 30 steps; `generate` on the same refuses."""
+    from torch_cache.generate import generate
+    from torch_cache.model import Mistral
+    from twincache.errors import InputError
+
+    model_dir = checkpoints["gqa"]
+    code, out, err = _one_line(capsys, ["soak", "--model", str(model_dir), "--mode", "eager", "--prompt-len", "500",
+                                        "--steps", "30"])
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["past_max_position_embeddings"] is True and record["length"] == 530
+    assert record["finite"] and record["cache_ok"] and record["ok"]
+    with pytest.raises(InputError, match="max_position_embeddings=512"):
+        generate(Mistral.from_pretrained(model_dir), [[1] * 500], 31, cache="sliding_window", compile=False)
+    code, out, err = _one_line(capsys, ["soak", "--model", str(model_dir), "--mode", "eager", "--steps", "30"])
+    assert code == 0 and json.loads(out)["past_max_position_embeddings"] is False, err

@@ -10,6 +10,8 @@ traces) it watches, from the per-token callback:
   finite      every step's logits: generate stops with NonFiniteLogitsError at the first that is not.
   cache       at the end the ring holds exactly the last W positions, and `length` counts every column written
               (JAX's prompt-bucket padding included, docs/design.md §5).
+It may decode past the model's max_position_embeddings (10,000 steps on SmolLM2's 8192), which `generate` refuses;
+the record says when it did (`past_max_position_embeddings`).
 It prints one JSON record and exits 0 when all of these hold, else 1.
 """
 
@@ -77,9 +79,12 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     rss_before_load = _rss_mb()
     tower = entry.module()
     model = tower.load(Path(model_dir), dtype)
-    # never stop at EOS; the checkpoint's window, or the one --sliding-window gave
-    model.config = dataclasses.replace(config, eos_token_id=None)
     total = prompt_len + steps  # positions 0 .. total-1 are written by the end
+    # Never stop at EOS; the checkpoint's window, or the one --sliding-window gave. The soak may go past the model's
+    # max_position_embeddings (10,000 steps > SmolLM2's 8192), which generate refuses: it stresses the ring and the
+    # step, not the model's quality out there, and RoPE is computed from the positions, so nothing is out of range.
+    model.config = dataclasses.replace(config, eos_token_id=None,
+                                       max_position_embeddings=max(config.max_position_embeddings, total + 1))
     watch: dict[str, Any] = {"tokens": 0, "rss_peak": 0.0}
     every = max(1, (steps - 1) // RSS_SAMPLES)
 
@@ -105,7 +110,8 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     rss_end = _rss_mb()
     record = {
         "backend": backend, "mode": mode, "model": str(model_dir), "dtype": dtype, "steps": steps,
-        "prompt_len": prompt_len, "window": config.sliding_window, "finite": finite,
+        "prompt_len": prompt_len, "window": config.sliding_window,
+        "past_max_position_embeddings": total > config.max_position_embeddings, "finite": finite,
         "rss_before_load_mb": round(rss_before_load, 1), "rss_end_mb": round(rss_end, 1),
     }
     if result is None:
