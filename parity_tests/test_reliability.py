@@ -446,6 +446,9 @@ def test_item5_generation_past_max_position_embeddings_is_refused_up_front(side,
     with refused(InputError, "max_new_tokens=9 from position 4 would reach position 12",
                  "max_position_embeddings=12", "at most 8"):
         short.generate([PROMPT], 9, cache="static")
+    with refused(InputError, "the tokens given reach position 12", "max_position_embeddings=12", "at most 12 tokens"):
+        short.generate([[5] * 13], 0, cache="static")  # a prompt past the limit, even without new tokens
+    assert short.generate([[5] * 12], 0, cache="static").token_ids[0] == []  # one that fills it exactly
     ring = np.array([8, 1, 2, 3, 4, 5, 6, 7])  # columns 0..8 written: slot c % 8 holds c, the newest is 8
     cache = short.fill(short.make_cache("sliding_window", short.config), 9, ring)  # the last token takes 9
     with refused(InputError, "max_new_tokens=3 from position 10 would reach position 12", side=short, cache=cache):

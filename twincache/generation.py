@@ -271,6 +271,10 @@ def check_positions(config: MistralConfig, first_position: int, max_new_tokens: 
     model's max_position_embeddings, or a cache length beyond int32 (positions and lengths would wrap silently)."""
     last_position = first_position + max_new_tokens - 1
     limit = config.max_position_embeddings
+    if first_position > limit:  # the prompt itself (or the cache's last tokens) is past the limit, new tokens or not
+        raise InputError(f"the tokens given reach position {first_position - 1}, but this model's "
+                         f"max_position_embeddings={limit} allows positions up to {limit - 1}; give a prompt of at "
+                         f"most {limit} tokens, new tokens included")
     if max_new_tokens and last_position >= limit:
         raise InputError(f"max_new_tokens={max_new_tokens} from position {first_position} would reach position "
                          f"{last_position}, but this model's max_position_embeddings={limit} allows positions up to "
