@@ -118,6 +118,16 @@ def run(args: argparse.Namespace) -> int:
     if "sliding_window" in args.caches and preset.config.sliding_window is None:
         raise InputError(f"{args.model} has no sliding window, so the sliding_window cache cannot run; give it one "
                          "with --sliding-window N, or pass --caches static")
+    from bench.runner import tokens_reached
+
+    limit = preset.config.max_position_embeddings
+    sweeps = not args.meshes  # a mesh bench runs the decode table's workload only
+    for phase, tokens in tokens_reached(preset, sweeps and not args.no_curves, sweeps and not args.no_batch).items():
+        if tokens > limit:  # every run of the phase would be refused: say so before any of them
+            skip = {"latency curve": ", or skip it with --no-curves", "batch sweep": ", or skip it with --no-batch"}
+            raise InputError(f"preset {preset.name}'s {phase} runs {tokens} tokens (prompt + new), but "
+                             f"{args.model}'s max_position_embeddings={limit} holds {limit}; use a preset with "
+                             f"shorter runs (--preset tiny){skip.get(phase, '')}")
     if preset.device == "cuda":
         import torch
 

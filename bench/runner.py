@@ -62,6 +62,17 @@ def _configure_frameworks(opts: Options) -> str | None:
     return compile_dir
 
 
+def tokens_reached(preset: Preset, curves: bool = True, batch: bool = True) -> dict[str, int]:
+    """Per phase, the most tokens one of its runs holds (prompt + new tokens): each must fit the model's
+    max_position_embeddings, or every run of that phase is refused."""
+    reached = {"decode table": preset.prompt_len + preset.new_tokens}
+    if curves and preset.curve_contexts:
+        reached["latency curve"] = max(preset.curve_contexts) + preset.curve_steps + 2  # as _latency_curves runs
+    if batch and preset.batch_sizes:
+        reached["batch sweep"] = preset.batch_prompt_len + preset.batch_new_tokens
+    return reached
+
+
 class _Results:
     def __init__(self, out: Path, machine: dict[str, Any], preset: Preset) -> None:
         self.out, self.machine, self.preset = out, machine, preset
@@ -344,7 +355,7 @@ class Bench:
         `curve_steps` timed decode steps."""
         p = self.preset
         steps = p.curve_steps
-        max_cache_len = max(p.curve_contexts) + steps + 2
+        max_cache_len = tokens_reached(p, batch=False)["latency curve"]
         for name, cache in cells:
             impl = self.impls[name]
             self._tick(f"curve {name}/{cache} warm-up")

@@ -177,3 +177,28 @@ def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, mo
     assert all("no decode step after the first was timed (2 new tokens" in r["note"] for r in records), records
     assert all(r["decode_tok_s"] is None for r in records)
     assert "| torch_eager | static |" in (out / "results.md").read_text()
+
+
+def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoints, tmp_path, capsys):
+    """`bench --model` on a checkpoint of 512 positions: the small preset's decode table (300 + 256 tokens) would
+    be refused run by run, so the bench refuses at once, naming the phase; with 600 positions the table fits and
+    the latency curve (up to 2048 + 6 tokens) is named, with the flag that skips it."""
+    import shutil
+
+    short = checkpoints["gqa"]
+    longer = shutil.copytree(short, tmp_path / "gqa600")
+    config = json.loads((longer / "config.json").read_text())
+    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 600}))
+    small = PRESETS["small"]
+    table = small.prompt_len + small.new_tokens
+    curve = max(small.curve_contexts) + small.curve_steps + 2
+    assert table <= 600 < curve and table > 512
+    for model, argv, expected in (
+            (short, [], f"preset small's decode table runs {table} tokens (prompt + new), but {short}'s "
+                        "max_position_embeddings=512 holds 512; use a preset with shorter runs (--preset tiny)"),
+            (longer, [], f"latency curve runs {curve} tokens (prompt + new), but {longer}'s max_position_embeddings="
+                         "600 holds 600; use a preset with shorter runs (--preset tiny), or skip it with --no-curves")):
+        assert main(["bench", "--preset", "small", "--model", str(model), "--out", str(tmp_path / "out"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "out").exists(), "refused before running anything"
