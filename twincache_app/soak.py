@@ -111,7 +111,8 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     record = {
         "backend": backend, "mode": mode, "model": str(model_dir), "dtype": dtype, "steps": steps,
         "prompt_len": prompt_len, "window": config.sliding_window,
-        "past_max_position_embeddings": total > config.max_position_embeddings, "finite": finite,
+        # the last new token takes position `total`: generate refuses that at total >= max_position_embeddings
+        "past_max_position_embeddings": total >= config.max_position_embeddings, "finite": finite,
         "rss_before_load_mb": round(rss_before_load, 1), "rss_end_mb": round(rss_end, 1),
     }
     if result is None:
