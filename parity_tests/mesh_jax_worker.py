@@ -1,4 +1,4 @@
-"""Run by parity_tests/test_mesh_jax.py in a subprocess with 8 simulated CPU devices, so the rest of the suite keeps
+"""Run by parity_tests/test_mesh.py in a subprocess with 8 simulated CPU devices, so the rest of the suite keeps
 one: it decodes every mesh case and writes what it saw to OUT/jax.json (tokens, trace counts, per-device bytes read
 from addressable shards, buffer pointers, warnings), the step logits to OUT/jax_logits.npz and the compiled HLO to
 OUT/*.hlo. It judges nothing: the tests do.
@@ -60,8 +60,10 @@ def pointers(arrays: list[jax.Array]) -> list[list[int]]:
 
 
 def written_in_place(cache: StaticCache) -> list[jax.Array]:
-    """K/V and slot_positions; not the length scalar: JAX >= 0.11 keeps a donated array alive once the host has read
-    it (as the checks before each dispatch do), so its output takes a new buffer (test_jax_generate.buffers)."""
+    """The arrays a step writes in place: every layer's K/V and slot_positions. Deletion checks leave the length
+    scalar out: JAX >= 0.11 keeps a donated array alive once the host has read its value (the checks before each
+    dispatch read the length), so its is_deleted() tells the JAX version, not the donation, and its output takes a
+    new buffer. That it is donated too is read off the compiled step (test_jax_generate.aliased_parameters)."""
     return [*cache.keys, *cache.values, cache.slot_positions]
 
 

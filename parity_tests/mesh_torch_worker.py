@@ -1,4 +1,4 @@
-"""Run by parity_tests/test_mesh_torch.py in 2 gloo processes (twincache_app.launch.run_ranks): every torch mesh case
+"""Run by parity_tests/test_mesh.py in 2 gloo processes (twincache_app.launch.run_ranks): every torch mesh case
 on the meshes model=2 and data=2, each rank writing what it saw to OUT/torch_rank{R}.json (tokens, its shards' bytes,
 buffer addresses, graph counts) and its step logits to OUT/torch_rank{R}.npz. It judges nothing: the tests do.
 

@@ -25,6 +25,7 @@ import jax_cache.generate as jg
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
 from parity_tests.conftest import WINDOW, save_hf_checkpoint
+from parity_tests.mesh_jax_worker import written_in_place as buffers
 from twincache.errors import CacheError, InputError, StaleCacheError
 from twincache.generation import SamplingParams
 
@@ -75,14 +76,6 @@ def traces(monkeypatch):
 
 def leaves(cache: StaticCache) -> list[jax.Array]:
     return [*cache.keys, *cache.values, cache.slot_positions, cache.length]
-
-
-def buffers(cache: StaticCache) -> list[jax.Array]:
-    """The arrays a step writes in place: every layer's K/V and slot_positions. Deletion checks leave the length
-    scalar out: JAX >= 0.11 keeps a donated array alive once the host has read its value (the checks before each
-    dispatch read the length), so its is_deleted() tells the JAX version, not the donation. That it is donated too
-    is read off the compiled step (aliased_parameters)."""
-    return [*cache.keys, *cache.values, cache.slot_positions]
 
 
 def pointers(cache: StaticCache) -> list[int]:
