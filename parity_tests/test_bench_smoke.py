@@ -161,8 +161,7 @@ def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, mo
 
     monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=2, batch_new_tokens=2,
                                                              batch_sizes=(1,), repeats=1, probe_bytes=16 << 20))
-    # the bench's process-wide settings, restored afterwards
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", torch._dynamo.config.recompile_limit)
+    # the bench's process-wide settings, restored afterwards (monkeypatch.setattr would delete dynamo's config entry)
     for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
         if name in os.environ:
             monkeypatch.setenv(name, os.environ[name])
@@ -170,8 +169,9 @@ def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, mo
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
     out = tmp_path / "out"
-    assert main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--caches", "static", "--no-curves",
-                 "--warm-compile-cache", "--no-progress", "--out", str(out)]) == 0
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        assert main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--caches", "static", "--no-curves",
+                     "--warm-compile-cache", "--no-progress", "--out", str(out)]) == 0
     records = [r for r in json.loads((out / "results.json").read_text()) if r["kind"] in ("decode", "batch")]
     assert [(r["kind"], r["status"]) for r in records] == [("decode", "error"), ("batch", "error")], records
     assert all("no decode step after the first was timed (2 new tokens" in r["note"] for r in records), records
