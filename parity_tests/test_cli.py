@@ -193,6 +193,7 @@ def test_errors_are_one_line_exit_2_without_traceback(checkpoints, tmp_path, cap
     from twincache_app import cli
 
     monkeypatch.delenv("TWINCACHE_DEBUG", raising=False)  # it would turn unexpected errors into tracebacks
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))  # a case that fell through never builds in the user's
     make_args, fragments = ERROR_CASES[case]
     capsys.readouterr()
     try:
