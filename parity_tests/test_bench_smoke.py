@@ -193,12 +193,12 @@ def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoint
     table = small.prompt_len + small.new_tokens
     curve = max(small.curve_contexts) + small.curve_steps + 2
     assert table <= 600 < curve and table > 512
-    for model, argv, expected in (
-            (short, [], f"preset small's decode table runs {table} tokens (prompt + new), but {short}'s "
-                        "max_position_embeddings=512 holds 512; use a preset with shorter runs (--preset tiny)"),
-            (longer, [], f"latency curve runs {curve} tokens (prompt + new), but {longer}'s max_position_embeddings="
-                         "600 holds 600; use a preset with shorter runs (--preset tiny), or skip it with --no-curves")):
-        assert main(["bench", "--preset", "small", "--model", str(model), "--out", str(tmp_path / "out"), *argv]) == 2
+    for model, expected in (
+            (short, f"preset small's decode table runs {table} tokens (prompt + new), but {short}'s "
+                    "max_position_embeddings=512 holds 512; use a preset with shorter runs (--preset tiny)"),
+            (longer, f"latency curve runs {curve} tokens (prompt + new), but {longer}'s max_position_embeddings="
+                     "600 holds 600; use a preset with shorter runs (--preset tiny), or skip it with --no-curves")):
+        assert main(["bench", "--preset", "small", "--model", str(model), "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
     assert not (tmp_path / "out").exists(), "refused before running anything"
