@@ -25,7 +25,7 @@ import jax_cache.generate as jg
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
 from parity_tests.conftest import WINDOW, save_hf_checkpoint
-from parity_tests.mesh_jax_worker import written_in_place as buffers
+from parity_tests.mesh_jax_worker import written_in_place
 from twincache.errors import CacheError, InputError, StaleCacheError
 from twincache.generation import SamplingParams
 
@@ -79,7 +79,7 @@ def leaves(cache: StaticCache) -> list[jax.Array]:
 
 
 def pointers(cache: StaticCache) -> list[int]:
-    return [array.unsafe_buffer_pointer() for array in buffers(cache)]
+    return [array.unsafe_buffer_pointer() for array in written_in_place(cache)]
 
 
 def aliased_parameters(hlo: str) -> list[int]:
@@ -120,7 +120,7 @@ def test_decode_steps_update_the_cache_in_place_by_donation(model, traces, kind,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3 * WINDOW + 1):
-            inputs = buffers(cache)
+            inputs = written_in_place(cache)
             logits, cache = step(tokens, positions, cache)
             assert pointers(cache) == first, f"a decode step moved the cache buffers: {first} -> {pointers(cache)}"
             assert all(array.is_deleted() for array in inputs), "the input cache must be consumed by donation"
@@ -260,7 +260,7 @@ def test_bucket_padding_does_not_change_tokens(model):
 @pytest.mark.parametrize("fused", [True, False])
 def test_generation_keeps_the_cache_buffers_it_was_given(model, fused):
     _, cache = prefilled(model, "sliding_window", PROMPTS, 64)
-    before, inputs = pointers(cache), buffers(cache)
+    before, inputs = pointers(cache), written_in_place(cache)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = jg.continue_generation(model, cache, [3, 4], NEW_TOKENS, fused=fused)
