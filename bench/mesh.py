@@ -21,8 +21,9 @@ from typing import Any
 
 from bench.presets import Preset
 from bench.workload import Workload
+from twincache.checkpoint import load_config
 from twincache.errors import InputError
-from twincache.mesh import MeshShape, parse_mesh
+from twincache.mesh import MeshShape, parse_mesh, plan_shards
 from twincache_app import launch
 from twincache_app.backends import BACKENDS
 from twincache_app.bench_adapters import mesh_record
@@ -59,6 +60,8 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
     """Every backend (in its mode of `modes`, default its default) on every mesh; returns the records and writes
     DIR/mesh.json and DIR/mesh.md."""
     modes = modes or {}
+    for mesh in meshes:  # an impossible mesh is refused in one line before anything runs, not inside torch's ranks
+        plan_shards(load_config(workload_inputs(preset, mesh, cache_dir)[0]), mesh)
     if "jax" in backends:
         launch.simulate_cpu_devices(max(meshes, key=lambda mesh: mesh.devices))
     records = []

@@ -202,3 +202,19 @@ def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoint
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
     assert not (tmp_path / "out").exists(), "refused before running anything"
+
+
+def test_an_impossible_mesh_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    """`bench --meshes model=1 model=3` on the tiny preset (4 query heads): torch runs each mesh in its own ranks,
+    where the refusal came as their tracebacks and then "unexpected RuntimeError"; every mesh is now checked against
+    the model before anything runs."""
+    from twincache_app import launch
+
+    started = []
+    monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: started.append(args) or 1)
+    argv = ["bench", "--preset", "tiny", "--meshes", "model=1", "model=3", "--impls", "torch_eager",
+            "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mesh model=3 cannot split 4 query heads evenly" in err, err
+    assert started == [] and not (tmp_path / "out" / "mesh.json").exists(), "refused before running anything"
