@@ -12,6 +12,7 @@ the bytes are the figure, the tok/s mostly measure collective overhead (bench/gp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -21,7 +22,8 @@ from typing import Any
 
 from bench.presets import Preset
 from bench.workload import Workload
-from twincache.checkpoint import load_config
+from twincache.checkpoint import load_config, open_checkpoint
+from twincache.config import MistralConfig
 from twincache.errors import InputError
 from twincache.mesh import MeshShape, parse_mesh, plan_shards
 from twincache_app import launch
@@ -30,6 +32,7 @@ from twincache_app.bench_adapters import mesh_record
 
 BATCH = 2  # rows per data shard: a batch of BATCH x data keeps every device's rows the same across meshes
 CACHE = "static"
+_RANK_INPUTS = "inputs.json"  # what a torch rank runs, written by its launcher
 
 
 def mesh_impls(impls: Sequence[str] | None) -> dict[str, str]:
@@ -47,12 +50,15 @@ def mesh_impls(impls: Sequence[str] | None) -> dict[str, str]:
     return chosen
 
 
-def workload_inputs(preset: Preset, mesh: MeshShape, cache_dir: Path | None) -> tuple[Path, list[list[int]]]:
+def workload_inputs(preset: Preset, mesh: MeshShape,
+                    cache_dir: Path | None) -> tuple[Path, MistralConfig, list[list[int]]]:
+    """The checkpoint, the config every run uses (the preset's as resolved: --model's, EOS off, --sliding-window) and
+    the prompts of `mesh`'s batch."""
     workload = Workload(preset, preset.device, cache_dir)
     if workload.model_dir is None:
         raise ValueError(f"preset {preset.name} builds its weights on the device; the mesh bench loads a checkpoint "
                          "directory on every rank, so use a CPU preset (tiny, small)")
-    return workload.model_dir, workload.prompts(BATCH * mesh.data, preset.prompt_len)
+    return workload.model_dir, workload.config, workload.prompts(BATCH * mesh.data, preset.prompt_len)
 
 
 def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backends: Sequence[str],
@@ -60,22 +66,26 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
     """Every backend (in its mode of `modes`, default its default) on every mesh; returns the records and writes
     DIR/mesh.json and DIR/mesh.md."""
     modes = modes or {}
-    for mesh in meshes:  # an impossible mesh is refused in one line before anything runs, not inside torch's ranks
-        plan_shards(load_config(workload_inputs(preset, mesh, cache_dir)[0]), mesh)
+    # What torch's ranks would refuse (as their tracebacks) is refused here in one line before anything runs: a
+    # checkpoint that cannot be read, a mesh that cannot split the model.
+    model_dir, config, _ = workload_inputs(preset, meshes[0], cache_dir)
+    open_checkpoint(model_dir) if model_dir.is_dir() else load_config(model_dir)
+    for mesh in meshes:
+        plan_shards(config, mesh)
     if "jax" in backends:
         launch.simulate_cpu_devices(max(meshes, key=lambda mesh: mesh.devices))
     records = []
     for name in backends:
         backend = BACKENDS[name]
         for mesh in meshes:
-            model_dir, prompts = workload_inputs(preset, mesh, cache_dir)
+            model_dir, config, prompts = workload_inputs(preset, mesh, cache_dir)
             mode = backend.check_mode(modes.get(name))
             if backend.mesh_processes:
-                records.append(_ranks_record(preset, mesh, cache_dir, mode))
+                records.append(_ranks_record(model_dir, config, preset, mesh, prompts, mode))
                 continue
             for vocabulary in ("split", "replicated") if mesh.model > 1 else ("split",):
-                records.append(mesh_record(backend, model_dir, preset.dtype, mesh, prompts, preset.new_tokens, CACHE,
-                                           vocabulary, mode))
+                records.append(mesh_record(backend, model_dir, config, preset.dtype, mesh, prompts,
+                                           preset.new_tokens, CACHE, vocabulary, mode))
     for record in records:
         record["preset"] = preset.name
         record["weights_max_bytes"] = max(record["weights_bytes"].values())
@@ -86,11 +96,16 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
     return records
 
 
-def _ranks_record(preset: Preset, mesh: MeshShape, cache_dir: Path | None, mode: str) -> dict[str, Any]:
-    """torch on `mesh`: one process per device, each writing its record; merged with each rank's bytes."""
+def _ranks_record(model_dir: Path, config: MistralConfig, preset: Preset, mesh: MeshShape,
+                  prompts: list[list[int]], mode: str) -> dict[str, Any]:
+    """torch on `mesh`: one process per device, each running exactly this process's inputs (written for them, not
+    recomputed from the preset's name, which would drop --model and --sliding-window) and writing its record; merged
+    with each rank's bytes."""
     with tempfile.TemporaryDirectory() as folder:
-        argv = ["--rank-of", preset.name, str(mesh), mode, folder] + ([str(cache_dir)] if cache_dir else [])
-        code = launch.run_ranks(argv, mesh.devices, module="bench.mesh")
+        inputs = {"model_dir": str(model_dir), "config": dataclasses.asdict(config), "dtype": preset.dtype,
+                  "mesh": str(mesh), "prompts": prompts, "new_tokens": preset.new_tokens, "mode": mode}
+        (Path(folder) / _RANK_INPUTS).write_text(json.dumps(inputs))
+        code = launch.run_ranks(["--rank-of", folder], mesh.devices, module="bench.mesh")
         if code != 0:
             raise RuntimeError(f"the torch ranks of mesh {mesh} failed (exit {code})")
         ranks = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank*.json"))]
@@ -114,18 +129,16 @@ def markdown(records: list[dict[str, Any]]) -> str:
 
 
 def _rank_main(argv: Sequence[str]) -> None:
-    """A torch rank of one mesh: measure and write OUT/rank{R}.json."""
-    from bench.presets import PRESETS
-
+    """A torch rank of one mesh: measure the inputs its launcher wrote and write FOLDER/rank{R}.json."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rank-of", nargs="+", required=True)  # preset, mesh, mode, out dir[, cache dir]
-    preset_name, mesh_text, mode, folder, *cache = parser.parse_args(argv).rank_of
-    preset, mesh = PRESETS[preset_name], parse_mesh(mesh_text)
+    parser.add_argument("--rank-of", required=True)  # the folder of _RANK_INPUTS
+    folder = Path(parser.parse_args(argv).rank_of)
+    inputs = json.loads((folder / _RANK_INPUTS).read_text())
     launch.init_rank()
-    model_dir, prompts = workload_inputs(preset, mesh, Path(cache[0]) if cache else None)
-    record = mesh_record(BACKENDS["torch"], model_dir, preset.dtype, mesh, prompts, preset.new_tokens, CACHE,
-                         mode=mode)
-    (Path(folder) / f"rank{launch.rank()}.json").write_text(json.dumps(record))
+    record = mesh_record(BACKENDS["torch"], Path(inputs["model_dir"]), MistralConfig(**inputs["config"]),
+                         inputs["dtype"], parse_mesh(inputs["mesh"]), inputs["prompts"], inputs["new_tokens"], CACHE,
+                         mode=inputs["mode"])
+    (folder / f"rank{launch.rank()}.json").write_text(json.dumps(record))
     launch.finish_rank()
 
 

@@ -204,17 +204,24 @@ def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoint
     assert not (tmp_path / "out").exists(), "refused before running anything"
 
 
-def test_an_impossible_mesh_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
-    """`bench --meshes model=1 model=3` on the tiny preset (4 query heads): torch runs each mesh in its own ranks,
-    where the refusal came as their tracebacks and then "unexpected RuntimeError"; every mesh is now checked against
-    the model before anything runs."""
+def test_what_torchs_ranks_would_refuse_is_refused_before_any_starts(checkpoints, tmp_path, capsys, monkeypatch):
+    """`bench --meshes`: torch runs each mesh in its own ranks, where a refusal came as their tracebacks and then
+    "unexpected RuntimeError". A mesh that cannot split the model (model=3 of the tiny preset's 4 query heads) and a
+    --model whose weights file is truncated are now refused in one line before anything runs."""
+    import shutil
+
     from twincache_app import launch
 
+    truncated = shutil.copytree(checkpoints["gqa"], tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
     started = []
     monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: started.append(args) or 1)
-    argv = ["bench", "--preset", "tiny", "--meshes", "model=1", "model=3", "--impls", "torch_eager",
-            "--out", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "mesh model=3 cannot split 4 query heads evenly" in err, err
-    assert started == [] and not (tmp_path / "out" / "mesh.json").exists(), "refused before running anything"
+    for extra, expected in ((["--meshes", "model=1", "model=3"], "mesh model=3 cannot split 4 query heads evenly"),
+                            (["--meshes", "model=2", "--model", str(truncated)], f"{weights} is truncated")):
+        argv = ["bench", "--preset", "tiny", *extra, "--impls", "torch_eager", "--out", str(tmp_path / "out"),
+                "--cache-dir", str(tmp_path / "cache")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+        assert started == [] and not (tmp_path / "out" / "mesh.json").exists(), "refused before running anything"

@@ -165,8 +165,8 @@ def mesh_runs(tmp_path_factory: pytest.TempPathFactory, trained_model_dir: Path)
         [sys.executable, "-m", "parity_tests.mesh_jax_worker", str(out), str(dirs["gqa"]), str(dirs["mqa"])],
         cwd=REPO, env=jax_env, stdout=subprocess.DEVNULL, stderr=(root / "jax worker.err").open("w"))}
     started["bench"] = subprocess.Popen(
-        [sys.executable, "-m", "bench", "--preset", "tiny", "--meshes", "model=1", "model=2", "--impls",
-         "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir", str(root)],
+        [sys.executable, "-m", "bench", "--preset", "tiny", "--model", str(dirs["gqa"]), "--meshes", "model=1",
+         "model=2", "--impls", "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir", str(root)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(root / "bench.err").open("w"))
     paths = {**dirs, "trained": trained_model_dir}
     for name, (checkpoint, args) in CLI_RUNS.items():  # the CLI simulates JAX's CPU devices itself
@@ -482,9 +482,10 @@ def test_cli_parity_on_a_mesh_judges_it_against_float64_and_against_one_device(m
 # --- the bench mode --------------------------------------------------------------------------------------------------
 
 def test_bench_meshes_records_each_devices_bytes_and_tok_s_per_mesh(mesh_runs):
-    """`twincache bench --meshes` on the tiny preset (2 KV heads), model=1 and model=2: every device of model=2 holds
-    half the KV of model=1's one device and less than its weights; JAX also runs the vocabulary replicated, which
-    holds more per device than split."""
+    """`twincache bench --meshes` on the tiny preset's workload with --model (the GQA checkpoint: 2 KV heads),
+    model=1 and model=2: both backends decode the same tokens (torch's ranks run the checkpoint given, not the
+    preset's own weights); every device of model=2 holds half the KV of model=1's one device and less than its
+    weights; JAX also runs the vocabulary replicated, which holds more per device than split."""
     records = {(r["backend"], r["mesh"], r["vocabulary"]): r for r in mesh_runs["bench"]}
     assert set(records) == {("torch", "model=1,data=1", "split"), ("torch", "model=2,data=1", "split"),
                             ("jax", "model=1,data=1", "split"), ("jax", "model=2,data=1", "split"),
@@ -495,6 +496,8 @@ def test_bench_meshes_records_each_devices_bytes_and_tok_s_per_mesh(mesh_runs):
         assert set(two["kv_bytes"].values()) == {one["kv_max_bytes"] // 2}, (backend, one["kv_bytes"], two["kv_bytes"])
         assert max(two["weights_bytes"].values()) < 0.6 * one["weights_max_bytes"], backend
         assert two["decode_tok_s"] > 0 and two["token_ids"] == one["token_ids"], backend
+    torch_one, jax_one = (records[(backend, "model=1,data=1", "split")] for backend in ("torch", "jax"))
+    assert torch_one["token_ids"] == jax_one["token_ids"], "the backends ran different models or prompts"
     replicated = records[("jax", "model=2,data=1", "replicated")]
     assert replicated["weights_max_bytes"] > records[("jax", "model=2,data=1", "split")]["weights_max_bytes"]
     assert mesh_runs["bench_md"].count("| jax |") == 3 and mesh_runs["bench_md"].count("| torch |") == 2

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from bench.impls import Impl, Run
 from bench.workload import Workload
+from twincache.config import MistralConfig
 from twincache.errors import UnavailableError
 from twincache.mesh import MeshShape
 from twincache_app.backends import BACKENDS, Backend
@@ -102,13 +103,16 @@ def replicate_vocabulary(model: Any) -> None:
             module.weight.set_value(jax.device_put(weight, NamedSharding(weight.sharding.mesh, PartitionSpec())))
 
 
-def mesh_record(backend: Backend, model_dir: Path, dtype: str, mesh: MeshShape, prompts: Sequence[Sequence[int]],
-                new_tokens: int, cache: str, vocabulary: str = "split", mode: str | None = None) -> dict[str, Any]:
-    """One generation of `backend` on `mesh` in `mode` (default: the backend's) after a warm-up (the compile): its
+def mesh_record(backend: Backend, model_dir: Path, config: MistralConfig, dtype: str, mesh: MeshShape,
+                prompts: Sequence[Sequence[int]], new_tokens: int, cache: str, vocabulary: str = "split",
+                mode: str | None = None) -> dict[str, Any]:
+    """One generation of `backend` with `model_dir`'s weights under `config` (the preset's: a trained model's EOS off,
+    a --sliding-window) on `mesh` in `mode` (default: the backend's) after a warm-up (the compile): its
     steady decode tok/s and the bytes of weights and K/V each device holds, read from the arrays (a torch rank reads
     its own). `vocabulary="replicated"` (JAX only) replicates the embedding and LM head for the comparison."""
     tower, mode = backend.module(), backend.check_mode(mode)
     model = tower.load(model_dir, dtype, mesh=mesh)
+    model.config = config
     if vocabulary == "replicated":
         replicate_vocabulary(model)
     warm = tower.generate(model, prompts, new_tokens, mode=mode, cache=cache)
