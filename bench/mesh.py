@@ -69,7 +69,10 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
     # What torch's ranks would refuse (as their tracebacks) is refused here in one line before anything runs: a
     # checkpoint that cannot be read, a mesh that cannot split the model.
     model_dir, config, _ = workload_inputs(preset, meshes[0], cache_dir)
-    open_checkpoint(model_dir) if model_dir.is_dir() else load_config(model_dir)
+    if model_dir.is_dir():
+        open_checkpoint(model_dir)  # reads the config and every tensor's header, no weights
+    else:
+        load_config(model_dir)  # a GGUF: validated whole when opened
     for mesh in meshes:
         plan_shards(config, mesh)
     if "jax" in backends:
