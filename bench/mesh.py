@@ -22,6 +22,7 @@ from typing import Any
 
 from bench.presets import Preset
 from bench.workload import Workload
+from twincache import errors
 from twincache.checkpoint import load_config, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import InputError
@@ -33,6 +34,7 @@ from twincache_app.bench_adapters import mesh_record
 BATCH = 2  # rows per data shard: a batch of BATCH x data keeps every device's rows the same across meshes
 CACHE = "static"
 _RANK_INPUTS = "inputs.json"  # what a torch rank runs, written by its launcher
+_RANK_ERROR = ".error.json"  # rank{R}.error.json: [error class, message] of a rank that refused
 
 
 def mesh_impls(impls: Sequence[str] | None) -> dict[str, str]:
@@ -109,6 +111,10 @@ def _ranks_record(model_dir: Path, config: MistralConfig, preset: Preset, mesh: 
                   "mesh": str(mesh), "prompts": prompts, "new_tokens": preset.new_tokens, "mode": mode}
         (Path(folder) / _RANK_INPUTS).write_text(json.dumps(inputs))
         code = launch.run_ranks(["--rank-of", folder], mesh.devices, module="bench.mesh")
+        refused = sorted(Path(folder).glob(f"rank*{_RANK_ERROR}"))
+        if refused:  # a rank refused in one line (it printed nothing): the same error here, named once
+            kind, message = json.loads(refused[0].read_text())
+            raise getattr(errors, kind, errors.TwincacheError)(message)
         if code != 0:
             raise RuntimeError(f"the torch ranks of mesh {mesh} failed (exit {code})")
         ranks = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank*.json"))]
@@ -138,9 +144,13 @@ def _rank_main(argv: Sequence[str]) -> None:
     folder = Path(parser.parse_args(argv).rank_of)
     inputs = json.loads((folder / _RANK_INPUTS).read_text())
     launch.init_rank()
-    record = mesh_record(BACKENDS["torch"], Path(inputs["model_dir"]), MistralConfig(**inputs["config"]),
-                         inputs["dtype"], parse_mesh(inputs["mesh"]), inputs["prompts"], inputs["new_tokens"], CACHE,
-                         mode=inputs["mode"])
+    try:
+        record = mesh_record(BACKENDS["torch"], Path(inputs["model_dir"]), MistralConfig(**inputs["config"]),
+                             inputs["dtype"], parse_mesh(inputs["mesh"]), inputs["prompts"], inputs["new_tokens"],
+                             CACHE, mode=inputs["mode"])
+    except errors.TwincacheError as err:  # for the launcher to raise: one line, not every rank's traceback
+        (folder / f"rank{launch.rank()}{_RANK_ERROR}").write_text(json.dumps([type(err).__name__, str(err)]))
+        sys.exit(2)
     (folder / f"rank{launch.rank()}.json").write_text(json.dumps(record))
     launch.finish_rank()
 

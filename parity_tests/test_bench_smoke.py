@@ -225,3 +225,22 @@ def test_what_torchs_ranks_would_refuse_is_refused_before_any_starts(checkpoints
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
         assert started == [] and not (tmp_path / "out" / "mesh.json").exists(), "refused before running anything"
+
+
+def test_a_refusal_inside_torchs_ranks_reaches_the_user_as_one_line(checkpoints, tmp_path, capfd):
+    """What only a run can find (NaN logits from a checkpoint whose final norm is NaN: its headers are fine) is
+    refused inside the torch ranks; the bench says it once, as that error, not as the ranks' tracebacks and
+    "unexpected RuntimeError". A real rank process (model=1: one), whose stderr is this process's."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    broken = shutil.copytree(checkpoints["gqa"], tmp_path / "nan_norm")
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    assert main(["bench", "--preset", "tiny", "--model", str(broken), "--meshes", "model=1", "--impls", "torch_eager",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capfd.readouterr().err  # the rank's stderr too: it writes to this process's fd 2
+    assert err.count("\n") == 1 and "NaN or Inf logits at generated token 0" in err and "unexpected" not in err, err
