@@ -123,7 +123,7 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf: Path):
+def hf_smollm2():
     """transformers' own GGUF loading of SmolLM2 (its dequantization, names and Q/K order): the oracle. ~25 s."""
     from parity_tests import trained_model
 
@@ -131,7 +131,7 @@ def hf_smollm2(smollm2_gguf: Path):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_tokenizer(smollm2_gguf: Path):
+def hf_smollm2_tokenizer():
     """transformers' tokenizer built from the same GGUF's metadata: the tokenizer oracle."""
     from parity_tests import trained_model
 
