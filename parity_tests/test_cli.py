@@ -156,6 +156,30 @@ def test_compiled_decode_through_the_cli(checkpoints, cli_home):
     assert record["decode_steps"] == 23
 
 
+@pytest.mark.parametrize("backend, mode", [("torch", "eager"), ("jax", "step")])
+def test_sliding_window_flag_gives_a_window_less_model_the_ring(checkpoints, tmp_path, capsys, backend, mode):
+    """--sliding-window 4 on the window-less checkpoint decodes what the same weights decode when their own
+    config.json says sliding_window 4; the default cache is then the ring (4 slots), which 20 tokens wrap five times."""
+    import shutil
+
+    from twincache_app import cli
+
+    windowed = Path(shutil.copytree(checkpoints["no_window"], tmp_path / "windowed"))
+    config = json.loads((windowed / "config.json").read_text())
+    assert config["sliding_window"] is None
+    (windowed / "config.json").write_text(json.dumps({**config, "sliding_window": 4}))
+    common = ["generate", "--backend", backend, "--mode", mode, "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
+              "--max-new-tokens", "20", "--json"]
+    assert cli.main([*common, "--model", str(checkpoints["no_window"]), "--sliding-window", "4"]) == 0
+    flagged = json.loads(capsys.readouterr().out)
+    assert cli.main([*common, "--model", str(checkpoints["no_window"])]) == 0
+    window_less = json.loads(capsys.readouterr().out)
+    assert flagged["cache"] == "sliding_window" and flagged["sliding_window"] == 4
+    assert window_less["cache"] == "static" and window_less["sliding_window"] is None
+    assert flagged["token_ids"] == api_tokens(windowed, PROMPT_IDS, 20)
+    assert flagged["token_ids"] != window_less["token_ids"], "a window of 4 over 25 positions must change the tokens"
+
+
 # --- errors: one line on stderr, exit code 2, no traceback --------------------------------------------------------
 
 
@@ -165,7 +189,10 @@ ERROR_CASES = {
     "token_id_outside_vocab": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "5,999"],
                                ["999", "[0, 128)"]),
     "sliding_on_no_window": (lambda ck, tmp: ["--model", str(ck["no_window"]), "--prompt-ids", "1,2",
-                                              "--cache", "sliding_window"], ["sliding_window=null"]),
+                                              "--cache", "sliding_window"],
+                             ["sliding_window=null", "--sliding-window N"]),
+    "sliding_window_zero": (lambda ck, tmp: ["--model", str(ck["no_window"]), "--prompt-ids", "1,2",
+                                             "--sliding-window", "0"], ["--sliding-window=0 must be >= 1"]),
     "static_budget": (lambda ck, tmp: ["--model", str(ck["gqa"]), "--prompt-ids", "1,2,3", "--cache", "static",
                                        "--max-cache-len", "5", "--max-new-tokens", "4"],
                       ["prompt (3 tokens)", "max_new_tokens (4)", "max_cache_len=5"]),

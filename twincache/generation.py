@@ -334,7 +334,7 @@ def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, m
                          "backend)")
     if cache_kind == "sliding_window" and config.sliding_window is None:
         raise CacheError("a sliding_window cache was asked for, but this model's config has sliding_window=null; "
-                         "use the static cache")
+                         "use the static cache, or give the model a window (the CLI's --sliding-window N)")
     total = prompt_len + max_new_tokens
     max_cache_len = check_count("max_cache_len", total if max_cache_len is None else max_cache_len, minimum=1)
     window_fits = cache_kind == "sliding_window" and max_cache_len >= config.sliding_window

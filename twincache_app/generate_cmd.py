@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -104,6 +105,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "text when it ends, the others stream it")
     parser.add_argument("--cache", choices=CACHE_KINDS,
                         help="KV cache (default: sliding_window when the config has a window, else static)")
+    parser.add_argument("--sliding-window", type=int, metavar="N",
+                        help="attend to the last N positions (Mistral's sliding window) instead of the model's own "
+                             "window; a model without one (most GGUFs) needs it for the sliding_window cache")
     add_model_arguments(parser)
     parser.add_argument("--max-cache-len", type=int, help="cache capacity (default: prompt + max new tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -213,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
     mode = backend.check_mode(args.mode)
     model_path = args.model if args.model is not None else default_model_dir()
     config = load_config(model_path)  # also fails on a bad path or config before a framework loads
+    if args.sliding_window is not None:
+        if args.sliding_window < 1:
+            raise InputError(f"--sliding-window={args.sliding_window} must be >= 1")
+        config = dataclasses.replace(config, sliding_window=args.sliding_window)
     eos = config.eos_token_id
     prompt_ids, tokenizer = resolve_prompt(args, model_path)
     code = start_mesh(args, config, [backend])
@@ -234,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     backend.persist_compiles()
     tower = backend.module()
     model = tower.load(model_path, args.dtype, mesh=args.mesh)
+    if args.sliding_window is not None:  # the towers read the window from the config on every forward
+        model.config = dataclasses.replace(model.config, sliding_window=args.sliding_window)
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
         result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
                                 max_cache_len=args.max_cache_len, sampling=sampling,
@@ -244,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "backend": args.backend, "mode": result.mode, "cache": result.cache_kind, "model": str(model_path),
             "mesh": None if args.mesh is None else str(args.mesh),
-            "dtype": args.dtype, "max_cache_len": result.max_cache_len, "prompt_ids": prompt_ids,
+            "dtype": args.dtype, "sliding_window": config.sliding_window, "max_cache_len": result.max_cache_len,
+            "prompt_ids": prompt_ids,
             "token_ids": token_ids, "text": text,
             "prefill_s": round(result.prefill_s, 6), "first_step_s": round(result.first_step_s, 6),
             "decode_tok_s": None if result.decode_tok_s is None else round(result.decode_tok_s, 2),  # null: none timed
