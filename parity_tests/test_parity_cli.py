@@ -75,6 +75,24 @@ def test_without_transformers_torch_cache_float64_is_the_reference_and_says_so(c
                                                                        ("static", "jax:step")]
 
 
+@pytest.mark.parametrize("reference", ["transformers", "--no-transformers"])
+def test_sliding_window_flag_windows_the_reference_the_floor_and_every_implementation(checkpoints, capsys,
+                                                                                       reference):
+    """--sliding-window 4 on the window-less checkpoint: 5 + 12 positions wrap a ring of 4 thrice. Every model in the
+    run must attend with the window: a reference or floor without it would put the implementations far out of
+    bounds, and an implementation without it could not build the ring at all."""
+    argv = ["parity", "--model", str(checkpoints["no_window"]), "--prompt-ids", "1,2,3,4,5", "--json",
+            "--max-new-tokens", "12", "--modes", "torch:eager", "jax:step", "--sliding-window", "4"]
+    code = cli.main(argv + ([reference] if reference.startswith("--") else []))
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"] and report["sliding_window"] == 4, report
+    assert {row["cache"] for row in report["rows"]} == {"static", "sliding_window"}
+    assert report["reference"].startswith("transformers" if reference == "transformers" else "torch_cache")
+    for row in report["rows"]:  # the floor is fp32 against float64 of one model: with a window on one side only,
+        assert row["metrics"]["max_abs_logit_diff"] < 1e-4, row  # the implementations would pass beside it
+    assert "sliding window 4;" in parity.format_table(report)
+
+
 def test_fallback_reference_agrees_with_transformers_float64(checkpoints):
     """The two float64 references choose the same tokens and agree far below any fp32 floor."""
     import torch

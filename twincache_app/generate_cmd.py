@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from twincache import phases
 from twincache.checkpoint import load_config
@@ -40,6 +41,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt text from a UTF-8 file (one trailing newline dropped); - reads stdin")
     prompt.add_argument("--prompt-ids-file", metavar="PATH",
                         help="prompt token ids from a file, separated by commas or whitespace; - reads stdin")
+    parser.add_argument("--sliding-window", type=int, metavar="N",
+                        help="attend to the last N positions (Mistral's sliding window) instead of the model's own "
+                             "window; a model without one (most GGUFs) needs it for the sliding_window cache")
     parser.add_argument("--chat", action="store_true",
                         help="format the prompt as one user message with the checkpoint's chat template (for "
                              "-Instruct models)")
@@ -48,6 +52,25 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", type=mesh_argument,
                         help="split the model and its cache over devices: model=N[,data=M] (Megatron-style over N, "
                              "the batch over M; docs/design.md §10). torch starts N*M processes itself")
+
+
+def model_config(args: argparse.Namespace, model_path: Path) -> MistralConfig:
+    """The checkpoint's config as this command runs it: with --sliding-window's window when given. Loading it also
+    fails on a bad path or config before a framework loads."""
+    config = load_config(model_path)
+    if args.sliding_window is None:
+        return config
+    if args.sliding_window < 1:
+        raise InputError(f"--sliding-window={args.sliding_window} must be >= 1")
+    return dataclasses.replace(config, sliding_window=args.sliding_window)
+
+
+def set_window(model: Any, sliding_window: int | None) -> Any:
+    """`model` (either tower's) attending with `sliding_window` when given; the towers read the window from their
+    config on every forward, so this holds from the next call on."""
+    if sliding_window is not None:
+        model.config = dataclasses.replace(model.config, sliding_window=sliding_window)
+    return model
 
 
 def mesh_argument(text: str) -> MeshShape:
@@ -105,9 +128,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "text when it ends, the others stream it")
     parser.add_argument("--cache", choices=CACHE_KINDS,
                         help="KV cache (default: sliding_window when the config has a window, else static)")
-    parser.add_argument("--sliding-window", type=int, metavar="N",
-                        help="attend to the last N positions (Mistral's sliding window) instead of the model's own "
-                             "window; a model without one (most GGUFs) needs it for the sliding_window cache")
     add_model_arguments(parser)
     parser.add_argument("--max-cache-len", type=int, help="cache capacity (default: prompt + max new tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -216,11 +236,7 @@ def run(args: argparse.Namespace) -> int:
     backend = BACKENDS[args.backend]
     mode = backend.check_mode(args.mode)
     model_path = args.model if args.model is not None else default_model_dir()
-    config = load_config(model_path)  # also fails on a bad path or config before a framework loads
-    if args.sliding_window is not None:
-        if args.sliding_window < 1:
-            raise InputError(f"--sliding-window={args.sliding_window} must be >= 1")
-        config = dataclasses.replace(config, sliding_window=args.sliding_window)
+    config = model_config(args, model_path)
     eos = config.eos_token_id
     prompt_ids, tokenizer = resolve_prompt(args, model_path)
     code = start_mesh(args, config, [backend])
@@ -241,9 +257,7 @@ def run(args: argparse.Namespace) -> int:
     phases.enter("load")  # importing the framework is part of it
     backend.persist_compiles()
     tower = backend.module()
-    model = tower.load(model_path, args.dtype, mesh=args.mesh)
-    if args.sliding_window is not None:  # the towers read the window from the config on every forward
-        model.config = dataclasses.replace(model.config, sliding_window=args.sliding_window)
+    model = set_window(tower.load(model_path, args.dtype, mesh=args.mesh), args.sliding_window)
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
         result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
                                 max_cache_len=args.max_cache_len, sampling=sampling,

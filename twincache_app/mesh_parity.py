@@ -25,7 +25,7 @@ from twincache import parity_metrics
 from twincache.config import MistralConfig
 from twincache_app import launch
 from twincache_app.backends import BACKENDS
-from twincache_app.generate_cmd import start_mesh
+from twincache_app.generate_cmd import set_window, start_mesh
 from twincache_app.parity import (
     Models,
     Oracle,
@@ -70,8 +70,8 @@ def mesh_report(args: argparse.Namespace, config: MistralConfig, model_dir: Path
         return code
     lead = launch.rank() == 0
     # Every rank loads its torch shard (rank 0 also the JAX mesh model), in the same order.
-    towers = {name: BACKENDS[name].module().load(model_dir, args.dtype, mesh=args.mesh) for name in names
-              if lead or BACKENDS[name].mesh_processes}
+    towers = {name: set_window(BACKENDS[name].module().load(model_dir, args.dtype, mesh=args.mesh),
+                               args.sliding_window) for name in names if lead or BACKENDS[name].mesh_processes}
     if not lead:  # the torch generate calls rank 0's parity_report makes, in its order: cache, then implementation
         tokens = _share(None)
         sharded = Models(towers, None, None, mesh=args.mesh)
@@ -80,7 +80,8 @@ def mesh_report(args: argparse.Namespace, config: MistralConfig, model_dir: Path
                 if impl.split(":")[0] in towers:
                     run_implementation(impl, sharded, [prompt_ids], tokens, cache)
         return None
-    single = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls)
+    single = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls,
+                         sliding_window=args.sliding_window)
     reference = float64_reference(single.reference, [prompt_ids], args.max_new_tokens, single.why_not_transformers)
     _share(reference.tokens)
     sharded = dataclasses.replace(single, towers=towers, mesh=args.mesh)

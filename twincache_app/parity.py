@@ -36,7 +36,7 @@ from twincache.generation import CACHE_KINDS, validate_prompts
 from twincache.mesh import MeshShape
 from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
-from twincache_app.generate_cmd import add_model_arguments, resolve_prompt
+from twincache_app.generate_cmd import add_model_arguments, model_config, resolve_prompt, set_window
 from twincache_app.hf_loading import transformers_model
 
 NOT_INSTALLED = "transformers is not installed"
@@ -364,13 +364,21 @@ class ParityReport:
 
 
 def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
-                impls: Sequence[str] = IMPLEMENTATIONS) -> Models:
-    """Load every model a parity run needs from one checkpoint directory or GGUF file, on CUDA when torch sees one."""
+                impls: Sequence[str] = IMPLEMENTATIONS, sliding_window: int | None = None) -> Models:
+    """Load every model a parity run needs from one checkpoint directory or GGUF file, on CUDA when torch sees one;
+    each attending with `sliding_window` instead of the checkpoint's window when given (--sliding-window)."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = {impl.split(":")[0] for impl in impls}
-    towers = {name: backend.module().load(model_dir, dtype) for name, backend in BACKENDS.items() if name in names}
+    towers = {name: set_window(backend.module().load(model_dir, dtype), sliding_window)
+              for name, backend in BACKENDS.items() if name in names}
+    hf_config = None
+    if sliding_window is not None:
+        from transformers import MistralConfig as HFMistralConfig
+
+        config = dataclasses.replace(load_config(model_dir), sliding_window=sliding_window)
+        hf_config = HFMistralConfig(**config.to_hf_dict())
     why_not = "--no-transformers"
     if with_transformers:
         try:  # the package itself: a submodule left in sys.modules would import without it
@@ -384,15 +392,16 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
             def load(torch_dtype: torch.dtype) -> Any:
                 # sdpa computes attention in the model's dtype; transformers' "eager" one would round float64
                 # attention weights through fp32
-                hf = transformers_model(model_dir, torch_dtype, attn_implementation="sdpa")
+                hf = transformers_model(model_dir, torch_dtype, hf_config, attn_implementation="sdpa")
                 return hf.to(device).eval()
 
             return Models(towers, load(getattr(torch, dtype)), load(torch.float64))
     from torch_cache.model import Mistral as TorchMistral  # the fallback is torch_cache by definition
 
-    floor = towers["torch"] if "torch" in towers else TorchMistral.from_pretrained(model_dir, getattr(torch, dtype),
-                                                                                   device)
-    return Models(towers, floor, TorchMistral.from_pretrained(model_dir, torch.float64, device), why_not)
+    floor = towers["torch"] if "torch" in towers else set_window(
+        TorchMistral.from_pretrained(model_dir, getattr(torch, dtype), device), sliding_window)
+    reference = set_window(TorchMistral.from_pretrained(model_dir, torch.float64, device), sliding_window)
+    return Models(towers, floor, reference, why_not)
 
 
 def judged_row(cache: str, name: str, kind: str, found: Distance, floor: Distance, dtype: str) -> Row:
@@ -472,6 +481,13 @@ def report_json(report: ParityReport, model: str) -> dict[str, Any]:
                      for row in report.rows]}
 
 
+def window_text(data: dict[str, Any]) -> str:
+    """The model's window as the table's heading gives it: nothing where the report does not record it."""
+    if "sliding_window" not in data:
+        return ""
+    return ", no sliding window" if data["sliding_window"] is None else f", sliding window {data['sliding_window']}"
+
+
 def format_table(data: dict[str, Any]) -> str:
     """The table `twincache parity` prints, from `report_json`'s object (so a saved --json renders the same)."""
     def number(value: float | None, spec: str) -> str:
@@ -483,7 +499,8 @@ def format_table(data: dict[str, Any]) -> str:
     lines = [f"reference: {data['reference']}; continuation: its own greedy tokens",
              f"floor:     {data['floor']}",
              f"prompt {'/'.join(map(str, data['prompt_lens']))} tokens, {data['steps']} teacher-forced steps, "
-             f"{data['dtype']}; {data['decisive_steps']} of {data['steps'] * len(data['prompt_lens'])} steps decisive "
+             f"{data['dtype']}{window_text(data)}; {data['decisive_steps']} of "
+             f"{data['steps'] * len(data['prompt_lens'])} steps decisive "
              "(a greedy divergence there is out of bounds)", header, "-" * len(header)]
     for row in data["rows"]:
         d, ratios = row["metrics"], row["ratios"]
@@ -537,7 +554,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     impls = resolve_implementations(args.modes)
     model_dir = args.model if args.model is not None else default_model_dir()
-    config = load_config(model_dir)
+    config = model_config(args, model_dir)
     prompt_ids, _ = resolve_prompt(args, model_dir)
     validate_prompts([prompt_ids], config)
     if args.max_new_tokens < 1:
@@ -545,7 +562,8 @@ def run(args: argparse.Namespace) -> int:
     if args.cache == "both":  # a window-less config has no sliding cache to compare
         caches = [kind for kind in CACHE_KINDS if kind == "static" or config.sliding_window is not None]
     elif args.cache == "sliding_window" and config.sliding_window is None:
-        raise InputError("--cache sliding_window needs a config with a sliding_window; this one has none")
+        raise InputError("--cache sliding_window needs a config with a sliding_window; this one has none (give it one "
+                         "with --sliding-window N)")
     else:
         caches = [args.cache]
     if args.mesh is not None:
@@ -555,9 +573,11 @@ def run(args: argparse.Namespace) -> int:
         if report is None or isinstance(report, int):  # a rank other than 0, or the launcher's exit code
             return report or 0
     else:
-        models = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls)
+        models = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls,
+                             sliding_window=args.sliding_window)
         report = parity_report(models, [prompt_ids], args.max_new_tokens, args.dtype, caches, impls)
-    data = report_json(report, str(model_dir)) | ({} if args.mesh is None else {"mesh": str(args.mesh)})
+    data = (report_json(report, str(model_dir)) | {"sliding_window": config.sliding_window}
+            | ({} if args.mesh is None else {"mesh": str(args.mesh)}))
     if args.json:
         print(json.dumps(data))
     else:
