@@ -75,14 +75,16 @@ def test_without_transformers_torch_cache_float64_is_the_reference_and_says_so(c
                                                                        ("static", "jax:step")]
 
 
-@pytest.mark.parametrize("reference", ["transformers", "--no-transformers"])
+@pytest.mark.parametrize("reference", ["transformers", "--no-transformers", "transformers is not installed"])
 def test_sliding_window_flag_windows_the_reference_the_floor_and_every_implementation(checkpoints, capsys,
-                                                                                       reference):
+                                                                                       monkeypatch, reference):
     """--sliding-window 4 on the window-less checkpoint: 5 + 12 positions wrap a ring of 4 thrice. Every model in the
     run must attend with the window: a reference or floor without it would put the implementations far out of
     bounds, and an implementation without it could not build the ring at all."""
     argv = ["parity", "--model", str(checkpoints["no_window"]), "--prompt-ids", "1,2,3,4,5", "--json",
             "--max-new-tokens", "12", "--modes", "torch:eager", "jax:step", "--sliding-window", "4"]
+    if reference == "transformers is not installed":
+        monkeypatch.setitem(sys.modules, "transformers", None)  # any import of it raises ImportError
     code = cli.main(argv + ([reference] if reference.startswith("--") else []))
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] and report["sliding_window"] == 4, report

@@ -373,12 +373,6 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
     names = {impl.split(":")[0] for impl in impls}
     towers = {name: set_window(backend.module().load(model_dir, dtype), sliding_window)
               for name, backend in BACKENDS.items() if name in names}
-    hf_config = None
-    if sliding_window is not None:
-        from transformers import MistralConfig as HFMistralConfig
-
-        config = dataclasses.replace(load_config(model_dir), sliding_window=sliding_window)
-        hf_config = HFMistralConfig(**config.to_hf_dict())
     why_not = "--no-transformers"
     if with_transformers:
         try:  # the package itself: a submodule left in sys.modules would import without it
@@ -388,6 +382,12 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
             why_not = NOT_INSTALLED
         else:
             hf_logging.disable_progress_bar()
+            hf_config = None  # the checkpoint's own
+            if sliding_window is not None:
+                from transformers import MistralConfig as HFMistralConfig
+
+                config = dataclasses.replace(load_config(model_dir), sliding_window=sliding_window)
+                hf_config = HFMistralConfig(**config.to_hf_dict())
 
             def load(torch_dtype: torch.dtype) -> Any:
                 # sdpa computes attention in the model's dtype; transformers' "eager" one would round float64
