@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from parity_tests import background
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 WINDOW = 8
@@ -33,6 +35,15 @@ def jax_compile_cache_left_as_found():
 
         jax.config.update("jax_compilation_cache_dir", before)
         compilation_cache.reset_cache()  # JAX opened the cache once per process; the next compile reads the setting
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_lane(request: pytest.FixtureRequest):
+    """The module fixtures that only run processes start at the session's first test, in a background thread
+    (parity_tests/background.py), and run while the in-process tests use the other core."""
+    background.start(request)
+    yield
+    background.stop()
 
 # name -> overrides of the base transformers MistralConfig
 CHECKPOINT_VARIANTS: dict[str, dict] = {

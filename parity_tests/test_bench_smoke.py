@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bench.presets import PRESETS
+from parity_tests import background
 from twincache_app.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,16 +34,25 @@ def _jax_cache_importable() -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    root = tmp_path_factory.mktemp("bench")
+@background.job
+def bench_tiny(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, list[dict]]]:
+    root = request.getfixturevalue("tmp_path_factory").mktemp("bench")
     out = root / "out"
     env = {**os.environ, "TWINCACHE_HOME": str(root / "home"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "bench", "--preset", "tiny", "--out", str(out), "--no-progress"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "failed:" not in proc.stderr, proc.stderr[-3000:]
-    return out, json.loads((out / "results.json").read_text())
+
+    def run() -> tuple[Path, list[dict]]:
+        proc = subprocess.run([sys.executable, "-m", "bench", "--preset", "tiny", "--out", str(out), "--no-progress"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "failed:" not in proc.stderr, proc.stderr[-3000:]
+        return out, json.loads((out / "results.json").read_text())
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny_run(request: pytest.FixtureRequest) -> tuple[Path, list[dict]]:
+    return background.collect(request, bench_tiny)
 
 
 def test_decode_records_cover_every_impl_and_cache(tiny_run):

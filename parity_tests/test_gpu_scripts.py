@@ -9,9 +9,12 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from parity_tests import gpu_parity
+import pytest
+
+from parity_tests import background, gpu_parity
 from twincache_app import parity
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +91,19 @@ except KeyboardInterrupt:
 """
 
 
-def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(tmp_path):
+@background.job
+def seven_b_at_a_tiny_shape(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, subprocess.CompletedProcess]]:
+    root = request.getfixturevalue("tmp_path_factory").mktemp("seven_b")
+    env = {**os.environ, "TWINCACHE_HOME": str(root / "home"), "PYTHONPATH": str(REPO)}
+
+    def run() -> tuple[Path, subprocess.CompletedProcess]:
+        return root, subprocess.run([sys.executable, "-c", _SEVEN_B_AT_A_TINY_SHAPE, str(root / "out")], cwd=REPO,
+                                    env=env, capture_output=True, text=True, timeout=300)
+
+    return run
+
+
+def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(request: pytest.FixtureRequest):
     """bench/gpu_7b.sh runs `--preset 7b`: bf16 weights built in memory on the device and shared by every
     implementation (no checkpoint directory). The same preset at a tiny shape on CPU, through the runner (the CLI
     refuses 7b without a GPU); torch compiled left out for time. In a subprocess, as test_bench_smoke. Warm-ups
@@ -96,10 +111,8 @@ def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(tmp_path):
     torch_cache's graphs guard on); past the deadline (after the 8th warm-up here) none starts: the compiled
     transformers, last, is recorded as skipped. A hard stop (gpu_7b.sh's timeout sends SIGINT) as the second round
     begins still leaves every cell's row from the first round."""
-    out = tmp_path / "out"
-    env = {**os.environ, "TWINCACHE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _SEVEN_B_AT_A_TINY_SHAPE, str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    root, proc = background.collect(request, seven_b_at_a_tiny_shape)
+    out = root / "out"
     assert proc.returncode == 0 and "stopped in round 2" in proc.stdout, proc.stderr[-3000:]
     records = json.loads((out / "results.json").read_text())
     assert records[0]["machine"]["interrupted_after_s"] > 0
@@ -111,7 +124,7 @@ def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(tmp_path):
             assert record["repeats"] == 1, (impl, cache, record["repeats"])
     for cache in ("static", "sliding_window"):
         assert decode[("transformers", cache)]["status"] == "skipped", decode[("transformers", cache)]
-    assert not (tmp_path / "home" / "bench").exists() or not any((tmp_path / "home" / "bench").iterdir()), \
+    assert not (root / "home" / "bench").exists() or not any((root / "home" / "bench").iterdir()), \
         "weights on the device: no checkpoint directory is written"
     assert (out / "results.md").is_file()
 
@@ -139,16 +152,25 @@ def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
         assert proc.stderr.count("\n") == 1 and "at least 120" in proc.stderr, proc.stderr
 
 
-def test_the_lease_script_runs_both_and_returns_what_a_device_call_brings_back(tmp_path):
+@background.job
+def lease_smoke(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, subprocess.CompletedProcess]]:
+    root = request.getfixturevalue("tmp_path_factory").mktemp("lease")
+    env = {**os.environ, "OUT": str(root / "out"), "GPU_LEASE_SMOKE": "1", "PYTHON": sys.executable,
+           "TWINCACHE_HOME": str(root / "home")}
+
+    def run() -> tuple[Path, subprocess.CompletedProcess]:
+        return root / "out", subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), "360"], env=env,
+                                            capture_output=True, text=True, timeout=600)
+
+    return run
+
+
+def test_the_lease_script_runs_both_and_returns_what_a_device_call_brings_back(request: pytest.FixtureRequest):
     """bench/gpu_lease.sh is the one prepared call of a GPU lease. In its smoke mode (tiny shapes, CPU) it runs the
     bench and the parity through the same shell scripts, and leaves under $OUT only what a device call brings back:
     at most 8 files, no more than 2 folders down, named in letters, digits, '.', '_' and '-'. The reply carries the
     end of the output: the decode table and the parity verdict."""
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "GPU_LEASE_SMOKE": "1", "PYTHON": sys.executable,
-           "TWINCACHE_HOME": str(tmp_path / "home")}
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), "360"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    out, proc = background.collect(request, lease_smoke)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     files = sorted(path.relative_to(out) for path in out.rglob("*") if path.is_file())
     assert {str(path) for path in files} >= {"bench_7b/results.json", "bench_7b/results.md", "parity/gpu_parity.json",

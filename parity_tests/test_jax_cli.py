@@ -19,11 +19,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from parity_tests import background
 from torch_cache.generate import generate
 from torch_cache.model import Mistral
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
@@ -55,17 +57,13 @@ def command() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "twincache_app.cli"]
 
 
-@pytest.fixture(scope="module")
-def cli_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty TWINCACHE_HOME: the CLI runs build the default model there themselves."""
-    return tmp_path_factory.mktemp("jax_cli_home")
-
-
-@pytest.fixture(scope="module")
-def runs(checkpoints: dict[str, Path], tiny_model_dir: Path, cli_home: Path) -> dict[str, tuple[str, str]]:
-    """name -> (stdout, stderr) of every run in RUNS and PLAIN_RUN, each checked to have exited 0 without a
-    traceback."""
-    env = {**os.environ, "TWINCACHE_HOME": str(cli_home), "TOKENIZERS_PARALLELISM": "false",
+@background.job
+def cli_runs(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, dict[str, tuple[str, str]]]]:
+    """Every run in RUNS, then PLAIN_RUN and AGAIN_RUN, in an empty TWINCACHE_HOME (the CLI runs build the default
+    model there themselves)."""
+    home = request.getfixturevalue("tmp_path_factory").mktemp("jax_cli_home")
+    checkpoints, tiny_model_dir = request.getfixturevalue("checkpoints"), request.getfixturevalue("tiny_model_dir")
+    env = {**os.environ, "TWINCACHE_HOME": str(home), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("TWINCACHE_DEBUG", None)
     model_args = {"default": [], "tiny": ["--model", str(tiny_model_dir), "--max-new-tokens", "40"],
@@ -81,12 +79,28 @@ def runs(checkpoints: dict[str, Path], tiny_model_dir: Path, cli_home: Path) -> 
         assert "Traceback" not in stderr, f"{name}: {stderr}"
         return stdout, stderr
 
-    procs = {name: start(name, args) for name, args in RUNS.items()}
-    results = {name: finish(name, proc) for name, proc in procs.items()}
-    results[PLAIN_RUN] = finish(PLAIN_RUN, start(PLAIN_RUN, []))
-    env.update(JAX_LOG_COMPILES="1", JAX_EXPLAIN_CACHE_MISSES="1")
-    results[AGAIN_RUN] = finish(AGAIN_RUN, start(AGAIN_RUN, RUNS["tiny jax json"]))
-    return results
+    def run() -> tuple[Path, dict[str, tuple[str, str]]]:
+        procs = {name: start(name, args) for name, args in RUNS.items()}
+        results = {name: finish(name, proc) for name, proc in procs.items()}
+        results[PLAIN_RUN] = finish(PLAIN_RUN, start(PLAIN_RUN, []))
+        env.update(JAX_LOG_COMPILES="1", JAX_EXPLAIN_CACHE_MISSES="1")
+        results[AGAIN_RUN] = finish(AGAIN_RUN, start(AGAIN_RUN, RUNS["tiny jax json"]))
+        return home, results
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def cli_home(request: pytest.FixtureRequest) -> Path:
+    """The TWINCACHE_HOME of the runs below, where they built the default model."""
+    return background.collect(request, cli_runs)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest) -> dict[str, tuple[str, str]]:
+    """name -> (stdout, stderr) of every run in RUNS and PLAIN_RUN, each checked to have exited 0 without a
+    traceback."""
+    return background.collect(request, cli_runs)[1]
 
 
 def parse_json(stdout: str, name: str) -> dict:

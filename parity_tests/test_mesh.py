@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from parity_tests import trained_model
+from parity_tests import background, trained_model
 from parity_tests.conftest import save_hf_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
@@ -149,44 +149,61 @@ CLI_RUNS = {  # name -> (checkpoint, twincache arguments)
 }
 
 
-@pytest.fixture(scope="module")
-def mesh_runs(tmp_path_factory: pytest.TempPathFactory, trained_model_dir: Path) -> dict[str, object]:
-    """Builds the two checkpoints, then runs both workers and the command lines below at once (independent
+@background.job
+def mesh_workers(request: pytest.FixtureRequest) -> Callable[[], dict[str, object]]:
+    """Builds the two checkpoints; its run starts both workers and the command lines below at once (independent
     processes: the 2 cores stay busy), and returns their records, logits and outputs."""
-    from twincache_app.launch import run_ranks
-
-    root = tmp_path_factory.mktemp("mesh")
+    root = request.getfixturevalue("tmp_path_factory").mktemp("mesh")
+    trained_model_dir = request.getfixturevalue("trained_model_dir")
     dirs = {name: save_hf_checkpoint(root / name, **overrides) for name, overrides in CHECKPOINTS.items()}
     out = root / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # several processes share 2 cores (docs/design.md §7.11)
     jax_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    started = {"jax worker": subprocess.Popen(
-        [sys.executable, "-m", "parity_tests.mesh_jax_worker", str(out), str(dirs["gqa"]), str(dirs["mqa"])],
-        cwd=REPO, env=jax_env, stdout=subprocess.DEVNULL, stderr=(root / "jax worker.err").open("w"))}
-    started["bench"] = subprocess.Popen(
-        [sys.executable, "-m", "bench", "--preset", "tiny", "--model", str(dirs["gqa"]), "--meshes", "model=1",
-         "model=2", "--impls", "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir", str(root)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(root / "bench.err").open("w"))
     paths = {**dirs, "trained": trained_model_dir}
-    for name, (checkpoint, args) in CLI_RUNS.items():  # the CLI simulates JAX's CPU devices itself
-        started[name] = subprocess.Popen(
-            [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(paths[checkpoint]),
-             *([] if "--prompt" in args else CLI_PROMPT)],
-            cwd=REPO, env=env, stdout=(root / f"{name}.out").open("w"), stderr=(root / f"{name}.err").open("w"))
-    torch_code = run_ranks([str(out), str(dirs["gqa"]), str(dirs["mqa"])], 2, module="parity_tests.mesh_torch_worker")
-    codes = {name: proc.wait(timeout=900) for name, proc in started.items()}
-    assert codes["jax worker"] == 0, (root / "jax worker.err").read_text()[-3000:]
-    assert codes["bench"] == 0, (root / "bench.err").read_text()[-3000:]
-    assert torch_code == 0, "the torch workers failed"
-    cli = {name: (codes[name], (root / f"{name}.out").read_text(), (root / f"{name}.err").read_text())
-           for name in CLI_RUNS}
-    return {"dirs": dirs, "out": out, "cli": cli, "jax": json.loads((out / "jax.json").read_text()),
-            "bench": json.loads((root / "bench" / "mesh.json").read_text()),
-            "bench_md": (root / "bench" / "mesh.md").read_text(),
-            "jax_logits": dict(np.load(out / "jax_logits.npz")),
-            "torch": [json.loads((out / f"torch_rank{r}.json").read_text()) for r in range(2)],
-            "torch_logits": [dict(np.load(out / f"torch_rank{r}.npz")) for r in range(2)]}
+
+    def run() -> dict[str, object]:
+        started = {"jax worker": subprocess.Popen(
+            [sys.executable, "-m", "parity_tests.mesh_jax_worker", str(out), str(dirs["gqa"]), str(dirs["mqa"])],
+            cwd=REPO, env=jax_env, stdout=subprocess.DEVNULL, stderr=(root / "jax worker.err").open("w"))}
+        started["bench"] = subprocess.Popen(
+            [sys.executable, "-m", "bench", "--preset", "tiny", "--model", str(dirs["gqa"]), "--meshes", "model=1",
+             "model=2", "--impls", "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir", str(root)],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(root / "bench.err").open("w"))
+        for name, (checkpoint, args) in CLI_RUNS.items():  # the CLI simulates JAX's CPU devices itself
+            started[name] = subprocess.Popen(
+                [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(paths[checkpoint]),
+                 *([] if "--prompt" in args else CLI_PROMPT)],
+                cwd=REPO, env=env, stdout=(root / f"{name}.out").open("w"), stderr=(root / f"{name}.err").open("w"))
+        # the two torch ranks, through twincache_app.launch.run_ranks in a process of their own (it waits on them)
+        started["torch workers"] = subprocess.Popen(
+            [sys.executable, "-c", _TORCH_WORKERS, str(out), str(dirs["gqa"]), str(dirs["mqa"])], cwd=REPO, env=env,
+            stdout=subprocess.DEVNULL, stderr=(root / "torch workers.err").open("w"))
+        codes = {name: proc.wait(timeout=900) for name, proc in started.items()}
+        for name in ("jax worker", "bench", "torch workers"):
+            assert codes[name] == 0, (name, (root / f"{name}.err").read_text()[-3000:])
+        cli = {name: (codes[name], (root / f"{name}.out").read_text(), (root / f"{name}.err").read_text())
+               for name in CLI_RUNS}
+        return {"dirs": dirs, "out": out, "cli": cli, "jax": json.loads((out / "jax.json").read_text()),
+                "bench": json.loads((root / "bench" / "mesh.json").read_text()),
+                "bench_md": (root / "bench" / "mesh.md").read_text(),
+                "jax_logits": dict(np.load(out / "jax_logits.npz")),
+                "torch": [json.loads((out / f"torch_rank{r}.json").read_text()) for r in range(2)],
+                "torch_logits": [dict(np.load(out / f"torch_rank{r}.npz")) for r in range(2)]}
+
+    return run
+
+
+_TORCH_WORKERS = """
+import sys
+from twincache_app.launch import run_ranks
+sys.exit(run_ranks(sys.argv[1:], 2, module="parity_tests.mesh_torch_worker"))
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(request: pytest.FixtureRequest) -> dict[str, object]:
+    return background.collect(request, mesh_workers)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.torch_version import TorchVersion
 
+from parity_tests import background
 from parity_tests.conftest import save_hf_checkpoint
 from torch_cache.cache import make_cache
 from torch_cache.generate import prefill
@@ -166,8 +167,8 @@ print(json.dumps({"isa": isa, "imported by the thread": imported, "headers befor
 ISA_SETTINGS = ("default config", "vectorisation off", "AVX2 forced", "widest ISA fails")
 
 
-@pytest.fixture(scope="module")
-def isa_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict]]:
+@background.job
+def isa_reports(request: pytest.FixtureRequest) -> Callable[[], dict[str, dict[str, dict]]]:
     """For each setting, the ISA report of a process that ran the checks in the background ("probed"), then of one
     where inductor ran them itself ("inductor"), sharing the first one's inductor cache and temp dir (a fresh pair
     per setting, as on a new machine). The settings are independent: their processes run side by side."""
@@ -178,27 +179,36 @@ def isa_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, di
 
     envs = {}
     for setting in ISA_SETTINGS:
-        root = tmp_path_factory.mktemp("isa")
+        root = request.getfixturevalue("tmp_path_factory").mktemp("isa")
         (root / "tmp").mkdir()
         envs[setting] = env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
                                "TMPDIR": str(root / "tmp"), "PYTHONPATH": str(REPO)}
         env.pop("ATEN_CPU_CAPABILITY", None)
         if setting == "AVX2 forced":
             env["ATEN_CPU_CAPABILITY"] = "avx2"
-    runs: dict[str, dict[str, dict]] = {setting: {} for setting in ISA_SETTINGS}
-    try:
-        for how in ("probed", "inductor"):
-            started = {setting: subprocess.Popen([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
-                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                       for setting, env in envs.items()}
-            for setting, proc in started.items():
-                stdout, stderr = proc.communicate(timeout=300)
-                assert proc.returncode == 0, (setting, how, stderr[-2000:])
-                runs[setting][how] = json.loads(stdout)
-    finally:
-        for env in envs.values():
-            shutil.rmtree(env["TMPDIR"], ignore_errors=True)  # a precompiled header is ~150 MB
-    return runs
+
+    def run() -> dict[str, dict[str, dict]]:
+        runs: dict[str, dict[str, dict]] = {setting: {} for setting in ISA_SETTINGS}
+        try:
+            for how in ("probed", "inductor"):
+                started = {setting: subprocess.Popen([sys.executable, "-c", _PICKED_ISA, how, setting], env=env,
+                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           for setting, env in envs.items()}
+                for setting, proc in started.items():
+                    stdout, stderr = proc.communicate(timeout=300)
+                    assert proc.returncode == 0, (setting, how, stderr[-2000:])
+                    runs[setting][how] = json.loads(stdout)
+        finally:
+            for env in envs.values():
+                shutil.rmtree(env["TMPDIR"], ignore_errors=True)  # a precompiled header is ~150 MB
+        return runs
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def isa_runs(request: pytest.FixtureRequest) -> dict[str, dict[str, dict]]:
+    return background.collect(request, isa_reports)
 
 
 @pytest.mark.parametrize("setting", ISA_SETTINGS)

@@ -1,0 +1,160 @@
+"""Module fixtures whose work is only processes to start and wait for, run in one background thread ("the lane")
+from the session's first test, so their processes use the core that the in-process tests leave idle.
+
+Most in-process tests run on one core; on a 2-core machine the other one idled while they ran, and then the session
+stood still while a fixture's processes ran (bench runs, fresh-cache inductor probes, the mesh workers: ~7 minutes of
+the suite's wall time). A fixture opts in by splitting itself in two:
+
+    @background.job
+    def bench_run(request: pytest.FixtureRequest) -> Callable[[], Result]:
+        ...  # here, in the main thread: fixtures, checkpoints, directories, the environment, copied from os.environ
+        def run() -> Result:
+            ...  # in the lane: start processes, wait, read their files; nothing of this process's torch/JAX state
+        return run
+
+    @pytest.fixture(scope="module")
+    def bench_results(request):
+        return background.collect(request, bench_run)
+
+At the session's first test, `start` prepares the jobs of the modules the session selected, in module order, and the
+lane runs them one after another at a lower CPU priority (a thread's nice value on Linux, which the processes it starts
+inherit), so they never slow the tests in the foreground much. `collect` waits for a job the lane has started; one
+it has not reached yet runs at once in the foreground, at full priority, as does a job of a module run on its own.
+A run that fails raises in `collect`, with its traceback, in the test that needed it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+Prepare = Callable[[pytest.FixtureRequest], Callable[[], Any]]
+LANE_NICENESS = 10
+
+
+@dataclass
+class _Job:
+    prepare: Prepare
+    module_file: Path
+    run: Callable[[], Any] | None = None
+    state: str = "registered"  # -> "queued" (prepared for the lane) -> "running" -> "done"
+    result: Any = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_jobs: dict[Prepare, _Job] = {}
+_lock = threading.Lock()
+_lane: threading.Thread | None = None
+_stopping = threading.Event()
+
+
+def job(prepare: Prepare) -> Prepare:
+    """Register a module fixture's background work (see the module docstring); returns `prepare` unchanged."""
+    module = sys.modules[prepare.__module__]
+    _jobs[prepare] = _Job(prepare, Path(module.__file__).resolve())
+    return prepare
+
+
+def collect(request: pytest.FixtureRequest, prepare: Prepare) -> Any:
+    """The job's result: the lane's, once it has finished, or computed here when the lane has not started it."""
+    entry = _jobs[prepare]
+    with _lock:
+        run_here = entry.state in ("registered", "queued")
+        if run_here:
+            needs_prepare = entry.state == "registered"
+            entry.state = "running"
+    if run_here:
+        _run(entry, request if needs_prepare else None)
+    entry.done.wait()
+    if entry.error is not None:
+        raise entry.error
+    return entry.result
+
+
+def start(request: pytest.FixtureRequest) -> None:
+    """Prepare, in order, the jobs of every module this session selected, then start the lane on them."""
+    global _lane
+    selected = [Path(str(item.path)).resolve() for item in request.session.items]
+    order = {path: index for index, path in reversed(list(enumerate(selected)))}  # a module's first test
+    queued = sorted((entry for entry in _jobs.values() if entry.module_file in order),
+                    key=lambda entry: order[entry.module_file])
+    for entry in queued:
+        try:
+            entry.run = entry.prepare(request)
+        except BaseException as error:  # noqa: BLE001 - raised again in the test that collects it
+            entry.error, entry.state = error, "done"
+            entry.done.set()
+            continue
+        entry.state = "queued"
+    if any(entry.state == "queued" for entry in queued):
+        _lane = threading.Thread(target=_lane_loop, args=(queued,), name="test-background-lane", daemon=True)
+        _lane.start()
+
+
+def stop() -> None:
+    """End of the session: start nothing more; a run still going (the session was interrupted) has its processes
+    stopped, so none outlives the session."""
+    _stopping.set()
+    if _lane is None or not _lane.is_alive():
+        return
+    with _lock:
+        busy = any(entry.state == "running" and not entry.done.is_set() for entry in _jobs.values())
+    if busy:
+        _terminate_descendants()
+    _lane.join(timeout=60)
+
+
+def _lane_loop(queued: list[_Job]) -> None:
+    if sys.platform == "linux":  # per thread on Linux; elsewhere it would lower the whole test process
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICENESS)
+        except OSError:
+            pass
+    for entry in queued:
+        if _stopping.is_set():
+            return
+        with _lock:
+            if entry.state != "queued":
+                continue  # collected in the foreground first
+            entry.state = "running"
+        _run(entry, None)
+
+
+def _run(entry: _Job, request: pytest.FixtureRequest | None) -> None:
+    try:
+        if request is not None:
+            entry.run = entry.prepare(request)
+        entry.result = entry.run()
+    except BaseException as error:  # noqa: BLE001 - raised again in the test that collects it
+        entry.error = error
+    finally:
+        entry.done.set()
+
+
+def _terminate_descendants() -> None:
+    """SIGTERM to every process below this one (read from /proc; Linux only)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    below, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - below
+        below |= frontier
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
