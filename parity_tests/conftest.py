@@ -40,10 +40,17 @@ def jax_compile_cache_left_as_found():
 @pytest.fixture(scope="session", autouse=True)
 def background_lane(request: pytest.FixtureRequest):
     """The module fixtures that only run processes start at the session's first test, in a background thread
-    (parity_tests/background.py), and run while the in-process tests use the other core."""
+    (parity_tests/background.py), and run while the in-process tests use the other core. In-process torch keeps to
+    one thread meanwhile: a second OpenMP thread would spin-wait on a core the lane's processes hold (the tests' tiny
+    models decode fastest on one thread anyway; see one_torch_thread)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     background.start(request)
     yield
     background.stop()
+    torch.set_num_threads(threads)
 
 # name -> overrides of the base transformers MistralConfig
 CHECKPOINT_VARIANTS: dict[str, dict] = {
