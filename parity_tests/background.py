@@ -54,6 +54,7 @@ class _Job:
 _jobs: dict[Prepare, _Job] = {}
 _lock = threading.Lock()
 _lane: threading.Thread | None = None
+_queued: list[_Job] = []  # what the session's lane was given, in order
 _stopping = threading.Event()
 
 
@@ -87,6 +88,7 @@ def start(request: pytest.FixtureRequest) -> None:
     order = {path: index for index, path in reversed(list(enumerate(selected)))}  # a module's first test
     queued = sorted((entry for entry in _jobs.values() if entry.module_file in order),
                     key=lambda entry: order[entry.module_file])
+    _queued[:] = queued
     for entry in queued:
         try:
             entry.run = entry.prepare(request)

@@ -1,0 +1,90 @@
+"""The suite's background lane (parity_tests/background.py): a job runs once, in the lane at a lower CPU priority
+that the processes it starts inherit, or in the foreground when the lane has not reached it; its error reaches every
+test that collects it. Jobs made here run on a lane of their own, beside the session's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from parity_tests import background
+
+NICENESS = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
+
+
+def registered(run: Callable[[], object], prepared: list[str]) -> background.Prepare:
+    def prepare(request: pytest.FixtureRequest) -> Callable[[], object]:
+        prepared.append(threading.current_thread().name)
+        return run
+
+    prepare.__module__ = __name__
+    background.job(prepare)
+    return prepare
+
+
+def child_niceness() -> tuple[str, int]:
+    """The thread this ran in, and the nice value of a process it started."""
+    proc = subprocess.run([sys.executable, "-c", NICENESS], capture_output=True, text=True, check=True)
+    return threading.current_thread().name, int(proc.stdout)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the lane lowers its priority per thread on Linux only")
+def test_a_job_runs_once_in_the_lane_and_the_processes_it_starts_run_at_its_lower_priority(request):
+    prepared: list[str] = []
+    runs: list[int] = []
+
+    def run() -> tuple[str, int]:
+        runs.append(1)
+        return child_niceness()
+
+    prepare = registered(run, prepared)
+    entry = background._jobs[prepare]
+    try:
+        entry.run, entry.state = prepare(request), "queued"  # as `start` prepares it, in the main thread
+        lane = threading.Thread(target=background._lane_loop, args=([entry],), name="a test lane")
+        lane.start()
+        lane.join(timeout=60)
+        thread, niceness = background.collect(request, prepare)
+        assert (thread, niceness) == ("a test lane", os.getpriority(os.PRIO_PROCESS, 0) + background.LANE_NICENESS)
+        assert background.collect(request, prepare) == (thread, niceness) and len(runs) == 1
+        assert prepared == [threading.current_thread().name]
+    finally:
+        del background._jobs[prepare]
+
+
+def test_a_job_the_lane_has_not_reached_runs_in_the_foreground_at_full_priority(request):
+    prepared: list[str] = []
+    prepare = registered(child_niceness, prepared)
+    try:
+        thread, niceness = background.collect(request, prepare)
+        assert thread == threading.current_thread().name and niceness == os.getpriority(os.PRIO_PROCESS, 0)
+        assert prepared == [thread]
+    finally:
+        del background._jobs[prepare]
+
+
+def test_a_failed_run_raises_in_every_test_that_collects_it(request):
+    def run() -> None:
+        raise AssertionError("the bench exited 1")
+
+    prepare = registered(run, [])
+    try:
+        for _ in range(2):
+            with pytest.raises(AssertionError, match="the bench exited 1"):
+                background.collect(request, prepare)
+    finally:
+        del background._jobs[prepare]
+
+
+def test_the_session_lane_holds_the_jobs_of_the_selected_modules_in_the_order_of_their_first_tests(request):
+    selected = [Path(str(item.path)).resolve() for item in request.session.items]
+    first_test = {path: selected.index(path) for path in set(selected)}
+    expected = [entry for entry in background._jobs.values() if entry.module_file in first_test]
+    expected.sort(key=lambda entry: first_test[entry.module_file])
+    assert background._queued == expected
