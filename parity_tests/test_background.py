@@ -88,3 +88,10 @@ def test_the_session_lane_holds_the_jobs_of_the_selected_modules_in_the_order_of
     expected = [entry for entry in background._jobs.values() if entry.module_file in first_test]
     expected.sort(key=lambda entry: first_test[entry.module_file])
     assert background._queued == expected
+
+
+def test_the_modules_with_a_job_run_after_all_the_others(request):
+    """Else a module collecting a job early stands waiting for the lane (bench and mesh runs: ~40 s of the session)."""
+    with_jobs = {entry.module_file for entry in background._jobs.values()}
+    selected = [Path(str(item.path)).resolve() in with_jobs for item in request.session.items]
+    assert selected == sorted(selected), "a module without a job runs after one with a job"
