@@ -10,6 +10,7 @@ from pathlib import Path
 from bench import prefill_memory
 from bench.impls import impl_registry
 from bench.presets import PRESETS, resolve
+from twincache.config import check_window_flag
 from twincache.errors import InputError, UnavailableError
 from twincache.generation import CACHE_KINDS, PREFILL_CHUNK
 from twincache.storage import writable_directory
@@ -112,8 +113,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--repeats={args.repeats} must be >= 1")
     if args.deadline is not None and not args.deadline >= 0:  # NaN too: it would never pass
         raise InputError(f"--deadline={args.deadline} must be a number of seconds >= 0 (inf: none)")
-    if args.sliding_window is not None and args.sliding_window < 1:
-        raise InputError(f"--sliding-window={args.sliding_window} must be >= 1")
+    check_window_flag(args.sliding_window)
     preset = resolve(PRESETS[args.preset], args.model, args.sliding_window)
     if "sliding_window" in args.caches and preset.config.sliding_window is None:
         raise InputError(f"{args.model} has no sliding window, so the sliding_window cache cannot run; give it one "

@@ -147,6 +147,8 @@ def _build_checkpoints(root: Path, good: Path, no_window: Path, sharded: Path) -
     d = dirs["rope_parameters"] = copy_checkpoint(good, root / "rope_parameters")
     edit_config(d, lambda raw: raw.__setitem__("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4,
                                                                    "factor": 4.0}))
+    d = dirs["window_past_int32"] = copy_checkpoint(good, root / "window_past_int32")
+    edit_config(d, lambda raw: raw.__setitem__("sliding_window", 2**31))
     d = dirs["hidden_act"] = copy_checkpoint(good, root / "hidden_act")
     edit_config(d, lambda raw: raw.__setitem__("hidden_act", "gelu"))
     d = dirs["nan_weights"] = copy_checkpoint(good, root / "nan_weights")
@@ -220,6 +222,11 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "sliding_without_window": ("no_window", ["--cache", "sliding_window"],
                                "a sliding_window cache was asked for, but this model's config has "
                                "sliding_window=null; use the static cache"),
+    # a window past the int32 positions: JAX's masks overflowed ("unexpected OverflowError"); torch wrapped
+    "window_flag_past_int32": ("good", ["--sliding-window", str(2**31)],
+                               "--sliding-window=2147483648 must be in [1, 2147483647]"),
+    "config_window_past_int32": ("window_past_int32", [], "config sliding_window=2147483648 must be a positive "
+                                                          "integer of at most 2147483647"),
     # 20. logits that become non-finite during generation
     "nan_weights": ("nan_weights", [], "the model produced NaN or Inf logits at generated token 0"),
     # argparse-level mistakes keep the same one-line contract

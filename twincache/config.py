@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from twincache.errors import ConfigError
+from twincache.errors import ConfigError, InputError
+
+INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both backends
 
 # Keys that change the computation in ways twincache does not implement. A non-default value is refused.
 _UNSUPPORTED_IF_SET: dict[str, Any] = {
@@ -52,6 +54,14 @@ def _positive_number(name: str, value: object) -> float:
     return float(value)
 
 
+def check_window_flag(sliding_window: int | None) -> int | None:
+    """A `--sliding-window N` flag (generate, parity, soak, bench): None, or a window the config accepts."""
+    if sliding_window is not None and not 1 <= sliding_window <= INT32_MAX:
+        raise InputError(f"--sliding-window={sliding_window} must be in [1, {INT32_MAX}] (positions are int32; a "
+                         "window that long sees every position)")
+    return sliding_window
+
+
 @dataclasses.dataclass(frozen=True)
 class MistralConfig:
     """Every field is type-checked on construction: integers are ints (not bools, floats or strings), floats are
@@ -86,8 +96,10 @@ class MistralConfig:
             raise ConfigError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
                                                 or not isinstance(self.sliding_window, int)
-                                                or self.sliding_window <= 0):
-            raise ConfigError(f"config sliding_window={self.sliding_window!r} must be a positive integer or null")
+                                                or not 0 < self.sliding_window <= INT32_MAX):
+            # The masks compute q - W in int32: a longer window overflowed (JAX) or wrapped (torch).
+            raise ConfigError(f"config sliding_window={self.sliding_window!r} must be a positive integer of at most "
+                              f"{INT32_MAX} (positions are int32; a window that long sees every position) or null")
         if not isinstance(self.tie_word_embeddings, bool):  # "false" (a string) is truthy: it would tie silently
             raise ConfigError(f"config field tie_word_embeddings={self.tie_word_embeddings!r} must be true or false, "
                               f"not {_type_name(self.tie_word_embeddings)}")

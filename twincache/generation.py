@@ -16,11 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from twincache.config import MistralConfig
+from twincache.config import INT32_MAX, MistralConfig
 from twincache.errors import CacheError, InputError
 
 CACHE_KINDS = ("static", "sliding_window")
-INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both backends
 # jax.random.key keeps only a seed's low 32 bits (without x64), so seeds 2^32 apart would repeat a stream there;
 # both backends take seeds in [0, 2^32) so that a seed means the same thing in either.
 SEED_LIMIT = 2**32

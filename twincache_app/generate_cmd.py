@@ -15,7 +15,7 @@ from typing import Any
 
 from twincache import phases
 from twincache.checkpoint import load_config
-from twincache.config import MistralConfig
+from twincache.config import MistralConfig, check_window_flag
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError, MeshError
 from twincache.generation import CACHE_KINDS, DTYPES, NOTICES, SamplingParams, parse_token_id_text, parse_token_ids
@@ -58,10 +58,8 @@ def model_config(args: argparse.Namespace, model_path: Path) -> MistralConfig:
     """The checkpoint's config as this command runs it: with --sliding-window's window when given. Loading it also
     fails on a bad path or config before a framework loads."""
     config = load_config(model_path)
-    if args.sliding_window is None:
+    if check_window_flag(args.sliding_window) is None:
         return config
-    if args.sliding_window < 1:
-        raise InputError(f"--sliding-window={args.sliding_window} must be >= 1")
     return dataclasses.replace(config, sliding_window=args.sliding_window)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from twincache.checkpoint import load_config
-from twincache.config import MistralConfig
+from twincache.config import MistralConfig, check_window_flag
 from twincache.errors import CacheError, InputError, NonFiniteLogitsError
 from twincache.generation import DTYPES
 from twincache_app.backends import BACKENDS
@@ -64,8 +64,7 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     if mode not in entry.streaming_modes:
         raise InputError(f"the soak watches every decode step, so it needs a streaming mode; {backend} mode {mode} "
                          f"decodes without handing steps back (use --mode {' or '.join(entry.streaming_modes)})")
-    if sliding_window is not None and sliding_window < 1:
-        raise InputError(f"--sliding-window={sliding_window} must be >= 1")
+    check_window_flag(sliding_window)
     if model_dir is None:
         from twincache.default_model import default_model_dir
 
