@@ -244,6 +244,30 @@ def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpo
     _assert_good_default_model(tmp_path, reference_build)
 
 
+@pytest.mark.parametrize("damage", ["weights_truncated", "tokenizer_removed", "config_grown",
+                                    "stamp_of_an_older_build"])
+def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, reference_build, damage: str):
+    """A finished build whose files changed since (a disk that filled up while copying a home, a user's edit) is
+    rebuilt on the next run, not loaded into "model.safetensors is truncated ... re-download or re-save the
+    checkpoint", advice that fits no file twincache built itself. So is a stamp without the build's file list."""
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    final = default_model.tiny_model_dir()
+    stamp = final / default_model._COMPLETE_STAMP
+    weights = final / "model.safetensors"
+    if damage == "weights_truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "tokenizer_removed":
+        (final / "tokenizer.json").unlink()
+    elif damage == "config_grown":
+        (final / "config.json").write_text((final / "config.json").read_text() + " ")
+    else:
+        stamp.write_text(stamp.read_text().splitlines()[0] + "\n")
+    assert not default_model.is_complete(final)
+    assert default_model.tiny_model_dir() == final
+    _assert_good_default_model(tmp_path, reference_build)
+    assert default_model.is_complete(final)
+
+
 # --- 4. non-finite logits stop generation -----------------------------------------------------------------------------
 
 

