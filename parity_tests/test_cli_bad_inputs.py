@@ -225,8 +225,8 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     # a window past the int32 positions: JAX's masks overflowed ("unexpected OverflowError"); torch wrapped
     "window_flag_past_int32": ("good", ["--sliding-window", str(2**31)],
                                "--sliding-window=2147483648 must be in [1, 2147483647]"),
-    "config_window_past_int32": ("window_past_int32", [], "config sliding_window=2147483648 must be a positive "
-                                                          "integer of at most 2147483647"),
+    "config_window_past_int32": ("window_past_int32", [], "config sliding_window=2147483648 is past 2147483647, "
+                                                          "the int32 limit of positions"),
     # 20. logits that become non-finite during generation
     "nan_weights": ("nan_weights", [], "the model produced NaN or Inf logits at generated token 0"),
     # argparse-level mistakes keep the same one-line contract

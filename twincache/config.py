@@ -96,10 +96,12 @@ class MistralConfig:
             raise ConfigError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
                                                 or not isinstance(self.sliding_window, int)
-                                                or not 0 < self.sliding_window <= INT32_MAX):
+                                                or self.sliding_window <= 0):
+            raise ConfigError(f"config sliding_window={self.sliding_window!r} must be a positive integer or null")
+        if self.sliding_window is not None and self.sliding_window > INT32_MAX:
             # The masks compute q - W in int32: a longer window overflowed (JAX) or wrapped (torch).
-            raise ConfigError(f"config sliding_window={self.sliding_window!r} must be a positive integer of at most "
-                              f"{INT32_MAX} (positions are int32; a window that long sees every position) or null")
+            raise ConfigError(f"config sliding_window={self.sliding_window} is past {INT32_MAX}, the int32 limit of "
+                              "positions; a window that long sees every position: use null (no window)")
         if not isinstance(self.tie_word_embeddings, bool):  # "false" (a string) is truthy: it would tie silently
             raise ConfigError(f"config field tie_word_embeddings={self.tie_word_embeddings!r} must be true or false, "
                               f"not {_type_name(self.tie_word_embeddings)}")
