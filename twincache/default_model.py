@@ -244,9 +244,10 @@ def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
 
 
 def is_complete(final: Path) -> bool:
-    """Whether `final` holds a finished build, its files as the build left them: a file truncated, removed or
-    rewritten since (a full disk, a user's edit) makes it incomplete, so it is rebuilt instead of failing to load with
-    advice to re-download a checkpoint nobody downloaded. A stamp without the file list (an older build) too."""
+    """Whether `final` holds a finished build whose files have the sizes the build gave them: one truncated, removed
+    or grown since (a full disk, a user's edit) makes it incomplete, so it is rebuilt instead of failing to load with
+    advice to re-download a checkpoint nobody downloaded. So does a stamp without the file list (an older build).
+    Sizes only: a changed byte that keeps the size is the loader's to find (its header and shape checks)."""
     try:
         lines = (final / _COMPLETE_STAMP).read_text().splitlines()
     except OSError:
