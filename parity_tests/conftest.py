@@ -52,8 +52,10 @@ def background_lane(request: pytest.FixtureRequest):
     background.stop()
     torch.set_num_threads(threads)
 
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     background.lane_modules_last(items)
+
 
 # name -> overrides of the base transformers MistralConfig
 CHECKPOINT_VARIANTS: dict[str, dict] = {
