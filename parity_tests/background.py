@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,9 @@ class _Job:
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    ran_in: str = ""  # "lane" or "foreground"
+    seconds: float = 0.0  # its run, start to end
+    waited: float = 0.0  # how long the foreground stood waiting for it in `collect`
 
 
 _jobs: dict[Prepare, _Job] = {}
@@ -76,7 +80,9 @@ def collect(request: pytest.FixtureRequest, prepare: Prepare) -> Any:
             entry.state = "running"
     if run_here:
         _run(entry, request if needs_prepare else None)
+    waiting_since = time.monotonic()
     entry.done.wait()
+    entry.waited += time.monotonic() - waiting_since
     if entry.error is not None:
         raise entry.error
     return entry.result
@@ -142,6 +148,8 @@ def _lane_loop(queued: list[_Job]) -> None:
 
 
 def _run(entry: _Job, request: pytest.FixtureRequest | None) -> None:
+    entry.ran_in = "lane" if threading.current_thread() is _lane else "foreground"
+    started = time.monotonic()
     try:
         if request is not None:
             entry.run = entry.prepare(request)
@@ -149,7 +157,15 @@ def _run(entry: _Job, request: pytest.FixtureRequest | None) -> None:
     except BaseException as error:  # noqa: BLE001 - raised again in the test that collects it
         entry.error = error
     finally:
+        entry.seconds = time.monotonic() - started
         entry.done.set()
+
+
+def summary() -> list[str]:
+    """One line per job the session ran: where, for how long, and how long the foreground waited for it (the
+    end of the session's terminal report; what to look at when the suite grows slow)."""
+    return [f"{entry.module_file.stem}::{entry.prepare.__name__}: {entry.seconds:.0f} s in the {entry.ran_in}, "
+            f"the foreground waited {entry.waited:.0f} s" for entry in _jobs.values() if entry.ran_in]
 
 
 def _terminate_descendants() -> None:

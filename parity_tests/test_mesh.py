@@ -159,7 +159,8 @@ def mesh_workers(request: pytest.FixtureRequest) -> Callable[[], dict[str, objec
     out = root / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # several processes share 2 cores (docs/design.md §7.11)
-    jax_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    jax_env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip(),
+               "JAX_PLATFORMS": "cpu"}
     paths = {**dirs, "trained": trained_model_dir}
 
     def run() -> dict[str, object]:
