@@ -79,7 +79,7 @@ def collect(request: pytest.FixtureRequest, prepare: Prepare) -> Any:
             needs_prepare = entry.state == "registered"
             entry.state = "running"
     if run_here:
-        _run(entry, request if needs_prepare else None)
+        _run(entry, request if needs_prepare else None, "foreground")
     waiting_since = time.monotonic()
     entry.done.wait()
     entry.waited += time.monotonic() - waiting_since
@@ -144,11 +144,11 @@ def _lane_loop(queued: list[_Job]) -> None:
             if entry.state != "queued":
                 continue  # collected in the foreground first
             entry.state = "running"
-        _run(entry, None)
+        _run(entry, None, "lane")
 
 
-def _run(entry: _Job, request: pytest.FixtureRequest | None) -> None:
-    entry.ran_in = "lane" if threading.current_thread() is _lane else "foreground"
+def _run(entry: _Job, request: pytest.FixtureRequest | None, where: str) -> None:
+    entry.ran_in = where
     started = time.monotonic()
     try:
         if request is not None:

@@ -34,6 +34,13 @@ def child_niceness() -> tuple[str, int]:
     return threading.current_thread().name, int(proc.stdout)
 
 
+def assert_summarised(entry: background._Job, where: str) -> None:
+    """The session's report has the job's line: where it ran, and its time (a process start: more than 0 s)."""
+    assert entry.ran_in == where and entry.seconds > 0, (entry.ran_in, entry.seconds)
+    line = f"test_background::prepare: {entry.seconds:.0f} s in the {where}, the foreground waited"
+    assert any(summary.startswith(line) for summary in background.summary()), background.summary()
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the lane lowers its priority per thread on Linux only")
 def test_a_job_runs_once_in_the_lane_and_the_processes_it_starts_run_at_its_lower_priority(request):
     prepared: list[str] = []
@@ -54,6 +61,7 @@ def test_a_job_runs_once_in_the_lane_and_the_processes_it_starts_run_at_its_lowe
         assert (thread, niceness) == ("a test lane", os.getpriority(os.PRIO_PROCESS, 0) + background.LANE_NICENESS)
         assert background.collect(request, prepare) == (thread, niceness) and len(runs) == 1
         assert prepared == [threading.current_thread().name]
+        assert_summarised(entry, "lane")
     finally:
         del background._jobs[prepare]
 
@@ -65,6 +73,7 @@ def test_a_job_the_lane_has_not_reached_runs_in_the_foreground_at_full_priority(
         thread, niceness = background.collect(request, prepare)
         assert thread == threading.current_thread().name and niceness == os.getpriority(os.PRIO_PROCESS, 0)
         assert prepared == [thread]
+        assert_summarised(background._jobs[prepare], "foreground")
     finally:
         del background._jobs[prepare]
 
