@@ -11,10 +11,9 @@ unless XLA_FLAGS already sets it. It only takes effect if jax_cache is imported 
 (docs/design.md §7.4).
 """
 
-import os
+from twincache.xla_flags import add_xla_flag
 
-if "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
+add_xla_flag("xla_allow_excess_precision", "false")
 
 NAME = "jax"
 # Decode modes, the default first, with what each runs.

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from parity_tests import background
+from twincache.xla_flags import add_xla_flag
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # XLA's LLVM backend skips its costly optimisation passes while the suite compiles hundreds of tiny programs, here
@@ -24,9 +25,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # sharding, run as they do for a user). Only where JAX runs on the CPU (no GPU plugin installed, or
 # JAX_PLATFORMS=cpu): a GPU's kernels would get it too. Never over a setting of the option.
 _JAX_GPU_PLUGIN = any(re.fullmatch(r"jax_(cuda|rocm)\d*_plugin", module.name) for module in pkgutil.iter_modules())
-if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", "") and \
-        (os.environ.get("JAX_PLATFORMS") == "cpu" or not _JAX_GPU_PLUGIN):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_llvm_disable_expensive_passes=true".strip()
+if os.environ.get("JAX_PLATFORMS") == "cpu" or not _JAX_GPU_PLUGIN:
+    add_xla_flag("xla_llvm_disable_expensive_passes", "true")
 
 WINDOW = 8
 

@@ -39,6 +39,19 @@ CHECKPOINTS = {"gqa": dict(seed=20, num_attention_heads=8),
 
 # --- the floor: which meshes work, and who holds what -----------------------------------------------------------------
 
+def test_an_xla_option_is_added_once_and_never_over_the_users_setting(monkeypatch):
+    """The CLI's simulated CPU devices, jax_cache's excess precision and the suite's compile options all go into
+    XLA_FLAGS this way: appended to what is there, and not at all when XLA_FLAGS names the option already."""
+    from twincache.xla_flags import add_xla_flag
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    add_xla_flag("xla_force_host_platform_device_count", 4)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    add_xla_flag("xla_force_host_platform_device_count", 8)  # set already: the first value stays
+    add_xla_flag("xla_allow_excess_precision", "false")
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 --xla_allow_excess_precision=false"
+
+
 def test_parse_mesh_reads_both_axes_in_any_order_and_refuses_anything_else():
     assert parse_mesh("model=2") == MeshShape(data=1, model=2)
     assert parse_mesh("data=4, model=2") == MeshShape(data=4, model=2)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from twincache.xla_flags import add_xla_flag
 from twincache_app import interrupts
 
 if TYPE_CHECKING:  # twincache.mesh imports numpy: the CLI imports this module before it handles Ctrl-C
@@ -44,9 +45,7 @@ def rank() -> int:
 def simulate_cpu_devices(mesh: MeshShape) -> None:
     """Let JAX on a CPU show as many devices as `mesh` needs (XLA_FLAGS, read once when JAX starts its backend;
     GPU backends ignore it). An XLA_FLAGS that already sets a device count is left as it is."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={mesh.devices}".strip()
+    add_xla_flag("xla_force_host_platform_device_count", mesh.devices)
 
 
 def _free_port() -> int:
