@@ -7,8 +7,6 @@ ring several times while each forward stays tiny.
 from __future__ import annotations
 
 import os
-import pkgutil
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,17 +14,8 @@ from pathlib import Path
 import pytest
 
 from parity_tests import background
-from twincache.xla_flags import add_xla_flag
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# XLA's LLVM backend skips its costly optimisation passes while the suite compiles hundreds of tiny programs, here
-# and in every process a test starts (they inherit the environment): test_jax_generate.py alone took 56 s instead of
-# 65, with bit-identical logits (these passes keep IEEE semantics; XLA's own HLO passes, and so fusion, donation and
-# sharding, run as they do for a user). Only where JAX runs on the CPU (no GPU plugin installed, or
-# JAX_PLATFORMS=cpu): a GPU's kernels would get it too. Never over a setting of the option.
-_JAX_GPU_PLUGIN = any(re.fullmatch(r"jax_(cuda|rocm)\d*_plugin", module.name) for module in pkgutil.iter_modules())
-if os.environ.get("JAX_PLATFORMS") == "cpu" or not _JAX_GPU_PLUGIN:
-    add_xla_flag("xla_llvm_disable_expensive_passes", "true")
 
 WINDOW = 8
 

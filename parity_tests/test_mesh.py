@@ -40,8 +40,8 @@ CHECKPOINTS = {"gqa": dict(seed=20, num_attention_heads=8),
 # --- the floor: which meshes work, and who holds what -----------------------------------------------------------------
 
 def test_an_xla_option_is_added_once_and_never_over_the_users_setting(monkeypatch):
-    """The CLI's simulated CPU devices, jax_cache's excess precision and the suite's compile options all go into
-    XLA_FLAGS this way: appended to what is there, and not at all when XLA_FLAGS names the option already."""
+    """The CLI's simulated CPU devices and jax_cache's excess precision both go into XLA_FLAGS this way: appended to
+    what is there, and not at all when XLA_FLAGS names the option already."""
     from twincache.xla_flags import add_xla_flag
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)
@@ -172,8 +172,7 @@ def mesh_workers(request: pytest.FixtureRequest) -> Callable[[], dict[str, objec
     out = root / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # several processes share 2 cores (docs/design.md §7.11)
-    jax_env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip(),
-               "JAX_PLATFORMS": "cpu"}
+    jax_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     paths = {**dirs, "trained": trained_model_dir}
 
     def run() -> dict[str, object]:

@@ -1,6 +1,6 @@
 """XLA_FLAGS, the options XLA reads once when JAX starts its backend: an option goes in only when the variable does not
-already name it, so a user's own setting always wins (jax_cache's excess precision, the CLI's simulated CPU devices,
-the test suite's compile options)."""
+already name it, so a user's own setting always wins (jax_cache's excess precision, the CLI's simulated CPU
+devices)."""
 
 from __future__ import annotations
 
