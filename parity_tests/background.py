@@ -6,22 +6,21 @@ stood still while a fixture's processes ran (bench runs, fresh-cache inductor pr
 the suite's wall time). A fixture opts in by splitting itself in two:
 
     @background.job
-    def bench_run(request: pytest.FixtureRequest) -> Callable[[], Result]:
+    def bench_results(request: pytest.FixtureRequest) -> Callable[[], Result]:
         ...  # here, in the main thread: fixtures, checkpoints, directories, the environment, copied from os.environ
         def run() -> Result:
             ...  # in the lane: start processes, wait, read their files; nothing of this process's torch/JAX state
         return run
 
-    @pytest.fixture(scope="module")
-    def bench_results(request):
-        return background.collect(request, bench_run)
-
-The session runs the modules with a job after all the others (`lane_modules_last`), so the lane has done most of its
-work when their tests collect it. At the session's first test, `start` prepares the jobs of the modules the session
-selected, in module order, and the lane runs them one after another at a lower CPU priority (a thread's nice value on
-Linux, which the processes it starts inherit), so they never slow the tests in the foreground much. `collect` waits for
-a job the lane has started; one it has not reached yet runs at once in the foreground, at full priority, as does a job
-of a module run on its own. A run that fails raises in `collect`, with its traceback, in the test that needed it.
+`job` makes it a module fixture of the same name whose value is the run's `Result`; tests and fixtures ask for it
+by that name. The session runs the modules with a job after all the others (`lane_modules_last`), so the lane has
+done most of its work when their tests collect it. At the session's first test, `start` prepares, in module order,
+the jobs that a selected test asks for (directly or through its fixtures: `pytest -k` on one test of a module starts
+none of that module's jobs it does not need), and the lane runs them one after another at a lower CPU priority (a
+thread's nice value on Linux, which the processes it starts inherit), so they never slow the tests in the foreground
+much. `collect` waits for a job the lane has started; one it has not reached yet runs at once in the foreground, at
+full priority, as does a job of a module run on its own. A run that fails raises in `collect`, with its traceback, in
+the test that needed it.
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ class _Job:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     ran_in: str = ""  # "lane" or "foreground"
+    collected: bool = False  # a test has had its result (else the session ended while it ran)
     seconds: float = 0.0  # its run, start to end
     waited: float = 0.0  # how long the foreground stood waiting for it in `collect`
 
@@ -63,11 +63,17 @@ _queued: list[_Job] = []  # what the session's lane was given, in order
 _stopping = threading.Event()
 
 
-def job(prepare: Prepare) -> Prepare:
-    """Register a module fixture's background work (see the module docstring); returns `prepare` unchanged."""
+def job(prepare: Prepare) -> Any:
+    """Register a module fixture's background work (see the module docstring); returns the module fixture, named as
+    `prepare`, whose value is the work's result."""
     module = sys.modules[prepare.__module__]
     _jobs[prepare] = _Job(prepare, Path(module.__file__).resolve())
-    return prepare
+
+    def result(request: pytest.FixtureRequest) -> Any:
+        return collect(request, prepare)
+
+    result.__doc__ = prepare.__doc__
+    return pytest.fixture(scope="module", name=prepare.__name__)(result)
 
 
 def collect(request: pytest.FixtureRequest, prepare: Prepare) -> Any:
@@ -83,6 +89,7 @@ def collect(request: pytest.FixtureRequest, prepare: Prepare) -> Any:
     waiting_since = time.monotonic()
     entry.done.wait()
     entry.waited += time.monotonic() - waiting_since
+    entry.collected = True
     if entry.error is not None:
         raise entry.error
     return entry.result
@@ -97,13 +104,22 @@ def lane_modules_last(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: Path(str(item.path)).resolve() in with_jobs)  # stable: each group keeps its order
 
 
+def needed(items: list[pytest.Item]) -> list[_Job]:
+    """The jobs that the selected tests ask for, directly or through their fixtures (`item.fixturenames` is the
+    closure), each asked for by a test of its own module, in the order of the first test that asks."""
+    first_asked: dict[Prepare, int] = {}
+    for index, item in enumerate(items):
+        path, names = Path(str(item.path)).resolve(), set(getattr(item, "fixturenames", ()))
+        for entry in _jobs.values():
+            if entry.module_file == path and entry.prepare.__name__ in names:
+                first_asked.setdefault(entry.prepare, index)
+    return sorted((_jobs[prepare] for prepare in first_asked), key=lambda entry: first_asked[entry.prepare])
+
+
 def start(request: pytest.FixtureRequest) -> None:
-    """Prepare, in order, the jobs of every module this session selected, then start the lane on them."""
+    """Prepare, in order, the jobs that this session's selected tests ask for, then start the lane on them."""
     global _lane
-    selected = [Path(str(item.path)).resolve() for item in request.session.items]
-    order = {path: index for index, path in reversed(list(enumerate(selected)))}  # a module's first test
-    queued = sorted((entry for entry in _jobs.values() if entry.module_file in order),
-                    key=lambda entry: order[entry.module_file])
+    queued = needed(request.session.items)
     _queued[:] = queued
     for entry in queued:
         try:
@@ -165,7 +181,9 @@ def summary() -> list[str]:
     """One line per job the session ran: where, for how long, and how long the foreground waited for it (the
     end of the session's terminal report; what to look at when the suite grows slow)."""
     return [f"{entry.module_file.stem}::{entry.prepare.__name__}: {entry.seconds:.0f} s in the {entry.ran_in}, "
-            f"the foreground waited {entry.waited:.0f} s" for entry in _jobs.values() if entry.ran_in]
+            + (f"the foreground waited {entry.waited:.0f} s" if entry.collected
+               else "never collected (the session ended while it ran, or the tests that ask for it did not run)")
+            for entry in _jobs.values() if entry.ran_in]
 
 
 def _terminate_descendants() -> None:

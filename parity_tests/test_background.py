@@ -10,6 +10,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -91,12 +92,50 @@ def test_a_failed_run_raises_in_every_test_that_collects_it(request):
         del background._jobs[prepare]
 
 
-def test_the_session_lane_holds_the_jobs_of_the_selected_modules_in_the_order_of_their_first_tests(request):
-    selected = [Path(str(item.path)).resolve() for item in request.session.items]
-    first_test = {path: selected.index(path) for path in set(selected)}
-    expected = [entry for entry in background._jobs.values() if entry.module_file in first_test]
-    expected.sort(key=lambda entry: first_test[entry.module_file])
-    assert background._queued == expected
+def test_the_lane_takes_only_the_jobs_a_selected_test_of_their_module_asks_for_in_the_order_asked(request):
+    """`pytest -k` on one test of a module must not build and run that module's jobs: the mesh job's preparing
+    alone (the trained model) held one selected test 72 s. A fixture's name asked for in another module is another
+    fixture."""
+    first, second = registered(lambda: None, []), registered(lambda: None, [])
+    second.__name__ = "prepare_too"
+    here, elsewhere = Path(__file__), Path(__file__).with_name("test_mesh.py")
+
+    def item(path: Path, *names: str) -> SimpleNamespace:
+        return SimpleNamespace(path=path, fixturenames=["request", *names])
+
+    try:
+        jobs = background._jobs
+        assert background.needed([item(here), item(here, "tmp_path")]) == []
+        assert background.needed([item(elsewhere, "prepare", "prepare_too")]) == []
+        asking = [item(here), item(here, "prepare_too"), item(here, "prepare"), item(here, "prepare_too")]
+        assert background.needed(asking) == [jobs[second], jobs[first]]
+    finally:
+        del background._jobs[first], background._jobs[second]
+
+
+def test_the_session_lane_holds_the_jobs_its_selected_tests_ask_for_in_the_order_of_their_first_tests(request):
+    asked_at: dict[background.Prepare, int] = {}
+    for index, item in enumerate(request.session.items):
+        for prepare, entry in background._jobs.items():
+            if entry.module_file == Path(str(item.path)).resolve() and prepare.__name__ in item.fixturenames:
+                asked_at.setdefault(prepare, index)
+    assert background._queued == [background._jobs[prepare] for prepare in sorted(asked_at, key=asked_at.get)]
+
+
+def test_a_job_that_ran_but_was_never_collected_says_so_instead_of_a_wait(request):
+    """The session's end stops a job no test has collected yet (an interrupted session): its line must not read
+    as a finished job that nobody waited for."""
+    prepare = registered(lambda: None, [])
+    entry = background._jobs[prepare]
+    try:
+        entry.run, entry.state = prepare(request), "running"  # as the lane runs it
+        background._run(entry, None, "lane")
+        assert any(line.startswith("test_background::prepare:") and "never collected" in line
+                   for line in background.summary()), background.summary()
+        background.collect(request, prepare)
+        assert_summarised(entry, "lane")
+    finally:
+        del background._jobs[prepare]
 
 
 def test_the_modules_with_a_job_run_after_all_the_others(request):

@@ -35,7 +35,7 @@ def _jax_cache_importable() -> bool:
 
 
 @background.job
-def bench_tiny(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, list[dict]]]:
+def tiny_run(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, list[dict]]]:
     root = request.getfixturevalue("tmp_path_factory").mktemp("bench")
     out = root / "out"
     env = {**os.environ, "TWINCACHE_HOME": str(root / "home"), "PYTHONPATH": str(REPO)}
@@ -48,11 +48,6 @@ def bench_tiny(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, list[
         return out, json.loads((out / "results.json").read_text())
 
     return run
-
-
-@pytest.fixture(scope="module")
-def tiny_run(request: pytest.FixtureRequest) -> tuple[Path, list[dict]]:
-    return background.collect(request, bench_tiny)
 
 
 def test_decode_records_cover_every_impl_and_cache(tiny_run):

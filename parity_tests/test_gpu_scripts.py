@@ -103,7 +103,8 @@ def seven_b_at_a_tiny_shape(request: pytest.FixtureRequest) -> Callable[[], tupl
     return run
 
 
-def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(request: pytest.FixtureRequest):
+def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(
+        seven_b_at_a_tiny_shape: tuple[Path, subprocess.CompletedProcess]):
     """bench/gpu_7b.sh runs `--preset 7b`: bf16 weights built in memory on the device and shared by every
     implementation (no checkpoint directory). The same preset at a tiny shape on CPU, through the runner (the CLI
     refuses 7b without a GPU); torch compiled left out for time. In a subprocess, as test_bench_smoke. Warm-ups
@@ -111,7 +112,7 @@ def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(request: pytest.
     torch_cache's graphs guard on); past the deadline (after the 8th warm-up here) none starts: the compiled
     transformers, last, is recorded as skipped. A hard stop (gpu_7b.sh's timeout sends SIGINT) as the second round
     begins still leaves every cell's row from the first round."""
-    root, proc = background.collect(request, seven_b_at_a_tiny_shape)
+    root, proc = seven_b_at_a_tiny_shape
     out = root / "out"
     assert proc.returncode == 0 and "stopped in round 2" in proc.stdout, proc.stderr[-3000:]
     records = json.loads((out / "results.json").read_text())
@@ -165,12 +166,13 @@ def lease_smoke(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, subp
     return run
 
 
-def test_the_lease_script_runs_both_and_returns_what_a_device_call_brings_back(request: pytest.FixtureRequest):
+def test_the_lease_script_runs_both_and_returns_what_a_device_call_brings_back(
+        lease_smoke: tuple[Path, subprocess.CompletedProcess]):
     """bench/gpu_lease.sh is the one prepared call of a GPU lease. In its smoke mode (tiny shapes, CPU) it runs the
     bench and the parity through the same shell scripts, and leaves under $OUT only what a device call brings back:
     at most 8 files, no more than 2 folders down, named in letters, digits, '.', '_' and '-'. The reply carries the
     end of the output: the decode table and the parity verdict."""
-    out, proc = background.collect(request, lease_smoke)
+    out, proc = lease_smoke
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     files = sorted(path.relative_to(out) for path in out.rglob("*") if path.is_file())
     assert {str(path) for path in files} >= {"bench_7b/results.json", "bench_7b/results.md", "parity/gpu_parity.json",

@@ -102,7 +102,7 @@ print(json.dumps(report))
 
 
 @background.job
-def compile_twice(request: pytest.FixtureRequest) -> Callable[[], dict[str, dict]]:
+def compiles(request: pytest.FixtureRequest) -> Callable[[], dict[str, dict]]:
     """A first process on an empty inductor cache, then a second one on the cache the first one filled."""
     root = request.getfixturevalue("tmp_path_factory").mktemp("batching")
     checkpoint = save_hf_checkpoint(root / "tiny")
@@ -115,11 +115,6 @@ def compile_twice(request: pytest.FixtureRequest) -> Callable[[], dict[str, dict
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     return lambda: {phase: run(phase) for phase in ("first", "again")}
-
-
-@pytest.fixture(scope="module")
-def compiles(request: pytest.FixtureRequest) -> dict[str, dict]:
-    return background.collect(request, compile_twice)
 
 
 def test_a_graphs_kernels_build_as_one_library_per_compile_worker(compiles: dict[str, dict]):

@@ -91,16 +91,16 @@ def cli_runs(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, dict[st
 
 
 @pytest.fixture(scope="module")
-def cli_home(request: pytest.FixtureRequest) -> Path:
+def cli_home(cli_runs: tuple[Path, dict[str, tuple[str, str]]]) -> Path:
     """The TWINCACHE_HOME of the runs below, where they built the default model."""
-    return background.collect(request, cli_runs)[0]
+    return cli_runs[0]
 
 
 @pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest) -> dict[str, tuple[str, str]]:
+def runs(cli_runs: tuple[Path, dict[str, tuple[str, str]]]) -> dict[str, tuple[str, str]]:
     """name -> (stdout, stderr) of every run in RUNS and PLAIN_RUN, each checked to have exited 0 without a
     traceback."""
-    return background.collect(request, cli_runs)[1]
+    return cli_runs[1]
 
 
 def parse_json(stdout: str, name: str) -> dict:

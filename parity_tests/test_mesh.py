@@ -163,7 +163,7 @@ CLI_RUNS = {  # name -> (checkpoint, twincache arguments)
 
 
 @background.job
-def mesh_workers(request: pytest.FixtureRequest) -> Callable[[], dict[str, object]]:
+def mesh_runs(request: pytest.FixtureRequest) -> Callable[[], dict[str, object]]:
     """Builds the two checkpoints; its run starts both workers and the command lines below at once (independent
     processes: the 2 cores stay busy), and returns their records, logits and outputs."""
     root = request.getfixturevalue("tmp_path_factory").mktemp("mesh")
@@ -212,11 +212,6 @@ import sys
 from twincache_app.launch import run_ranks
 sys.exit(run_ranks(sys.argv[1:], 2, module="parity_tests.mesh_torch_worker"))
 """
-
-
-@pytest.fixture(scope="module")
-def mesh_runs(request: pytest.FixtureRequest) -> dict[str, object]:
-    return background.collect(request, mesh_workers)
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,7 @@ ISA_SETTINGS = ("default config", "vectorisation off", "AVX2 forced", "widest IS
 
 
 @background.job
-def isa_reports(request: pytest.FixtureRequest) -> Callable[[], dict[str, dict[str, dict]]]:
+def isa_runs(request: pytest.FixtureRequest) -> Callable[[], dict[str, dict[str, dict]]]:
     """For each setting, the ISA report of a process that ran the checks in the background ("probed"), then of one
     where inductor ran them itself ("inductor"), sharing the first one's inductor cache and temp dir (a fresh pair
     per setting, as on a new machine). The settings are independent: their processes run side by side."""
@@ -204,11 +204,6 @@ def isa_reports(request: pytest.FixtureRequest) -> Callable[[], dict[str, dict[s
         return runs
 
     return run
-
-
-@pytest.fixture(scope="module")
-def isa_runs(request: pytest.FixtureRequest) -> dict[str, dict[str, dict]]:
-    return background.collect(request, isa_reports)
 
 
 @pytest.mark.parametrize("setting", ISA_SETTINGS)
