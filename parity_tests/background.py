@@ -12,15 +12,15 @@ the suite's wall time). A fixture opts in by splitting itself in two:
             ...  # in the lane: start processes, wait, read their files; nothing of this process's torch/JAX state
         return run
 
-`job` makes it a module fixture of the same name whose value is the run's `Result`; tests and fixtures ask for it
-by that name. The session runs the modules with a job after all the others (`lane_modules_last`), so the lane has
-done most of its work when their tests collect it. At the session's first test, `start` prepares, in module order,
-the jobs that a selected test asks for (directly or through its fixtures: `pytest -k` on one test of a module starts
-none of that module's jobs it does not need), and the lane runs them one after another at a lower CPU priority (a
-thread's nice value on Linux, which the processes it starts inherit), so they never slow the tests in the foreground
-much. `collect` waits for a job the lane has started; one it has not reached yet runs at once in the foreground, at
-full priority, as does a job of a module run on its own. A run that fails raises in `collect`, with its traceback, in
-the test that needed it.
+`job` makes it a module fixture of the same name whose value is the run's `Result`; tests and fixtures ask for it by
+that name. The session runs the modules with a job after all the others (`lane_modules_last`), so the lane has done
+most of its work when their tests collect it. At the session's first test, `start` prepares, in the order of the first
+test that asks for each, the jobs that a selected test asks for (directly or through its fixtures: `pytest -k` on one
+test of a module starts none of that module's jobs it does not need), and the lane runs them one after another at a
+lower CPU priority (a thread's nice value on Linux, which the processes it starts inherit), so they never slow the
+tests in the foreground much. `collect` waits for a job the lane has started; one it has not reached yet runs at once
+in the foreground, at full priority, as does a job of a module run on its own. A run that fails raises in `collect`,
+with its traceback, in the test that needed it.
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ from parity_tests import background
 NICENESS = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
 
 
-def registered(run: Callable[[], object], prepared: list[str]) -> background.Prepare:
+def registered(run: Callable[[], object], prepared: list[str], name: str = "prepare") -> background.Prepare:
     def prepare(request: pytest.FixtureRequest) -> Callable[[], object]:
         prepared.append(threading.current_thread().name)
         return run
 
-    prepare.__module__ = __name__
+    prepare.__module__, prepare.__name__ = __name__, name  # the job's fixture is named when it registers
     background.job(prepare)
     return prepare
 
@@ -96,8 +96,7 @@ def test_the_lane_takes_only_the_jobs_a_selected_test_of_their_module_asks_for_i
     """`pytest -k` on one test of a module must not build and run that module's jobs: the mesh job's preparing
     alone (the trained model) held one selected test 72 s. A fixture's name asked for in another module is another
     fixture."""
-    first, second = registered(lambda: None, []), registered(lambda: None, [])
-    second.__name__ = "prepare_too"
+    first, second = registered(lambda: None, []), registered(lambda: None, [], name="prepare_too")
     here, elsewhere = Path(__file__), Path(__file__).with_name("test_mesh.py")
 
     def item(path: Path, *names: str) -> SimpleNamespace:
