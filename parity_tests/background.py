@@ -13,14 +13,14 @@ the suite's wall time). A fixture opts in by splitting itself in two:
         return run
 
 `job` makes it a module fixture of the same name whose value is the run's `Result`; tests and fixtures ask for it by
-that name. The session runs the modules with a job after all the others (`lane_modules_last`), so the lane has done
-most of its work when their tests collect it. At the session's first test, `start` prepares, in the order of the first
-test that asks for each, the jobs that a selected test asks for (directly or through its fixtures: `pytest -k` on one
-test of a module starts none of that module's jobs it does not need), and the lane runs them one after another at a
-lower CPU priority (a thread's nice value on Linux, which the processes it starts inherit), so they never slow the
-tests in the foreground much. `collect` waits for a job the lane has started; one it has not reached yet runs at once
-in the foreground, at full priority, as does a job of a module run on its own. A run that fails raises in `collect`,
-with its traceback, in the test that needed it.
+that name. The session runs the modules whose jobs its selected tests ask for after all the others
+(`lane_modules_last`), so the lane has done most of its work when their tests collect it. At the session's first test,
+`start` prepares, in the order of the first test that asks for each, the jobs that a selected test asks for (directly or
+through its fixtures: `pytest -k` on one test of a module starts none of that module's jobs it does not need), and the
+lane runs them one after another at a lower CPU priority (a thread's nice value on Linux, which the processes it starts
+inherit), so they never slow the tests in the foreground much. `collect` waits for a job the lane has started; one it
+has not reached yet runs at once in the foreground, at full priority, as does a job of a module run on its own. A run
+that fails raises in `collect`, with its traceback, in the test that needed it.
 """
 
 from __future__ import annotations
@@ -96,12 +96,12 @@ def collect(request: pytest.FixtureRequest, prepare: Prepare) -> Any:
 
 
 def lane_modules_last(items: list[pytest.Item]) -> None:
-    """Reorder the session's tests in place: the modules with a job after all the others, each group in its own
-    order. The lane needs about as long for its jobs as the foreground for its in-process tests, so a module that
-    collects a job early stands waiting on it (the bench and mesh runs: ~40 s of the session); last, it finds it
-    done."""
-    with_jobs = {entry.module_file for entry in _jobs.values()}
-    items.sort(key=lambda item: Path(str(item.path)).resolve() in with_jobs)  # stable: each group keeps its order
+    """Reorder the selected tests in place: the modules whose jobs they ask for after all the others, each group in
+    its own order. The lane needs about as long for its jobs as the foreground for its in-process tests, so a module
+    that collects a job early stands waiting on it (the bench and mesh runs: ~40 s of the session); last, it finds it
+    done. A module whose jobs no selected test asks for keeps its place: nothing of it waits on the lane."""
+    asked = {entry.module_file for entry in needed(items)}
+    items.sort(key=lambda item: Path(str(item.path)).resolve() in asked)  # stable: each group keeps its order
 
 
 def needed(items: list[pytest.Item]) -> list[_Job]:

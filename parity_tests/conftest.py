@@ -53,6 +53,7 @@ def background_lane(request: pytest.FixtureRequest):
     torch.set_num_threads(threads)
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m / --deselect have removed what will not run
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     background.lane_modules_last(items)
 

@@ -137,8 +137,39 @@ def test_a_job_that_ran_but_was_never_collected_says_so_instead_of_a_wait(reques
         del background._jobs[prepare]
 
 
-def test_the_modules_with_a_job_run_after_all_the_others(request):
+def test_the_modules_whose_jobs_are_asked_for_run_after_all_the_others(request):
     """Else a module collecting a job early stands waiting for the lane (bench and mesh runs: ~40 s of the session)."""
-    with_jobs = {entry.module_file for entry in background._jobs.values()}
-    selected = [Path(str(item.path)).resolve() in with_jobs for item in request.session.items]
-    assert selected == sorted(selected), "a module without a job runs after one with a job"
+    asked = {entry.module_file for entry in background._queued}
+    selected = [Path(str(item.path)).resolve() in asked for item in request.session.items]
+    assert selected == sorted(selected), "a module without a job asked for runs after one with a job"
+
+
+def test_a_module_whose_jobs_no_selected_test_asks_for_keeps_its_place(request):
+    prepare = registered(lambda: None, [])
+    here, elsewhere = Path(__file__), Path(__file__).with_name("test_mesh.py")
+
+    def item(path: Path, *names: str) -> SimpleNamespace:
+        return SimpleNamespace(path=path, fixturenames=["request", *names])
+
+    try:
+        not_asking = [item(here), item(elsewhere), item(here, "tmp_path")]
+        kept = list(not_asking)
+        background.lane_modules_last(kept)
+        assert kept == not_asking
+        asking = [item(here), item(elsewhere), item(here, "prepare")]
+        background.lane_modules_last(asking)
+        assert [entry.path for entry in asking] == [elsewhere, here, here]
+    finally:
+        del background._jobs[prepare]
+
+
+def test_tests_deselected_by_k_ask_for_no_job_so_their_module_keeps_its_place():
+    """The reordering runs after `-k` has deselected: a test_mesh test that is not selected asks for no mesh run."""
+    here = Path(__file__).parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           str(here / "test_mesh.py"), str(here / "test_buckets.py"), "-k", "parse_mesh or bucket"],
+                          capture_output=True, text=True, cwd=here.parent, timeout=120)
+    modules = [line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line]
+    assert {"parity_tests/test_mesh.py", "parity_tests/test_buckets.py"} <= set(modules), proc.stdout + proc.stderr
+    in_given_order = sorted(modules, key=["parity_tests/test_mesh.py", "parity_tests/test_buckets.py"].index)
+    assert modules == in_given_order, "test_mesh moved after test_buckets for jobs only deselected tests ask for"
