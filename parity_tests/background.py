@@ -107,13 +107,13 @@ def lane_modules_last(items: list[pytest.Item]) -> None:
 def needed(items: list[pytest.Item]) -> list[_Job]:
     """The jobs that the selected tests ask for, directly or through their fixtures (`item.fixturenames` is the
     closure), each asked for by a test of its own module, in the order of the first test that asks."""
-    first_asked: dict[Prepare, int] = {}
-    for index, item in enumerate(items):
+    asked: dict[Prepare, _Job] = {}  # insertion order: the order of each job's first asking test
+    for item in items:
         path, names = Path(str(item.path)).resolve(), set(getattr(item, "fixturenames", ()))
         for entry in _jobs.values():
             if entry.module_file == path and entry.prepare.__name__ in names:
-                first_asked.setdefault(entry.prepare, index)
-    return sorted((_jobs[prepare] for prepare in first_asked), key=lambda entry: first_asked[entry.prepare])
+                asked.setdefault(entry.prepare, entry)
+    return list(asked.values())
 
 
 def start(request: pytest.FixtureRequest) -> None:

@@ -35,6 +35,11 @@ def child_niceness() -> tuple[str, int]:
     return threading.current_thread().name, int(proc.stdout)
 
 
+def item(path: Path, *names: str) -> SimpleNamespace:
+    """A stand-in for a collected test of module `path` whose fixture closure holds `names`."""
+    return SimpleNamespace(path=path, fixturenames=["request", *names])
+
+
 def assert_summarised(entry: background._Job, where: str) -> None:
     """The session's report has the job's line: where it ran, and its time (a process start: more than 0 s)."""
     assert entry.ran_in == where and entry.seconds > 0, (entry.ran_in, entry.seconds)
@@ -99,9 +104,6 @@ def test_the_lane_takes_only_the_jobs_a_selected_test_of_their_module_asks_for_i
     first, second = registered(lambda: None, []), registered(lambda: None, [], name="prepare_too")
     here, elsewhere = Path(__file__), Path(__file__).with_name("test_mesh.py")
 
-    def item(path: Path, *names: str) -> SimpleNamespace:
-        return SimpleNamespace(path=path, fixturenames=["request", *names])
-
     try:
         jobs = background._jobs
         assert background.needed([item(here), item(here, "tmp_path")]) == []
@@ -147,9 +149,6 @@ def test_the_modules_whose_jobs_are_asked_for_run_after_all_the_others(request):
 def test_a_module_whose_jobs_no_selected_test_asks_for_keeps_its_place(request):
     prepare = registered(lambda: None, [])
     here, elsewhere = Path(__file__), Path(__file__).with_name("test_mesh.py")
-
-    def item(path: Path, *names: str) -> SimpleNamespace:
-        return SimpleNamespace(path=path, fixturenames=["request", *names])
 
     try:
         not_asking = [item(here), item(elsewhere), item(here, "tmp_path")]
