@@ -70,6 +70,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="instead of the decode table: each backend on each mesh (model=N[,data=M]), recording "
                              "per-device bytes of weights and KV and tok/s in DIR/mesh.json and DIR/mesh.md; --impls "
                              "picks backends and modes (default: each backend in its default mode)")
+    parser.add_argument("--compare", nargs=2, type=Path, default=None, metavar=("OLD", "NEW"),
+                        help="instead of running: two earlier runs of one workload (each a --out directory or its "
+                             "results.json), cell by cell: tok/s, roofline fraction and ratio to transformers in the "
+                             "same run, with a verdict from each cell's min-max spread (bench/compare.py); prints "
+                             "markdown, and with --out also writes DIR/compare.md and DIR/compare.json")
     memory = parser.add_argument_group("prefill memory (--prefill-memory)")
     memory.add_argument("--prefill-memory", action="store_true",
                         help="instead of decode speed: peak RSS of a prefill against prompt length, chunked and in one "
@@ -100,6 +105,8 @@ def _mesh(text: str) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare:
+        return run_compare(args)
     try:
         import matplotlib  # noqa: F401 - the report's plots; an optional extra
     except ImportError:
@@ -152,6 +159,27 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'} and plots"
           + (f"; {len(failed)} cell(s) failed, see results.md" if failed else "")
           + (f"; {len(skipped)} cell(s) skipped at the deadline" if skipped else ""), file=sys.stderr)
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Two runs side by side; nothing is measured, so no plots and no probes."""
+    import json
+
+    from bench import compare
+
+    if args.prefill_memory or args.meshes:
+        raise InputError("--compare reads two runs' results.json; it takes no --prefill-memory or --meshes (compare "
+                         "decode tables: the runs `twincache bench --preset P --out DIR` writes)")
+    old_path, new_path = args.compare
+    result = compare.compare(compare.load_run(old_path), compare.load_run(new_path))
+    text = compare.markdown(result, old_path, new_path)
+    if args.out is not None:
+        writable_directory(args.out, "--out", "pass --out a directory where the comparison can be written")
+        (args.out / "compare.md").write_text(text, encoding="utf-8")
+        (args.out / "compare.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"bench: wrote {args.out / 'compare.md'} and {args.out / 'compare.json'}", file=sys.stderr)
+    print(text, end="")
     return 0
 
 
