@@ -204,6 +204,10 @@ def markdown(result: dict[str, Any], old_path: Path, new_path: Path) -> str:
                   f"{_num(new['limit_gbps'])} GB/s): another machine, or the same one at another time. A tok/s change "
                   "mixes the machine's with the code's; rows without a reference are judged on each run's roofline "
                   "fraction (tok/s over its own limit).", ""]
+    if old["transformers"] != new["transformers"]:
+        lines += [f"**transformers differs** ({old['transformers']} in OLD, {new['transformers']} in NEW): the "
+                  "references' code may have changed with it, so a verdict against them holds only as far as their "
+                  "speed did not.", ""]
     counted = [row["verdict"] for row in result["decode"] if "verdict" in row]
     lines += ["## Decode, batch 1", "",
               f"{counted.count('faster')} faster, {counted.count('slower')} slower, "
@@ -225,10 +229,9 @@ def markdown(result: dict[str, Any], old_path: Path, new_path: Path) -> str:
                      f"{_pct(row['new_roofline'])} | {_x_ref(row)} | {row['verdict']} ({_SHORT[row['judged_on']]}) |")
     drift = [row for row in result["decode"] if row["impl"] in REFERENCES and "verdict" in row]
     if drift:
-        lines += ["", "The references run transformers' code, the same in both runs unless its version changed (see "
-                  "above), so their own change is the machine's drift between the runs, and it is in every tok/s "
-                  "above: " + "; ".join(f"{row['impl']} / {row['cache']} {row['tok_s_change']:.2f}x" for row in drift)
-                  + "."]
+        lines += ["", "The references run transformers' code, so their own change is the machine's drift between "
+                  "the runs (where transformers' version is the same in both), and it is in every tok/s above: "
+                  + "; ".join(f"{row['impl']} / {row['cache']} {row['tok_s_change']:.2f}x" for row in drift) + "."]
     if result["latency_vs_context"]:
         lines += ["", "## Per-token latency vs context", "",
                   "Over the contexts both runs measured: the shortest context's time over the longest's in each run "

@@ -59,6 +59,15 @@ def test_a_noisy_reference_widens_the_spread_rather_than_inventing_a_change():
     assert rows(compare.compare(old, new))["torch_compiled"]["verdict"] == "within spread"
 
 
+def test_another_transformers_version_is_flagged():
+    machine = {"git_commit": "abc1234", "cpu": "test CPU", "transformers": "5.24.0"}
+    old = [decode("transformers", 100, 99, 101, machine=machine)]
+    new = [decode("transformers", 100, 99, 101, machine={**machine, "transformers": "5.25.0"})]
+    text = compare.markdown(compare.compare(old, new), Path("a"), Path("b"))
+    assert "**transformers differs** (5.24.0 in OLD, 5.25.0 in NEW)" in text
+    assert "transformers differs" not in compare.markdown(compare.compare(old, old), Path("a"), Path("b"))
+
+
 def test_the_eager_reference_serves_when_the_compiled_one_is_missing():
     old = [decode("transformers_eager", 50, 49, 51), decode("torch_compiled", 100, 99, 101)]
     new = [decode("transformers_eager", 50, 49, 51), decode("torch_compiled", 100, 99, 101),
