@@ -133,27 +133,27 @@ def run_point(backend: str, model_dir: Path, length: int, chunk: int, limit_byte
     """One point in a fresh process, killed by the watchdog past `limit_bytes` of RSS."""
     spec = json.dumps({"backend": backend, "model_dir": str(model_dir), "length": length, "chunk": chunk})
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.prefill_memory", spec], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-    process, highest, start = psutil.Process(proc.pid), 0, time.monotonic()
-    try:
-        while proc.poll() is None:
-            try:
-                highest = max(highest, process.memory_info().rss)
-            except psutil.NoSuchProcess:
-                break
-            if highest > limit_bytes or time.monotonic() - start > timeout_s:
-                why = "memory" if highest > limit_bytes else "time"
-                return {"backend": backend, "prompt_len": length, "chunk": min(chunk, length),
-                        "status": f"killed ({why})", "peak_rss_mb": highest / 2**20,
-                        "note": f"killed at {highest / 2**30:.2f} GB RSS (limit {limit_bytes / 2**30:.1f} GB)"
-                                if why == "memory" else f"killed after {timeout_s:.0f} s"}
-            time.sleep(0.02)
-        out, err = proc.communicate()
-    finally:  # a point over its limit, or the sweep interrupted: the point's process must not outlive it
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # As a context manager, Popen closes the pipes and reaps the process on every way out, a killed point's too.
+    with subprocess.Popen([sys.executable, "-m", "bench.prefill_memory", spec], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env) as proc:
+        process, highest, start = psutil.Process(proc.pid), 0, time.monotonic()
+        try:
+            while proc.poll() is None:
+                try:
+                    highest = max(highest, process.memory_info().rss)
+                except psutil.NoSuchProcess:
+                    break
+                if highest > limit_bytes or time.monotonic() - start > timeout_s:
+                    why = "memory" if highest > limit_bytes else "time"
+                    return {"backend": backend, "prompt_len": length, "chunk": min(chunk, length),
+                            "status": f"killed ({why})", "peak_rss_mb": highest / 2**20,
+                            "note": f"killed at {highest / 2**30:.2f} GB RSS (limit {limit_bytes / 2**30:.1f} GB)"
+                                    if why == "memory" else f"killed after {timeout_s:.0f} s"}
+                time.sleep(0.02)
+            out, err = proc.communicate()
+        finally:  # a point over its limit, or the sweep interrupted: the point's process must not outlive it
+            if proc.poll() is None:
+                proc.kill()
     if proc.returncode != 0:
         return {"backend": backend, "prompt_len": length, "chunk": min(chunk, length), "status": "error",
                 "note": (err.strip().splitlines() or ["no output"])[-1][:300]}

@@ -13,6 +13,7 @@ cannot split, so its embed and head stay replicated there), window 8.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
@@ -176,23 +178,28 @@ def mesh_runs(request: pytest.FixtureRequest) -> Callable[[], dict[str, object]]
     paths = {**dirs, "trained": trained_model_dir}
 
     def run() -> dict[str, object]:
-        started = {"jax worker": subprocess.Popen(
-            [sys.executable, "-m", "parity_tests.mesh_jax_worker", str(out), str(dirs["gqa"]), str(dirs["mqa"])],
-            cwd=REPO, env=jax_env, stdout=subprocess.DEVNULL, stderr=(root / "jax worker.err").open("w"))}
-        started["bench"] = subprocess.Popen(
-            [sys.executable, "-m", "bench", "--preset", "tiny", "--model", str(dirs["gqa"]), "--meshes", "model=1",
-             "model=2", "--impls", "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir", str(root)],
-            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=(root / "bench.err").open("w"))
-        for name, (checkpoint, args) in CLI_RUNS.items():  # the CLI simulates JAX's CPU devices itself
-            started[name] = subprocess.Popen(
-                [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(paths[checkpoint]),
-                 *([] if "--prompt" in args else CLI_PROMPT)],
-                cwd=REPO, env=env, stdout=(root / f"{name}.out").open("w"), stderr=(root / f"{name}.err").open("w"))
-        # the two torch ranks, through twincache_app.launch.run_ranks in a process of their own (it waits on them)
-        started["torch workers"] = subprocess.Popen(
-            [sys.executable, "-c", _TORCH_WORKERS, str(out), str(dirs["gqa"]), str(dirs["mqa"])], cwd=REPO, env=env,
-            stdout=subprocess.DEVNULL, stderr=(root / "torch workers.err").open("w"))
-        codes = {name: proc.wait(timeout=900) for name, proc in started.items()}
+        with contextlib.ExitStack() as logs:  # each process's log files, closed once every process has ended
+
+            def log(name: str) -> IO[str]:
+                return logs.enter_context((root / name).open("w"))
+
+            started = {"jax worker": subprocess.Popen(
+                [sys.executable, "-m", "parity_tests.mesh_jax_worker", str(out), str(dirs["gqa"]), str(dirs["mqa"])],
+                cwd=REPO, env=jax_env, stdout=subprocess.DEVNULL, stderr=log("jax worker.err"))}
+            started["bench"] = subprocess.Popen(
+                [sys.executable, "-m", "bench", "--preset", "tiny", "--model", str(dirs["gqa"]), "--meshes", "model=1",
+                 "model=2", "--impls", "torch_eager,jax_fused", "--out", str(root / "bench"), "--cache-dir",
+                 str(root)], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log("bench.err"))
+            for name, (checkpoint, args) in CLI_RUNS.items():  # the CLI simulates JAX's CPU devices itself
+                started[name] = subprocess.Popen(
+                    [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(paths[checkpoint]),
+                     *([] if "--prompt" in args else CLI_PROMPT)],
+                    cwd=REPO, env=env, stdout=log(f"{name}.out"), stderr=log(f"{name}.err"))
+            # the two torch ranks, through twincache_app.launch.run_ranks in a process of their own (it waits on them)
+            started["torch workers"] = subprocess.Popen(
+                [sys.executable, "-c", _TORCH_WORKERS, str(out), str(dirs["gqa"]), str(dirs["mqa"])], cwd=REPO,
+                env=env, stdout=subprocess.DEVNULL, stderr=log("torch workers.err"))
+            codes = {name: proc.wait(timeout=900) for name, proc in started.items()}
         for name in ("jax worker", "bench", "torch workers"):
             assert codes[name] == 0, (name, (root / f"{name}.err").read_text()[-3000:])
         cli = {name: (codes[name], (root / f"{name}.out").read_text(), (root / f"{name}.err").read_text())
