@@ -16,6 +16,10 @@ import pytest
 from parity_tests import background
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Strict tests, as Equinox runs its own: JAX refuses implicit dtype promotion (a bfloat16 array meeting a float32 one
+# must be cast on purpose, or a half-precision model silently computes in float32), here and in every process a test
+# starts. Rank promotion stays numpy-style: the towers broadcast as torch does (docs/design.md §7.25).
+os.environ.setdefault("JAX_NUMPY_DTYPE_PROMOTION", "strict")
 
 WINDOW = 8
 

@@ -11,6 +11,8 @@ import collections
 import dataclasses
 import math
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -546,3 +548,15 @@ def test_model_refuses_bad_positions_shapes_and_dtypes(model, ids, positions, ma
     if fragment.startswith("positions of real tokens"):  # the step checks positions too
         with pytest.raises(InputError, match="positions of real tokens"):
             jg.decode_step_fn(model)(jnp.asarray(ids)[:, :1], jnp.asarray(positions, jnp.int32)[:, :1], cache)
+
+
+def test_the_suite_refuses_implicit_dtype_promotion_and_warnings():
+    """conftest and pyproject make the tests strict (docs/design.md §7.25): an implicit bfloat16 + float32 in any JAX
+    code a test runs, here or in a process it starts, fails it, and so does any warning."""
+    with pytest.raises(jax.dtypes.TypePromotionError):
+        jnp.ones(2, jnp.bfloat16) + jnp.ones(2, jnp.float32)
+    child = subprocess.run([sys.executable, "-c", "import jax; print(jax.config.jax_numpy_dtype_promotion)"],
+                           capture_output=True, text=True, timeout=120)
+    assert child.stdout.strip() == "strict", child.stderr[-2000:]
+    with pytest.raises(UserWarning, match="fails the test"):
+        warnings.warn("a warning fails the test it comes from", stacklevel=1)
