@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from bench import prefill_memory
 from bench.impls import impl_registry
 from bench.presets import PRESETS, resolve
 from twincache.config import check_window_flag
-from twincache.errors import InputError, UnavailableError
+from twincache.errors import InputError, MeshError, UnavailableError
 from twincache.generation import CACHE_KINDS, PREFILL_CHUNK
+from twincache.mesh import MeshShape, parse_mesh
 from twincache.storage import writable_directory
 from twincache_app.backends import BACKENDS
 
 
-def _list(choices: Sequence[str]) -> object:
+def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         items = [item.strip() for item in text.split(",") if item.strip()]
         unknown = [item for item in items if item not in choices]
@@ -94,10 +95,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=run, keep_keyboard_interrupt=True)
 
 
-def _mesh(text: str) -> object:
-    from twincache.errors import MeshError
-    from twincache.mesh import parse_mesh
-
+def _mesh(text: str) -> MeshShape:
     try:
         return parse_mesh(text)
     except MeshError as err:
@@ -122,12 +120,12 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--deadline={args.deadline} must be a number of seconds >= 0 (inf: none)")
     check_window_flag(args.sliding_window)
     preset = resolve(PRESETS[args.preset], args.model, args.sliding_window)
-    if "sliding_window" in args.caches and preset.config.sliding_window is None:
+    if "sliding_window" in args.caches and preset.model_config.sliding_window is None:
         raise InputError(f"{args.model} has no sliding window, so the sliding_window cache cannot run; give it one "
                          "with --sliding-window N, or pass --caches static")
     from bench.runner import tokens_reached
 
-    limit = preset.config.max_position_embeddings
+    limit = preset.model_config.max_position_embeddings
     sweeps = not args.meshes  # a mesh bench runs the decode table's workload only
     for phase, tokens in tokens_reached(preset, sweeps and not args.no_curves, sweeps and not args.no_batch).items():
         if tokens > limit:  # every run of the phase would be refused: say so before any of them
@@ -208,7 +206,7 @@ def run_prefill_memory(args: argparse.Namespace) -> int:
     if args.model is None and preset.model_dir is None and preset.weights_on_device:
         raise InputError(f"--prefill-memory measures a CPU process's RSS; preset {preset.name} builds its weights on "
                          "a GPU: use --preset tiny, small or trained, or give --model DIR")
-    model = preset.model_dir if preset.model_dir is not None else checkpoint_dir(preset.config, preset.seed,
+    model = preset.model_dir if preset.model_dir is not None else checkpoint_dir(preset.model_config, preset.seed,
                                                                                  args.cache_dir)
     lengths = args.prompt_lengths or list(prefill_memory.DEFAULT_LENGTHS if args.model is not None
                                           else prefill_memory.PRESET_LENGTHS.get(preset.name,

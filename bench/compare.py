@@ -135,7 +135,7 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
         if reference is not None and key[0] not in REFERENCES:
             row["judged_on"] = "x " + reference
             row["verdict"] = verdict(_ratio_span(o, old_ref), _ratio_span(n, new_ref))
-        elif not one_machine:
+        elif old_limit and new_limit and not one_machine:
             row["judged_on"] = "roofline"
             row["verdict"] = verdict(_span(o, 1 / old_limit), _span(n, 1 / new_limit))
         else:

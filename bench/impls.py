@@ -109,9 +109,9 @@ _JAX_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/comp
 _jax_compile_s = [0.0]
 
 
-def _on_jax_event(event: str, duration_s: float, **_: object) -> None:
+def _on_jax_event(event: str, duration_secs: float, **_: str | int) -> None:
     if event in _JAX_COMPILE_EVENTS:
-        _jax_compile_s[0] += duration_s
+        _jax_compile_s[0] += duration_secs
 
 
 def jax_compile_seconds() -> float:
@@ -153,7 +153,8 @@ class _TransformersImpl(Impl):
 
         if self.compiled:
             compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
-            compile_config._compile_all_devices = True  # transformers compiles only on accelerators unless told to
+            # transformers compiles only on accelerators unless told to (a private flag, declared None)
+            compile_config._compile_all_devices = True  # type: ignore[assignment]
             compile_kwargs: dict[str, Any] = {"compile_config": compile_config}
         else:
             compile_kwargs = {"disable_compile": True}

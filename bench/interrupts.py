@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 
 def one_run(args: list[str], delay: float) -> dict[str, object]:
@@ -64,7 +65,7 @@ def main() -> None:
     opts = parser.parse_args()
     args = opts.args[1:] if opts.args[:1] == ["--"] else opts.args
     rng = random.Random(opts.seed)
-    runs = []
+    runs: list[dict[str, Any]] = []
     for _ in range(opts.runs):
         runs.append(one_run(args or ["generate", "--backend", "jax"], rng.uniform(0.2, opts.max_delay)))
         print(json.dumps(runs[-1]), flush=True)

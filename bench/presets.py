@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from twincache.config import MistralConfig
 
@@ -32,6 +33,14 @@ class Preset:
     trained: bool = False  # run the trained default model (its checkpoint dir) instead of random weights
     model_dir: Path | None = None  # a checkpoint directory or GGUF file, set by `resolve` (trained presets, --model)
 
+    @property
+    def model_config(self) -> MistralConfig:
+        """The config the preset runs: its own, or the one `resolve` filled in (a trained preset's)."""
+        if self.config is None:
+            raise ValueError(f"preset {self.name} runs the trained default model: pass it through "
+                             "bench.presets.resolve first")
+        return self.config
+
 
 def resolve(preset: Preset, model: Path | None = None, sliding_window: int | None = None) -> Preset:
     """The preset as it runs: on `model` (a checkpoint directory or GGUF file) when given, on the trained default model
@@ -48,7 +57,8 @@ def resolve(preset: Preset, model: Path | None = None, sliding_window: int | Non
         config = dataclasses.replace(load_config(model), eos_token_id=None)
         preset = dataclasses.replace(preset, config=config, model_dir=Path(model), weights_on_device=False)
     if sliding_window is not None:
-        preset = dataclasses.replace(preset, config=dataclasses.replace(preset.config, sliding_window=sliding_window))
+        preset = dataclasses.replace(preset, config=dataclasses.replace(preset.model_config,
+                                                                        sliding_window=sliding_window))
     return preset
 
 
@@ -58,7 +68,7 @@ def _contexts(window: int, longest_multiple: int) -> tuple[int, ...]:
     return tuple(sorted({max(1, int(f * window)) for f in fractions if f <= longest_multiple}))
 
 
-def _mistral(**fields: object) -> MistralConfig:
+def _mistral(**fields: Any) -> MistralConfig:
     # eos_token_id=None: random weights would emit EOS at random and end runs early; every run decodes its full budget.
     base = dict(rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=32768, bos_token_id=1,
                 eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)

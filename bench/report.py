@@ -145,9 +145,12 @@ def _batch_section(records: list[dict[str, Any]]) -> list[str]:
     for impl, by_batch in table.items():
         cells = []
         for b in sizes:
-            p = by_batch.get(b)
-            frac = f" ({100 * p['roofline_frac']:.0f}%)" if p and p.get("roofline_frac") is not None else ""
-            cells.append(_fmt(p["total_tok_s"]) + frac if p else "–")
+            point = by_batch.get(b)
+            if point is None:
+                cells.append("–")
+                continue
+            frac = f" ({100 * point['roofline_frac']:.0f}%)" if point.get("roofline_frac") is not None else ""
+            cells.append(_fmt(point["total_tok_s"]) + frac)
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
     return lines
 

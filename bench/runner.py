@@ -80,7 +80,7 @@ class _Results:
         self.probes: list[dict[str, Any]] = []
 
     def add(self, kind: str, **fields: Any) -> dict[str, Any]:
-        config = self.preset.config
+        config = self.preset.model_config
         record = {"kind": kind, "preset": self.preset.name, "dtype": self.preset.dtype,
                   "sliding_window": config.sliding_window, "params": metrics.param_count(config), "impl": None,
                   "cache": None, "prompt_len": None, "new_tokens": None, "batch": None, "prefill_s": None,
@@ -153,7 +153,7 @@ class Bench:
     def _bytes(self, cache: str, batch: int, prompt_len: int, new_tokens: int) -> int:
         """Bytes a decode step must read, at the mean context of a run's decode steps."""
         context = prompt_len + new_tokens / 2
-        return metrics.bytes_per_step(self.preset.config, self.workload.dtype_bytes, batch, cache, context)
+        return metrics.bytes_per_step(self.preset.model_config, self.workload.dtype_bytes, batch, cache, context)
 
     def _measure(self, impl: Impl, prompts: list[list[int]], new_tokens: int, cache: str, max_cache_len: int,
                  track_rss: bool) -> tuple[Run, dict[str, Any]]:
@@ -204,9 +204,10 @@ class Bench:
                      + len(batch) * len(self.preset.batch_sizes) * 2)
             with tqdm(total=total, desc=f"bench {self.preset.name}", unit="run", disable=not self.opts.progress,
                       dynamic_ncols=True) as self.bar:
-                for phase, fn, arg in (("decode_table", self._decode_table, cells),
-                                       ("latency_vs_context", self._latency_curves, curve),
-                                       ("batch", self._batch_curve, batch)):
+                phases: tuple[tuple[str, Callable[[Any], None], list[Any]], ...] = (
+                    ("decode_table", self._decode_table, cells), ("latency_vs_context", self._latency_curves, curve),
+                    ("batch", self._batch_curve, batch))
+                for phase, fn, arg in phases:
                     phase_start = time.monotonic()
                     fn(arg)
                     self.results.machine.setdefault("phase_s", {})[phase] = round(time.monotonic() - phase_start, 1)
@@ -299,9 +300,9 @@ class Bench:
                       timed: list[tuple[Run, dict[str, Any]]], error: str | None, max_cache_len: int) -> None:
         name, cache = cell
         impl, p = self.impls[name], self.preset
+        bytes_per_step = self._bytes(cache, 1, p.prompt_len, p.new_tokens)
         common = dict(impl=name, cache=cache, prompt_len=p.prompt_len, new_tokens=p.new_tokens, batch=1,
-                      max_cache_len=max_cache_len, note=impl.note(cache),
-                      bytes_per_step=self._bytes(cache, 1, p.prompt_len, p.new_tokens))
+                      max_cache_len=max_cache_len, note=impl.note(cache), bytes_per_step=bytes_per_step)
         runs = [run for run, _ in timed]
         if not error and any(run.decode_tok_s is None for run in runs):
             error = f"no decode step after the first was timed ({p.new_tokens} new tokens, or an early EOS)"
@@ -309,9 +310,9 @@ class Bench:
             self.results.add("decode", status="error", **{**common, "note": error or "no timed run"})
             return
         # Each run against the best probe of its own round: the fraction of the bandwidth available at the time.
-        local_fracs = [metrics.gbps(common["bytes_per_step"], run.decode_tok_s) / limit for run, info in timed
+        tok_s = [run.decode_tok_s for run in runs if run.decode_tok_s is not None]  # every run's: checked above
+        local_fracs = [metrics.gbps(bytes_per_step, speed) / limit for speed, (_, info) in zip(tok_s, timed)
                        if (limit := self._round_limit(info["round"]))]
-        tok_s = [run.decode_tok_s for run in runs]
         median_tok_s = statistics.median(tok_s)
         walls = statistics.median(run.wall_s for run in runs)
         warm_run, warm_info = warm

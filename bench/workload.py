@@ -84,13 +84,12 @@ class Workload:
 
     def __init__(self, preset: Preset, device: str, cache_dir: Path | None = None) -> None:
         self.preset = preset
-        self.config = preset.config
+        self.config = preset.model_config
         self.dtype_name = preset.dtype
         self.device = device
-        if preset.model_dir is not None:  # a trained preset or --model: that checkpoint
-            self.model_dir = preset.model_dir
-        else:
-            self.model_dir = None if preset.weights_on_device else checkpoint_dir(preset.config, preset.seed, cache_dir)
+        self.model_dir: Path | None = preset.model_dir  # a trained preset or --model: that checkpoint
+        if self.model_dir is None and not preset.weights_on_device:
+            self.model_dir = checkpoint_dir(self.config, preset.seed, cache_dir)
         self.models: dict[str, Any] = {}
         self._weights: dict[str, Any] | None = None
         self._hf_models: dict[bool, Any] = {}

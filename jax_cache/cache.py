@@ -19,8 +19,12 @@ donation is consumed: using it again raises StaleCacheError instead of JAX's bar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
@@ -60,7 +64,7 @@ class StaticCache(BufferSizes):
         self.slot_positions = jnp.full(shape[:1] + shape[2:3], -1, jnp.int32, device=places[-2])
         self.length = jnp.zeros((), jnp.int32, device=places[-1])
 
-    def _placements(self, num_layers: int, num_kv_heads: int) -> list[NamedSharding | None]:
+    def _placements(self, num_layers: int, num_kv_heads: int) -> Sequence[NamedSharding | None]:
         """Where each array of `arrays()` goes: its mesh sharding, or None (the default device)."""
         if self.mesh is None:
             return [None] * (2 * num_layers + 2)
@@ -207,7 +211,7 @@ class StaticCache(BufferSizes):
         self.check_live()
         cache_checks.check_compatible(self, config, batch_size, jnp.dtype(model_dtype), model_device)
 
-    def check_forward(self, config: MistralConfig, input_ids: jax.Array, model_dtype: jnp.dtype,
+    def check_forward(self, config: MistralConfig, input_ids: jax.Array | np.ndarray, model_dtype: jnp.dtype,
                       model_device: str) -> None:
         """Refuse a forward this cache was not built for, before anything is dispatched."""
         if input_ids.ndim != 2:
@@ -246,6 +250,7 @@ class SlidingWindowCache(StaticCache):
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
+        assert config.sliding_window is not None  # __init__ refused a config without a window
         return min(config.sliding_window, max_cache_len)
 
     @property
@@ -269,13 +274,14 @@ def device_label(array: jax.Array) -> str:
     """The device(s) an array lives on, as a label for comparisons and messages: the device, or the mesh."""
     placement = array.sharding
     if isinstance(placement, NamedSharding) and placement.mesh.size > 1 and "data" in placement.mesh.axis_names:
-        return sharding.mesh_label(placement.mesh)
+        return sharding.mesh_label(cast(Mesh, placement.mesh))  # a placed array's mesh is concrete, not abstract
     return "+".join(sorted(str(device) for device in array.devices()))
 
 
 def default_device() -> jax.Device:
     """The device new arrays go to: jax.default_device's when one is set, else the default backend's first."""
-    device = jax.config.jax_default_device
+    # Config flags are set dynamically: jax 0.10's stubs lack them, 0.11's type them Any (hence unused-ignore too).
+    device = jax.config.jax_default_device  # type: ignore[attr-defined, unused-ignore]  # flags absent from stubs
     if isinstance(device, str):
         return jax.devices(device)[0]
     return device if device is not None else jax.devices()[0]

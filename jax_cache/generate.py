@@ -204,9 +204,10 @@ def _placed(state: DecodeState) -> DecodeState:
     if cache.mesh is None:
         return state
     rows, whole = sharding.batch_sharding(cache), sharding.replicated(cache)
-    return DecodeState(*(sharding.place(array, rows) for array in (state.tokens, state.positions, state.finished)),
-                       *(sharding.place(array, whole) for array in (state.step, state.non_finite_step)),
-                       sharding.place_cache(cache))
+    per_row = (state.tokens, state.positions, state.finished)
+    tokens, positions, finished = (sharding.place(array, rows) for array in per_row)
+    step, non_finite_step = (sharding.place(array, whole) for array in (state.step, state.non_finite_step))
+    return DecodeState(tokens, positions, finished, step, non_finite_step, sharding.place_cache(cache))
 
 
 def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams, eos: int | None,
@@ -422,8 +423,8 @@ def prompt_bucket(prompt_len: int, room: int | None, chunk_size: int = PREFILL_C
     return max(prompt_len, min(bucket, room)) if room is not None else bucket
 
 
-def prefill(model: Mistral, input_ids: jax.Array, attention_mask: jax.Array, cache: StaticCache,
-            chunk_size: int = PREFILL_CHUNK) -> tuple[jax.Array, StaticCache]:
+def prefill(model: Mistral, input_ids: jax.Array | np.ndarray, attention_mask: jax.Array | np.ndarray,
+            cache: StaticCache, chunk_size: int = PREFILL_CHUNK) -> tuple[jax.Array, StaticCache]:
     """Run the left-padded prompt [B, T] through the model in chunks of at most `chunk_size` columns, filling the
     (donated) cache. Returns last-token logits [B, V] fp32 and the new cache.
 
@@ -496,7 +497,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         cache = cache.reset()
     else:
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
-        bounded = kind == "static" or planned_len < config.sliding_window
+        # plan_cache gives a sliding_window cache only to a config with a window
+        bounded = kind == "static" or (config.sliding_window is not None and planned_len < config.sliding_window)
         bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
@@ -533,7 +535,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
                         sampling: SamplingParams | None = None, fused: bool = True,
                         on_token: TokenCallback | None = None, return_logits: bool = False,
-                        forced_tokens: Sequence[Sequence[int]] | None = None,
+                        forced_tokens: Sequence[Sequence[int]] | np.ndarray | None = None,
                         _first_step: int = 0) -> GenerationResult:
     """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
 
@@ -570,6 +572,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 if on_token is not None:
                     on_token(row_ids)
             if return_logits:
+                assert block_logits is not None  # decode_fused hands a block's logits on whenever return_logits
                 logits_per_step.append(block_logits)
 
         decode_start = time.perf_counter()

@@ -8,6 +8,7 @@ are contracted with dot_general over their last axis: on XLA-CPU that runs ~26x 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +157,7 @@ class Attention(nnx.Module):
         batch, _, seq_len, _ = q.shape
         groups = self.num_heads // self.num_kv_heads
         if not isinstance(keys, tuple):
+            assert not isinstance(values, tuple)  # keys and values come in the same form
             # Attention reads as many slots as the mask covers: a prefix of the buffers when the forward was given an
             # attend_len bucket (every live key is in it), else all of them.
             keys, values = keys[:, :, :visible.shape[-1]], values[:, :, :visible.shape[-1]]  # [B, Hkv, Lkv, D]
@@ -182,12 +184,15 @@ def scaled_dot_product_attention(q: jax.Array, keys: _KeySegments, values: _KeyS
     """
     scale = jnp.sqrt(jnp.float32(q.shape[-1]))
     if isinstance(keys, tuple):
+        assert isinstance(values, tuple)  # keys and values come in the same form
         key_parts, value_parts = keys, values
-    elif decode and jax.default_backend() == "cpu" and keys.shape[2] >= 2:
-        half = keys.shape[2] // 2
-        key_parts, value_parts = (keys[:, :, :half], keys[:, :, half:]), (values[:, :, :half], values[:, :, half:])
     else:
-        key_parts, value_parts = (keys,), (values,)
+        assert not isinstance(values, tuple)
+        if decode and jax.default_backend() == "cpu" and keys.shape[2] >= 2:
+            half = keys.shape[2] // 2
+            key_parts, value_parts = (keys[:, :, :half], keys[:, :, half:]), (values[:, :, :half], values[:, :, half:])
+        else:
+            key_parts, value_parts = (keys,), (values,)
     scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, part, precision=_precision(q.dtype),
                                          preferred_element_type=jnp.float32) for part in key_parts],
                              axis=-1) / scale  # [B, Hkv, R, L]
@@ -197,7 +202,7 @@ def scaled_dot_product_attention(q: jax.Array, keys: _KeySegments, values: _KeyS
     out = sum(jnp.einsum("bhrl,bhld->bhrd", weights[..., start:stop], part.astype(jnp.float32),
                          precision=lax.Precision.HIGHEST)
               for part, start, stop in zip(value_parts, starts[:-1], starts[1:], strict=True))  # [B, Hkv, R, D] fp32
-    return out.astype(value_parts[0].dtype)
+    return cast(jax.Array, out).astype(value_parts[0].dtype)  # a sum of one or more arrays: never sum()'s start, 0
 
 
 class MLP(nnx.Module):
@@ -234,7 +239,7 @@ class DecoderLayer(nnx.Module):
     def pre_attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-    def post_attention(self, x: jax.Array, q: jax.Array, keys: jax.Array, values: jax.Array,
+    def post_attention(self, x: jax.Array, q: jax.Array, keys: _KeySegments, values: _KeySegments,
                        visible: jax.Array) -> jax.Array:
         x = x + self.self_attn.attend(q, keys, values, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -290,7 +295,8 @@ class Mistral(nnx.Module):
         head = embed if self.lm_head is None else self.lm_head.weight[...]
         return project(x, head), cache  # [B, S or K, V]
 
-    def check_inputs(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array | None) -> None:
+    def check_inputs(self, input_ids: jax.Array | np.ndarray, positions: jax.Array | np.ndarray,
+                     attention_mask: jax.Array | np.ndarray | None) -> None:
         """Checks of ids, positions and mask before dispatch (they read values, so they wait for the device)."""
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len >= 1]")
@@ -371,11 +377,14 @@ class Mistral(nnx.Module):
                 for name in f.keys():
                     if name in wanted and mesh is None:
                         weights[name] = f.get_tensor(name).astype(dtype)
-                    elif name in wanted:
+                    elif name in wanted and mesh is not None:
                         tensor = f.get_slice(name)
+
+                        def read(index: tuple[slice, ...] | None, tensor: Any = tensor) -> jax.Array:
+                            return tensor[index].astype(dtype)  # the block of the tensor one device holds
+
                         weights[name] = jax.make_array_from_callback(
-                            tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh),
-                            lambda index, tensor=tensor: tensor[index].astype(dtype))
+                            tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh), read)
         return cls.from_weights(config, weights, mesh)
 
 

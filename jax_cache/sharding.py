@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -25,6 +26,9 @@ from jax.sharding import PartitionSpec as P
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
 from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, check_devices, plan_shards
+
+if TYPE_CHECKING:  # jax_cache.cache imports this module
+    from jax_cache.cache import StaticCache
 
 # The three-axis view every array is placed on; MODEL is the user's `model` axis as its two factors.
 _VIEW_AXES = ("data", "model_kv", "model_copy")
@@ -106,13 +110,15 @@ def cache_shardings(mesh: Mesh, num_layers: int, num_kv_heads: int) -> list[Name
     return [kv] * (2 * num_layers) + [_named(view, P("data", None)), _named(view, P())]
 
 
-def batch_sharding(cache: object) -> NamedSharding:
+def batch_sharding(cache: StaticCache) -> NamedSharding:
     """Arrays whose first axis is a mesh cache's batch ([B, ...]): rows on `data`, replicated along `model`."""
+    assert cache.mesh is not None  # callers place arrays by a cache only when it is on a mesh
     return _named(_view(cache.mesh, cache.num_kv_heads), P("data"))
 
 
-def replicated(cache: object) -> NamedSharding:
+def replicated(cache: StaticCache) -> NamedSharding:
     """Arrays every device of a mesh cache's mesh holds whole (counters, the step index)."""
+    assert cache.mesh is not None  # as in batch_sharding
     return _named(_view(cache.mesh, cache.num_kv_heads), P())
 
 
@@ -130,7 +136,7 @@ def place(array: jax.Array, placement: NamedSharding) -> jax.Array:
     return jax.device_put(array, placement)
 
 
-def place_cache(cache: object) -> object:
+def place_cache(cache: StaticCache) -> StaticCache:
     """A mesh cache with every array on its sharding; a cache off any mesh is returned as it is. Jitted functions
     pin the cache they return with it, so its out_shardings equal its in_shardings and donation reuses the buffers."""
     if cache.mesh is None:

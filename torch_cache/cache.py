@@ -200,6 +200,7 @@ class SlidingWindowCache(StaticCache):
 
     @staticmethod
     def _buffer_len(config: MistralConfig, max_cache_len: int) -> int:
+        assert config.sliding_window is not None  # __init__ refused a config without one before calling this
         return min(config.sliding_window, max_cache_len)
 
     @property

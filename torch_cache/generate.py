@@ -14,7 +14,9 @@ import functools
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from torch_cache import sharding
@@ -49,6 +51,7 @@ _CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache, int | None], torch.Tensor]
 _MASK32 = 0xFFFFFFFF
+_Bits = TypeVar("_Bits", torch.Tensor, int)  # the 32-bit hash runs on tensors and on Python ints alike
 
 
 def _sampling_kind(sampling: SamplingParams) -> str:
@@ -102,7 +105,7 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tenso
     return _filter(logits, *_knobs(sampling, logits.device), _sampling_kind(sampling) == "filtered")
 
 
-def _mul32(x: torch.Tensor | int, factor: int) -> torch.Tensor | int:
+def _mul32(x: _Bits, factor: int) -> _Bits:
     """x * factor mod 2^32, for x in [0, 2^32) in int64 (or a Python int): in two 16-bit halves of the factor, so no
     product leaves int64 (signed overflow is undefined in the C++ inductor writes)."""
     low = x * (factor & 0xFFFF)
@@ -110,7 +113,7 @@ def _mul32(x: torch.Tensor | int, factor: int) -> torch.Tensor | int:
     return (low + high) & _MASK32
 
 
-def _hash32(x: torch.Tensor | int) -> torch.Tensor | int:
+def _hash32(x: _Bits) -> _Bits:
     """lowbias32 (C. Wellons' integer hash): a bijection on 32-bit values, held in int64 in [0, 2^32) (or Python ints).
 
     Kept out of the compiled step where it can be: inductor's codegen evaluates a fused pointwise chain's shared
@@ -230,8 +233,10 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeOne:
         # Static shapes (batch and cache sizes specialise), but the bucket is symbolic where this torch can say so:
         # one graph then serves every partial bucket, and the whole cache is one more (docs/design.md §7.13).
         # Elsewhere each bucket compiles once.
-        compiled = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")
+        compiled: _DecodeOne = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        # (torch.compiler.config gets patch() at runtime from install_config_module but, unlike inductor's config,
+        # declares no type for it: hence the ignore)
+        symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")  # type: ignore[attr-defined]
                            if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
         # Inductor tries to fuse each pair of nodes that share a buffer, up to 64 apart. Every layer's K/V write reads
         # the same slot indices: ~2,000 pairs on a 30-layer model, 1 s of its compile, and the fusions it finds are
@@ -362,7 +367,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
                         sampling: SamplingParams | None = None, compile: bool = True,
                         on_token: TokenCallback | None = None, return_logits: bool = False,
-                        forced_tokens: Sequence[Sequence[int]] | None = None,
+                        forced_tokens: Sequence[Sequence[int]] | np.ndarray | None = None,
                         _first_step: int = 0) -> GenerationResult:
     """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
 

@@ -18,8 +18,10 @@ import re
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch._inductor.cpu_vec_isa import VecISA
 
 __all__ = ["start_compiler_probe", "batched_kernels", "balanced_groups", "library_source"]
 
@@ -96,8 +98,10 @@ def _probe_vector_isas() -> None:
         return
 
 
-def _list_vec_isas(cpu_vec_isa: ModuleType, candidates: list[object]) -> list[object]:
-    """Inductor's cached list of valid vector ISAs, computed over `candidates` only (their verdicts are cached)."""
+def _list_vec_isas(cpu_vec_isa: Any, candidates: list[VecISA]) -> list[VecISA]:
+    """Inductor's cached list of valid vector ISAs, computed over `candidates` only (their verdicts are cached).
+    `cpu_vec_isa` is torch._inductor.cpu_vec_isa (typed Any: mypy has no type for one given module, whose
+    attributes this sets)."""
     supported = cpu_vec_isa.supported_vec_isa_list
     cpu_vec_isa.supported_vec_isa_list = candidates  # read by valid_vec_isa_list alone; restored at once
     try:
@@ -106,8 +110,8 @@ def _list_vec_isas(cpu_vec_isa: ModuleType, candidates: list[object]) -> list[ob
         cpu_vec_isa.supported_vec_isa_list = supported
 
 
-def _check_later_isas_on_demand(cpu_vec_isa: ModuleType, inductor_config: Any, listed: list[object],
-                                later: list[object]) -> None:
+def _check_later_isas_on_demand(cpu_vec_isa: Any, inductor_config: Any, listed: list[VecISA],
+                                later: list[VecISA]) -> None:
     """Complete inductor's cached list of valid ISAs (`listed`, the picked one) with the `later` candidates the
     first time inductor reads it under a config that may pick one of them (cpp.simdlen, ATEN_CPU_CAPABILITY or
     cpp.vec_isa_ok set later in this process), by the CPU's flags and their short intrinsic checks, without the full
@@ -117,7 +121,7 @@ def _check_later_isas_on_demand(cpu_vec_isa: ModuleType, inductor_config: Any, l
     cached = cpu_vec_isa.valid_vec_isa_list
     lock = threading.Lock()
 
-    def valid_vec_isa_list() -> list[object]:
+    def valid_vec_isa_list() -> list[VecISA]:
         valid = cached()
         if later and valid is listed and not _inductor_picks_the_widest_isa(inductor_config):
             with lock, inductor_config.patch({"cpp.vec_isa_ok": True}):
@@ -217,7 +221,7 @@ def _install() -> bool:
 def _wrap(async_compile: Any, code_cache_future: type) -> None:
     own_pybinding, own_wait = async_compile.cpp_pybinding, async_compile.wait
 
-    class PendingKernel(code_cache_future):  # type: ignore[misc, valid-type]
+    class PendingKernel(code_cache_future):
         """A kernel of a batch: what inductor's own wait() resolves, should it see one."""
 
         def __init__(self, batch: _KernelBatch, index: int) -> None:
@@ -289,7 +293,8 @@ def balanced_groups(sizes: Sequence[int], groups: int) -> list[list[int]]:
     """Indices of `sizes` split into at most `groups` non-empty lists of similar totals (largest first, each to the
     lightest list), each list in index order: the same split for the same kernels, so a rebuilt graph hits the cache."""
     count = max(1, min(groups, len(sizes)))
-    totals, members = [0] * count, [[] for _ in range(count)]
+    totals = [0] * count
+    members: list[list[int]] = [[] for _ in range(count)]
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         lightest = totals.index(min(totals))
         totals[lightest] += sizes[index]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,11 @@ if _PACKED_LINEAR:
         return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def compile_region(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def compile_region(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     """Regional compilation: under torch.compile, a module method marked so is traced and compiled once and reused
     for every module of the class with the same input shapes (the two halves of one decoder layer for the whole
     stack, not 30 layers), which cuts the compile time of a deep model several fold; eager calls are unchanged.

@@ -15,7 +15,8 @@ The cache keeps its K/V shard [B / data, Hkv per device, L, D] on each rank, and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, MeshError
 from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, plan_shards
+
+if TYPE_CHECKING:
+    from torch_cache.model import DecoderLayer, Mistral  # which imports this module
 
 # torch 2.13 renamed all_gather_tensor (now a deprecated alias) to all_gather_single; torch 2.11 has the old name only.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -113,6 +117,7 @@ class TensorParallel:
         self.mesh = mesh
         if mesh is None:
             return
+        assert config is not None, "a TensorParallel on a mesh needs the model's config"
         self.plan = plan(mesh, config)
         self.model_group, self.data_group = mesh.get_group("model"), mesh.get_group("data")
         self.model_ways, self.data_ways = self.plan.mesh.model, self.plan.mesh.data
@@ -160,7 +165,7 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
-def parallelize(model: torch.nn.Module, mesh: DeviceMesh, weights: dict[str, torch.Tensor]) -> None:
+def parallelize(model: Mistral, mesh: DeviceMesh, weights: dict[str, torch.Tensor]) -> None:
     """Make a model built on the meta device this rank's part of the mesh: its parameters become `weights` (this
     rank's slices, shard_weights), its attention modules take the local head counts, and every forward calls the
     mesh's collectives."""
@@ -173,7 +178,7 @@ def parallelize(model: torch.nn.Module, mesh: DeviceMesh, weights: dict[str, tor
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(tensor, requires_grad=False))
     parallel = TensorParallel(mesh, model.config)
     model.mesh, model.parallel = mesh, parallel
-    for layer in model.model.layers:
+    for layer in cast("Iterable[DecoderLayer]", model.model.layers):  # a ModuleList, typed as holding any Module
         layer.self_attn.num_heads, layer.self_attn.num_kv_heads = parallel.plan.num_heads, parallel.plan.num_kv_heads
         layer.self_attn.parallel = layer.mlp.parallel = parallel
 

@@ -41,9 +41,10 @@ def _integer(name: str, value: object) -> int:
 
 
 def _positive_integer(name: str, value: object) -> int:
-    if _integer(name, value) <= 0:
+    number = _integer(name, value)
+    if number <= 0:
         raise ConfigError(f"config field {name}={value!r} must be a positive integer")
-    return value
+    return number
 
 
 def _positive_number(name: str, value: object) -> float:
@@ -154,7 +155,7 @@ class MistralConfig:
         hidden = _positive_integer("hidden_size", raw["hidden_size"])
         heads = _positive_integer("num_attention_heads", raw["num_attention_heads"])
 
-        def optional(name: str, default: object) -> object:  # absent or null: HF's default
+        def optional(name: str, default: Any) -> Any:  # absent or null: HF's default (a JSON value, checked below)
             return default if raw.get(name) is None else raw[name]
 
         return cls(

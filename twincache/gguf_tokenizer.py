@@ -100,7 +100,7 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
     SentencePiece merges the best-scoring pair first), then by longer left and right pieces, as transformers ranks them.
     """
     vocab = {token: i for i, token in enumerate(tokens)}
-    ranked = []
+    ranked: list[tuple[float, str, str]] = []
     for token, score in zip(tokens, scores):
         splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
         splits = sorted((pair for pair in splits if pair[0] in vocab and pair[1] in vocab),

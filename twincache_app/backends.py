@@ -86,7 +86,8 @@ def _persist_xla_compiles() -> None:
         import jax
     except ImportError:
         return  # the tower's import says so, in one line
-    if jax.config.jax_compilation_cache_dir is not None:
+    # Config flags are set dynamically: jax 0.10's stubs lack them, 0.11's type them Any (hence unused-ignore too).
+    if jax.config.jax_compilation_cache_dir is not None:  # type: ignore[attr-defined, unused-ignore]
         return
     directory = compiled_programs_dir("jax")
     existing = next(parent for parent in (directory, *directory.parents) if parent.exists())

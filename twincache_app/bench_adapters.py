@@ -142,7 +142,8 @@ def fused_block_tok_s(model_dir: Path, block_sizes: Sequence[int], new_tokens: i
     speeds: dict[int, list[tuple[float, float]]] = {block: [] for block in block_sizes}
     try:
         for round_index in range(rounds + 1):  # round 0 warms up (compiles)
-            for block in block_sizes[round_index % len(block_sizes):] + block_sizes[:round_index % len(block_sizes)]:
+            turn = round_index % len(block_sizes)
+            for block in [*block_sizes[turn:], *block_sizes[:turn]]:
                 jax_generate.FUSED_BLOCK_STEPS = block
                 cpu_start = time.process_time()
                 result = tower.generate(model, [list(prompt)], new_tokens, mode="fused")

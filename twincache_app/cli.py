@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from twincache.errors import TwincacheError
 from twincache_app import interrupts, launch
@@ -21,7 +22,7 @@ SUBCOMMANDS = ("twincache_app.generate_cmd", "twincache_app.parity", "twincache_
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse prints usage plus the message; we print one line
+    def error(self, message: str) -> NoReturn:  # argparse prints usage plus the message; we print one line
         self.exit(2, f"twincache: error: {message} (see --help)\n")
 
 

@@ -209,6 +209,7 @@ def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int
             raise InputError("--prompt-ids is empty; give at least one token id")
         return prompt_ids, tokenizer
     text = prompt_text if prompt_text is not None else DEFAULT_PROMPT
+    assert tokenizer is not None  # needs_tokenizer: no prompt ids were given
     return (tokenizer.encode_chat(text) if args.chat else tokenizer.encode(text)), tokenizer
 
 

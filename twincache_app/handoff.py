@@ -7,6 +7,8 @@ treats arrays as immutable.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,7 @@ def _torch_dtype(dtype: jnp.dtype) -> torch.dtype:
     return getattr(torch, jnp.dtype(dtype).name)
 
 
-def weights_from_torch(weights: dict[str, torch.Tensor], backend: str) -> dict[str, object]:
+def weights_from_torch(weights: dict[str, torch.Tensor], backend: str) -> dict[str, Any]:
     """HF-named torch tensors as `backend`'s arrays: the tensors themselves for torch, zero-copy views for JAX."""
     convert = {"torch": lambda tensor: tensor, "jax": _to_jax}[backend]
     return {name: convert(tensor) for name, tensor in weights.items()}
@@ -80,6 +82,7 @@ def _check_handoff(cache: object, own_type: type, config: MistralConfig, where: 
         raise CacheError(f"{where} copies a torch cache held whole by one process, but this one is split over "
                          f"{torch_sharding.mesh_label(cache.mesh)} (each rank holds a shard); hand over from a "
                          "single-device torch cache")
+    assert isinstance(cache, (torch_caches.StaticCache, jax_caches.StaticCache))  # check_cache_type refused others
     if isinstance(cache, jax_caches.StaticCache):
         cache.check_live()
     cache_checks.check_model_geometry(cache, config)

@@ -51,12 +51,12 @@ def judge(reference: Oracle, floor: Oracle, single: np.ndarray, sharded: np.ndar
 
 def _share(tokens: list[list[int]] | None) -> list[list[int]]:
     """Rank 0's continuation on every rank of a torch world (unchanged outside one)."""
-    if not launch.in_world():
-        return tokens
-    import torch.distributed as dist
-
     box = [tokens]
-    dist.broadcast_object_list(box, src=0)
+    if launch.in_world():
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None  # rank 0 shares its own tokens; outside a world only rank 0 runs
     return box[0]
 
 

@@ -262,7 +262,7 @@ def run_implementation(impl: str, models: Models, prompts: list[list[int]], toke
 
 def kept_positions(sequence_len: int, cache: str, sliding_window: int | None) -> np.ndarray:
     """The positions a cache must hold after feeding `sequence_len` tokens: all of them, or a ring's last W."""
-    first = max(0, sequence_len - sliding_window) if cache == "sliding_window" else 0
+    first = max(0, sequence_len - sliding_window) if cache == "sliding_window" and sliding_window is not None else 0
     return np.arange(first, sequence_len)
 
 
