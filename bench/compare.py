@@ -11,6 +11,7 @@ only when the two spreads do not overlap.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,12 @@ from twincache.errors import InputError
 LIMIT_TOLERANCE = 0.10  # bandwidth limits this close count as one machine (probes on one VM vary ~5% a run)
 WORKLOAD_FIELDS = ("preset", "params", "dtype", "sliding_window")  # any difference makes two tok/s incomparable
 REFERENCES = ("transformers", "transformers_eager")  # code twincache does not change: ratios to it are the control
-COMPARED_KINDS = ("decode", "latency_vs_context", "batch")
-_NEEDED = {"decode": ("decode_tok_s", "decode_tok_s_min", "decode_tok_s_max"),  # what an ok record must measure
-           "latency_vs_context": ("context", "ms_per_token"), "batch": ("batch", "total_tok_s")}
+# Per kind compared: the fields that name a record (a string or an integer each), and what an ok one must have
+# measured (a positive finite number each).
+_KEYS = {"decode": ("impl", "cache"), "latency_vs_context": ("impl", "cache", "context"), "batch": ("impl", "batch")}
+_MEASURED = {"decode": ("decode_tok_s", "decode_tok_s_min", "decode_tok_s_max"),
+             "latency_vs_context": ("ms_per_token",), "batch": ("total_tok_s",)}
+_STRING_FIELDS = ("status", "impl", "cache")
 
 
 def load_run(path: Path) -> list[dict[str, Any]]:
@@ -40,16 +44,35 @@ def load_run(path: Path) -> list[dict[str, Any]]:
             or not all(isinstance(r, dict) and "kind" in r and "preset" in r for r in records)):
         raise InputError(f"--compare {file}: not a bench results.json (a list of records, each with a kind and a "
                          f"preset; a mesh.json or prefill_memory.json is another table); {hint}")
-    for record in records:
-        needed = _NEEDED.get(record["kind"], ()) if record.get("status") == "ok" else ()
-        bad = [f for f in needed if not isinstance(record.get(f), (int, float)) or not record[f] > 0]
-        if bad:
-            raise InputError(f"--compare {file}: a {record['kind']} record of {record.get('impl')} / "
-                             f"{record.get('cache')} has no positive {', '.join(bad)}; {hint}")
-    if not any(r["kind"] in COMPARED_KINDS for r in records):
+    for record in (r for r in records if r["kind"] in _KEYS):
+        kind, ok = record["kind"], record.get("status") == "ok"
+        # Every decode cell is listed, whatever its status; of the other kinds only ok records are compared (a
+        # skipped curve point records no context).
+        named = ("status", *(_KEYS[kind] if ok or kind == "decode" else ()),
+                 *(("prompt_len", "new_tokens") if ok and kind == "decode" else ()))
+        unnamed = [f for f in named if not _valid_name(f, record.get(f))]
+        if unnamed:
+            raise InputError(f"--compare {file}: a {kind} record has no valid {', '.join(unnamed)} (a string for "
+                             f"{', '.join(_STRING_FIELDS)}, else an integer); {hint}")
+        unmeasured = [f for f in _MEASURED[kind] if ok and not _positive(record.get(f))]
+        if unmeasured:
+            raise InputError(f"--compare {file}: a {kind} record of {record.get('impl')} / {record.get('cache')} "
+                             f"has no positive {', '.join(unmeasured)}; {hint}")
+    if not any(r["kind"] in _KEYS for r in records):
         raise InputError(f"--compare {file}: holds no decode, latency or batch record (only "
                          f"{sorted({r['kind'] for r in records})}); {hint}")
     return records
+
+
+def _valid_name(field: str, value: object) -> bool:
+    if field in _STRING_FIELDS:
+        return isinstance(value, str)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
 
 
 def check_comparable(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
@@ -58,7 +81,8 @@ def check_comparable(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> No
         if old[0].get(field) != new[0].get(field):
             raise InputError(f"--compare: the runs measured different workloads: {field} is {old[0].get(field)!r} in "
                              f"OLD and {new[0].get(field)!r} in NEW; compare two runs of one preset on one model")
-    lengths = [{(r["prompt_len"], r["new_tokens"]) for r in run if r["kind"] == "decode"} for run in (old, new)]
+    lengths = [{(r["prompt_len"], r["new_tokens"]) for r in run if r["kind"] == "decode" and r["status"] == "ok"}
+               for run in (old, new)]
     if all(lengths) and lengths[0] != lengths[1]:
         raise InputError(f"--compare: the decode tables ran different lengths: prompt + new tokens "
                          f"{_lengths(lengths[0])} in OLD, {_lengths(lengths[1])} in NEW; compare runs of one preset")
@@ -89,12 +113,13 @@ def verdict(old_span: tuple[float, float], new_span: tuple[float, float]) -> str
     return "within spread"
 
 
-def _ok_by(records: list[dict[str, Any]], kind: str, *fields: str) -> dict[tuple, dict[str, Any]]:
-    return {tuple(r[f] for f in fields): r for r in records if r["kind"] == kind and r["status"] == "ok"}
+def _ok_by(records: list[dict[str, Any]], kind: str) -> dict[tuple, dict[str, Any]]:
+    """The kind's ok records by the fields that name them (_KEYS)."""
+    return {tuple(r[f] for f in _KEYS[kind]): r for r in records if r["kind"] == kind and r["status"] == "ok"}
 
 
-def _status_by(records: list[dict[str, Any]], kind: str, *fields: str) -> dict[tuple, str]:
-    return {tuple(r[f] for f in fields): r["status"] for r in records if r["kind"] == kind}
+def _status_by(records: list[dict[str, Any]], kind: str) -> dict[tuple, str]:
+    return {tuple(r[f] for f in _KEYS[kind]): r["status"] for r in records if r["kind"] == kind}
 
 
 def _span(record: dict[str, Any], scale: float = 1.0) -> tuple[float, float]:
@@ -113,8 +138,8 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
     old_limit, new_limit = _limit(old), _limit(new)
     one_machine = same_machine(old_limit, new_limit)
     decode: list[dict[str, Any]] = []
-    old_cells, new_cells = _ok_by(old, "decode", "impl", "cache"), _ok_by(new, "decode", "impl", "cache")
-    old_status, new_status = _status_by(old, "decode", "impl", "cache"), _status_by(new, "decode", "impl", "cache")
+    old_cells, new_cells = _ok_by(old, "decode"), _ok_by(new, "decode")
+    old_status, new_status = _status_by(old, "decode"), _status_by(new, "decode")
     for key in dict.fromkeys([*old_status, *new_status]):
         row: dict[str, Any] = {"impl": key[0], "cache": key[1]}
         o, n = old_cells.get(key), new_cells.get(key)
@@ -143,7 +168,7 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
             row["verdict"] = verdict(_span(o), _span(n))
         decode.append(row)
     curves = []
-    old_points, new_points = (_ok_by(run, "latency_vs_context", "impl", "cache", "context") for run in (old, new))
+    old_points, new_points = _ok_by(old, "latency_vs_context"), _ok_by(new, "latency_vs_context")
     for impl, cache in dict.fromkeys((k[0], k[1]) for k in old_points):
         shared = sorted(k[2] for k in old_points if k[:2] == (impl, cache) and k in new_points)
         if not shared:
@@ -155,7 +180,7 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
                        "new_first_over_last": ms["new"][0] / ms["new"][-1] if len(shared) > 1 else None,
                        "median_ms_change": statistics.median(b / a for a, b in zip(ms["old"], ms["new"]))})
     batch = []
-    old_sizes, new_sizes = _ok_by(old, "batch", "impl", "batch"), _ok_by(new, "batch", "impl", "batch")
+    old_sizes, new_sizes = _ok_by(old, "batch"), _ok_by(new, "batch")
     for key, o in old_sizes.items():
         if key in new_sizes:
             batch.append({"impl": key[0], "batch": key[1], "old_tok_s": o["total_tok_s"],

@@ -5,6 +5,7 @@ expected ratio and verdict is worked out here, not by the code under test."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,35 @@ def test_a_failed_cell_is_listed_and_not_counted():
     text = compare.markdown(result, Path("a"), Path("b"))
     assert "0 faster, 0 slower, 1 within spread, of 1 cells" in text
     assert "| jax_step | static | ok | error |" in text
+
+
+def test_cells_a_run_could_not_measure_compare_as_the_runner_records_them(tmp_path):
+    """An unavailable decode cell (impl and cache only: no lengths) and a skipped curve point (no context), as
+    bench/runner.py writes them, neither refuse the run nor count as another workload."""
+    skipped_point = {**decode("jax_step", 0, 0, 0), "kind": "latency_vs_context", "status": "skipped",
+                     "prompt_len": 64}
+    skipped_point.pop("context", None)
+    unavailable = {**decode("jax_fused", 0, 0, 0), "status": "unavailable", "prompt_len": None, "new_tokens": None}
+    (tmp_path / "partial.json").write_text(json.dumps([decode("torch_compiled", 100, 99, 101), unavailable,
+                                                       skipped_point]))
+    partial = compare.load_run(tmp_path / "partial.json")
+    got = rows(compare.compare([decode("torch_compiled", 100, 99, 101), decode("jax_fused", 90, 89, 91)], partial))
+    assert got["torch_compiled"]["verdict"] == "within spread"
+    assert got["jax_fused"] == {"impl": "jax_fused", "cache": "static", "old_status": "ok",
+                                "new_status": "unavailable"}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"status": None}, "a decode record has no valid status (a string for status, impl, cache, else an integer)"),
+    ({"impl": ["torch_compiled"]}, "a decode record has no valid impl"),
+    ({"prompt_len": True}, "a decode record has no valid prompt_len"),
+    ({"decode_tok_s": float("inf")}, "a decode record of torch_compiled / static has no positive decode_tok_s"),
+    ({"decode_tok_s_max": "fast"}, "a decode record of torch_compiled / static has no positive decode_tok_s_max"),
+])
+def test_records_that_lie_are_refused_in_one_line(tmp_path, change, message):
+    (tmp_path / "lies.json").write_text(json.dumps([{**decode("torch_compiled", 100, 99, 101), **change}]))
+    with pytest.raises(InputError, match=re.escape(message)):
+        compare.load_run(tmp_path / "lies.json")
 
 
 def test_curves_and_batch_points_compare_where_both_runs_measured():
