@@ -311,7 +311,8 @@ class Bench:
             return
         # Each run against the best probe of its own round: the fraction of the bandwidth available at the time.
         tok_s = [run.decode_tok_s for run in runs if run.decode_tok_s is not None]  # every run's: checked above
-        local_fracs = [metrics.gbps(bytes_per_step, speed) / limit for speed, (_, info) in zip(tok_s, timed)
+        local_fracs = [metrics.gbps(bytes_per_step, speed) / limit
+                       for speed, (_, info) in zip(tok_s, timed, strict=True)
                        if (limit := self._round_limit(info["round"]))]
         median_tok_s = statistics.median(tok_s)
         walls = statistics.median(run.wall_s for run in runs)
