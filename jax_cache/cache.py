@@ -281,7 +281,7 @@ def device_label(array: jax.Array) -> str:
 def default_device() -> jax.Device:
     """The device new arrays go to: jax.default_device's when one is set, else the default backend's first."""
     # Config flags are set dynamically: jax 0.10's stubs lack them, 0.11's type them Any (hence unused-ignore too).
-    device = jax.config.jax_default_device  # type: ignore[attr-defined, unused-ignore]  # flags absent from stubs
+    device = jax.config.jax_default_device  # type: ignore[attr-defined, unused-ignore]
     if isinstance(device, str):
         return jax.devices(device)[0]
     return device if device is not None else jax.devices()[0]
