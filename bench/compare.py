@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.report import shared_machine
 from twincache.errors import InputError
 
 LIMIT_TOLERANCE = 0.10  # bandwidth limits this close count as one machine (probes on one VM vary ~5% a run)
@@ -196,7 +197,8 @@ def _describe(records: list[dict[str, Any]]) -> dict[str, Any]:
             "started_utc": machine.get("started_utc"), "device": machine.get("gpu") or machine.get("cpu"),
             "torch": machine.get("torch"), "jax": machine.get("jax"),
             "transformers": machine.get("transformers"), "limit_gbps": _limit(records),
-            "repeats": next((r.get("repeats") for r in records if r["kind"] == "decode" and r.get("repeats")), None)}
+            "repeats": next((r.get("repeats") for r in records if r["kind"] == "decode" and r.get("repeats")), None),
+            "shared_machine": shared_machine(records)}
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -229,6 +231,10 @@ def markdown(result: dict[str, Any], old_path: Path, new_path: Path) -> str:
                   f"{_num(new['limit_gbps'])} GB/s): another machine, or the same one at another time. A tok/s change "
                   "mixes the machine's with the code's; rows without a reference are judged on each run's roofline "
                   "fraction (tok/s over its own limit).", ""]
+    for label, run in (("OLD", old), ("NEW", new)):
+        if run["shared_machine"]:
+            lines += [f"**{label} ran on a shared machine:** {run['shared_machine']}. Its tok/s and spreads carry "
+                      "that load, not only its code's speed: rerun it alone before reading a verdict.", ""]
     if old["transformers"] != new["transformers"]:
         lines += [f"**transformers differs** ({old['transformers']} in OLD, {new['transformers']} in NEW): the "
                   "references' code may have changed with it, so a verdict against them holds only as far as their "

@@ -23,6 +23,41 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+# Other processes' CPU per wall second above which a run's timings are called disturbed: a quarter of a core on
+# average over the whole run, or half a core during any one timed run (a quiet machine measures ~0.01-0.05).
+SHARED_RUN_CORES = 0.25
+SHARED_TIMED_CORES = 0.5
+
+
+def shared_machine(records: list[dict[str, Any]]) -> str | None:
+    """What says other processes competed for the CPU during a CPU run, or None: the CPU they used while it ran
+    (OthersCPU); a run recorded before that was measured falls back to its load average."""
+    machine = records[0]["machine"] if records else {}
+    if machine.get("device") != "cpu":
+        return None
+    cores = machine.get("cpu_cores")
+    timed = [(r["others_cpu_per_wall"], r) for r in records if r.get("others_cpu_per_wall") is not None]
+    run_wide = machine.get("others_cpu_per_wall")
+    if run_wide is None and not timed:
+        busy = max((machine.get("loadavg_start") or [0])[0], (machine.get("loadavg_end") or [0])[0])
+        return f"load average up to {busy:.1f} on {cores} cores" if busy > (cores or 0) else None
+    worst, worst_record = max(timed, key=lambda item: item[0], default=(None, None))
+    if not ((run_wide or 0.0) > SHARED_RUN_CORES or (worst or 0.0) > SHARED_TIMED_CORES):
+        return None
+    where = (f", up to {worst:.2f} during one timed run ({worst_record['kind']} {worst_record['impl']} / "
+             f"{worst_record['cache']}, batch {worst_record['batch']})" if worst is not None and worst_record else "")
+    return f"other processes used {_fmt(run_wide, 2)} of {cores} cores on average over the run{where}"
+
+
+def shared_machine_warning(records: list[dict[str, Any]]) -> list[str]:
+    """results.md's paragraph on a shared machine, or nothing."""
+    found = shared_machine(records)
+    if found is None:
+        return []
+    return [f"**Shared machine:** {found}, so timings are noisy: rerun alone. The CPU/wall column gives the CPU each "
+            "cell's process got (2.0 = both cores of two), the others column the rest of the machine's.", ""]
+
+
 def _ok(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [r for r in records if r["kind"] == kind and r["status"] == "ok"]
 
@@ -39,11 +74,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
               + f"; torch {machine.get('torch')}, transformers {machine.get('transformers')}, "
               f"jax {machine.get('jax')}; commit {machine.get('git_commit')}; "
               f"started {machine.get('started_utc')} UTC; {load}; {machine.get('elapsed_s')} s in all.", ""]
-    busy = max((machine.get("loadavg_start") or [0])[0], (machine.get("loadavg_end") or [0])[0])
-    if machine.get("device") == "cpu" and busy > (machine.get("cpu_cores") or 0):
-        lines += [f"**Shared machine:** load average up to {busy:.1f} on {machine.get('cpu_cores')} cores: other "
-                  "processes competed for the CPU, so timings are noisy. The CPU/wall column shows how much CPU each "
-                  "cell's process actually got (2.0 = both cores).", ""]
+    lines += shared_machine_warning(records)
 
     probes = _ok(records, "bandwidth_probe")
     typical = max((p["median_gbps"] for p in probes if p.get("median_gbps")), default=None)
@@ -69,14 +100,16 @@ def markdown(records: list[dict[str, Any]]) -> str:
                   "bandwidth available at the time (a shared machine's drifts). compile s = compile "
                   "time the framework reports during the warm-up (dynamo's timer; jax.monitoring). "
                   "x tf = ratio to `transformers` (forward compiled, the seed's setup), x tf-eager = ratio to "
-                  "`transformers_eager`, same cache column.", ""]
+                  "`transformers_eager`, same cache column. CPU/wall = this process's CPU seconds per wall "
+                  "second (2.0 = both cores of two); others = the rest of the machine's, during the cell's worst "
+                  "timed run (~0 alone).", ""]
     lines += ["| impl | cache | tok/s [min–max] | ms/tok | x tf | x tf-eager | GB/s | roofline | roofline (round) | "
-              "prefill s | compile s | compiles (warm-up / timed) | CPU/wall | peak MB |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "prefill s | compile s | compiles (warm-up / timed) | CPU/wall | others | peak MB |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     eager_ref = {r["cache"]: r["decode_tok_s"] for r in ok if r["impl"] == "transformers_eager"}
     for r in decode:
         if r["status"] != "ok":
-            lines.append(f"| {r['impl']} | {r['cache']} | {r['status']}: {r.get('note', '')} |||||||||||")
+            lines.append(f"| {r['impl']} | {r['cache']} | {r['status']}: {r.get('note', '')} ||||||||||||")
             continue
         ratio_eager = r["decode_tok_s"] / eager_ref[r["cache"]] if r["cache"] in eager_ref else None
         ratio = r.get("ratio_to_transformers")
@@ -89,7 +122,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
             f"{_fmt(r['decode_tok_s_max'])}] | {_fmt(r.get('ms_per_token'), 2)} | {_fmt(ratio, 2)} | "
             f"{_fmt(ratio_eager, 2)} | {_fmt(r.get('gbps'))} | {frac} | {frac_round} | {_fmt(r.get('prefill_s'), 3)} | "
             f"{_fmt(r.get('compile_s'))} | {_fmt(r.get('compiles'))} / {_fmt(r.get('recompiles'))} | "
-            f"{_fmt(r.get('cpu_per_wall'), 2)} | {_fmt(r.get('peak_mem_mb'), 0)} |")
+            f"{_fmt(r.get('cpu_per_wall'), 2)} | {_fmt(r.get('others_cpu_per_wall'), 2)} | "
+            f"{_fmt(r.get('peak_mem_mb'), 0)} |")
     if ok:
         per_cache = {r["cache"]: r for r in ok}
         lines += ["", "Bytes a decode step must read: " + "; ".join(

@@ -134,6 +134,7 @@ class Bench:
         self.device = self.preset.device
         self.repeats = opts.repeats if opts.repeats is not None else self.preset.repeats
         self.start = time.monotonic()
+        self.others = metrics.OthersCPU()  # the rest of the machine's CPU over the whole run
         self.compile_dir = _configure_frameworks(opts)
         self.results = _Results(opts.out, metrics.machine_description(self.device), self.preset)
         self.workload = Workload(self.preset, self.device, opts.cache_dir)
@@ -162,6 +163,7 @@ class Bench:
         metrics.reset_device_peak(self.device)
         rss = metrics.PeakRSS()
         cpu_before = rss.cpu_seconds()
+        others = metrics.OthersCPU()
         if track_rss:
             with rss:
                 run = impl.generate(prompts, new_tokens, cache, max_cache_len)
@@ -174,6 +176,8 @@ class Bench:
                      "compile_s": impl.compile_seconds() - compile_s_before,
                      # CPU seconds per wall second: near the thread count when the process had the cores to itself
                      "cpu_per_wall": (rss.cpu_seconds() - cpu_before) / run.wall_s if run.wall_s else None,
+                     # other processes' CPU per wall second meanwhile: near 0 when the run had the machine alone
+                     "others_cpu_per_wall": others.per_wall()["others_cpu_per_wall"],
                      "peak_mem_mb": device_mb if device_mb is not None else rss.peak_mb}
 
     def _guarded(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
@@ -214,11 +218,13 @@ class Bench:
                     self.results.save()
             self._probe("end")
             self.results.machine["loadavg_end"] = list(os.getloadavg())
+            self.results.machine.update(self.others.per_wall())
             self.results.machine["elapsed_s"] = round(time.monotonic() - self.start, 1)
             self.results.save()
             return self.results.records
         except KeyboardInterrupt:  # a timeout's SIGINT: keep what was measured, marked as cut short
             self.results.machine["interrupted_after_s"] = round(time.monotonic() - self.start, 1)
+            self.results.machine.update(self.others.per_wall())
             self.results.save()
             raise
         finally:
@@ -331,6 +337,8 @@ class Bench:
             warmup_excess_s=max(0.0, warm_run.wall_s - walls), warmup_first_step_s=warm_run.first_step_s,
             compiles=warm_info["compiles"], recompiles=sum(recompiles) if recompiles else None,
             cpu_per_wall=statistics.median(info["cpu_per_wall"] or 0.0 for _, info in timed),
+            others_cpu_per_wall=max((info["others_cpu_per_wall"] for _, info in timed
+                                     if info["others_cpu_per_wall"] is not None), default=None),  # the worst run
             peak_mem_mb=max([warm_info["peak_mem_mb"]] + [info["peak_mem_mb"] for _, info in timed]),
         )
 
@@ -384,7 +392,7 @@ class Bench:
                                  prefill_s=run.prefill_s, ms_per_token=1000 * median_s, decode_tok_s=1 / median_s,
                                  step_ms=[1000 * s for s in latencies], compiles=info["compiles"],
                                  compile_s=info["compile_s"], cpu_per_wall=info["cpu_per_wall"],
-                                 peak_mem_mb=info["peak_mem_mb"])
+                                 others_cpu_per_wall=info["others_cpu_per_wall"], peak_mem_mb=info["peak_mem_mb"])
             impl.release()
 
     def _batch_curve(self, names: list[str]) -> None:
@@ -421,6 +429,7 @@ class Bench:
                                  total_tok_s=batch * run.decode_tok_s, ms_per_token=1000 / run.decode_tok_s,
                                  compile_s=warm_info["compile_s"], compiles=warm_info["compiles"],
                                  recompiles=info["compiles"], cpu_per_wall=info["cpu_per_wall"],
+                                 others_cpu_per_wall=info["others_cpu_per_wall"],
                                  peak_mem_mb=max(warm_info["peak_mem_mb"], info["peak_mem_mb"]))
             impl.release()
 

@@ -69,6 +69,18 @@ def test_another_transformers_version_is_flagged():
     assert "transformers differs" not in compare.markdown(compare.compare(old, old), Path("a"), Path("b"))
 
 
+def test_a_run_on_a_shared_machine_is_flagged():
+    machine = {"git_commit": "abc1234", "cpu": "test CPU", "device": "cpu", "cpu_cores": 2,
+               "others_cpu_per_wall": 0.02}
+    old = [decode("transformers", 100, 99, 101, machine=machine, others_cpu_per_wall=0.01)]
+    new = [decode("transformers", 80, 60, 90, machine={**machine, "others_cpu_per_wall": 0.9},
+                  others_cpu_per_wall=1.1)]
+    text = compare.markdown(compare.compare(old, new), Path("a"), Path("b"))
+    assert "**NEW ran on a shared machine:** other processes used 0.90 of 2 cores" in text, text
+    assert "OLD ran on a shared machine" not in text
+    assert "shared machine" not in compare.markdown(compare.compare(old, old), Path("a"), Path("b"))
+
+
 def test_the_eager_reference_serves_when_the_compiled_one_is_missing():
     old = [decode("transformers_eager", 50, 49, 51), decode("torch_compiled", 100, 99, 101)]
     new = [decode("transformers_eager", 50, 49, 51), decode("torch_compiled", 100, 99, 101),

@@ -70,7 +70,11 @@ def test_decode_records_cover_every_impl_and_cache(tiny_run):
         assert r["decode_tok_s_min"] <= r["decode_tok_s"] <= r["decode_tok_s_max"]
         assert r["prompt_len"] == tiny.prompt_len and r["new_tokens"] == tiny.new_tokens and r["batch"] == 1
         assert r["machine"]["cpu_cores"] and r["machine"]["torch"]
+        # tiny's runs may be too short to resolve (None); the run as a whole never is
+        assert r["others_cpu_per_wall"] is None or 0 <= r["others_cpu_per_wall"] <= r["machine"]["cpu_cores"]
         assert r["note"]
+    machine = records[0]["machine"]
+    assert 0 <= machine["others_cpu_per_wall"] <= machine["cpu_cores"] and machine["steal_per_wall"] >= 0
     reference = {r["cache"]: r for r in decode if r["impl"] == "transformers_eager"}
     assert all(r.get("ratio_to_transformers") is not None for r in decode if r["status"] == "ok")
     assert all(r["reference_impl"] == "transformers_eager" for c in CACHES for r in [reference[c]])
