@@ -193,7 +193,7 @@ def _lengths(text: str) -> list[int]:
 
 def run_prefill_memory(args: argparse.Namespace) -> int:
     """The sweep on the preset's model (tiny by default: its random weights, seconds per point), or on --model."""
-    from bench.workload import checkpoint_dir
+    from bench.workload import preset_checkpoint
 
     if args.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk={args.prefill_chunk} must be >= 1")
@@ -203,11 +203,10 @@ def run_prefill_memory(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-memory --model {args.model} is not a checkpoint directory; the sweep runs on a "
                          "copy of its config.json (a GGUF file has none): give an HF checkpoint directory")
     preset = resolve(PRESETS[args.preset], args.model)
-    if args.model is None and preset.model_dir is None and preset.weights_on_device:
+    model = preset_checkpoint(preset, args.cache_dir)
+    if model is None:
         raise InputError(f"--prefill-memory measures a CPU process's RSS; preset {preset.name} builds its weights on "
                          "a GPU: use --preset tiny, small or trained, or give --model DIR")
-    model = preset.model_dir if preset.model_dir is not None else checkpoint_dir(preset.model_config, preset.seed,
-                                                                                 args.cache_dir)
     lengths = args.prompt_lengths or list(prefill_memory.DEFAULT_LENGTHS if args.model is not None
                                           else prefill_memory.PRESET_LENGTHS.get(preset.name,
                                                                                  prefill_memory.DEFAULT_LENGTHS))

@@ -52,6 +52,14 @@ def checkpoint_dir(config: MistralConfig, seed: int, root: Path | None = None) -
     return final
 
 
+def preset_checkpoint(preset: Preset, root: Path | None = None) -> Path | None:
+    """Where a preset's weights come from: its own checkpoint (a trained preset or --model), else its seeded random
+    one (built on first use under `root`), or None when they are built on the device instead."""
+    if preset.model_dir is not None:
+        return preset.model_dir
+    return None if preset.weights_on_device else checkpoint_dir(preset.model_config, preset.seed, root)
+
+
 def device_weights(config: MistralConfig, seed: int, dtype: Any, device: str) -> dict[str, Any]:
     """Seeded random weights generated directly on `device` (no host copy), scaled like `default_weights`."""
     import torch
@@ -87,9 +95,7 @@ class Workload:
         self.config = preset.model_config
         self.dtype_name = preset.dtype
         self.device = device
-        self.model_dir: Path | None = preset.model_dir  # a trained preset or --model: that checkpoint
-        if self.model_dir is None and not preset.weights_on_device:
-            self.model_dir = checkpoint_dir(self.config, preset.seed, cache_dir)
+        self.model_dir = preset_checkpoint(preset, cache_dir)
         self.models: dict[str, Any] = {}
         self._weights: dict[str, Any] | None = None
         self._hf_models: dict[bool, Any] = {}
