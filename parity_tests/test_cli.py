@@ -255,3 +255,60 @@ def test_compile_is_announced_before_it_starts(tiny_model_dir, capsys, backend, 
     assert code == 0, err
     lines = err.splitlines()
     assert (lines[0] == notice) if notice else not any("compiling" in line for line in lines), err
+
+
+# --- several prompts: one batch ------------------------------------------------------------------------------------
+
+BATCH_PROMPTS = ["Once upon a time", "The capital of France is a city of", "1, 2,"]  # unequal: rows are left-padded
+
+
+@pytest.mark.parametrize("backend, mode", [("torch", "eager"), ("jax", "step")])
+def test_repeated_prompts_decode_together_as_each_would_alone(tiny_model_dir, capsys, backend, mode):
+    """Each --prompt is one batch row: every row's tokens are those the same command gives that prompt alone (greedy,
+    fp32; the padding of the shorter rows is never attended to), in --json and in text."""
+    from twincache_app import cli
+
+    common = ["generate", "--backend", backend, "--mode", mode, "--model", str(tiny_model_dir), "--max-new-tokens",
+              "12", "--json"]
+    alone = []
+    for prompt in BATCH_PROMPTS:
+        assert cli.main([*common, "--prompt", prompt]) == 0
+        alone.append(json.loads(capsys.readouterr().out))
+    assert all(record["batch"] == 1 and record["rows"] == [{key: record[key] for key in
+                                                            ("prompt_ids", "token_ids", "text")}] for record in alone)
+    repeated = [flag for prompt in BATCH_PROMPTS for flag in ("--prompt", prompt)]
+    assert cli.main([*common, *repeated]) == 0
+    batch = json.loads(capsys.readouterr().out)
+    assert batch["batch"] == len(BATCH_PROMPTS) and "token_ids" not in batch, "a batch's rows are only in rows"
+    assert len({len(row["prompt_ids"]) for row in batch["rows"]}) == len(BATCH_PROMPTS)
+    assert batch["rows"] == [{key: record[key] for key in ("prompt_ids", "token_ids", "text")} for record in alone]
+    assert cli.main(common[:-1] + repeated) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n".join(f"[row {i}] {record['text']}" for i, record in enumerate(alone)) + "\n"
+    assert re.search(rf"tok/s per row x {len(BATCH_PROMPTS)} rows = \d+\.\d tok/s in all over", err), err
+
+
+def test_prompt_id_files_and_prompt_ids_repeat_too(checkpoints, tmp_path, capsys):
+    from twincache_app import cli
+
+    (tmp_path / "a.txt").write_text("5 17 42\n")
+    (tmp_path / "b.txt").write_text("99,3")
+    common = ["generate", "--mode", "eager", "--model", str(checkpoints["gqa"]), "--max-new-tokens", "6", "--json"]
+    assert cli.main([*common, "--prompt-ids-file", str(tmp_path / "a.txt"), "--prompt-ids-file",
+                     str(tmp_path / "b.txt")]) == 0
+    from_files = json.loads(capsys.readouterr().out)
+    assert cli.main([*common, "--prompt-ids", "5,17,42", "--prompt-ids", "99,3"]) == 0
+    from_flags = json.loads(capsys.readouterr().out)
+    assert [row["prompt_ids"] for row in from_files["rows"]] == [[5, 17, 42], [99, 3]]
+    assert from_files["rows"] == from_flags["rows"]
+    assert [row["token_ids"] for row in from_flags["rows"]] == [
+        api_tokens(checkpoints["gqa"], ids, 6) for ids in ([5, 17, 42], [99, 3])]
+
+
+def test_parity_measures_one_prompt_and_says_so(tiny_model_dir, capsys):
+    from twincache_app import cli
+
+    code = cli.main(["parity", "--model", str(tiny_model_dir), "--prompt", "a", "--prompt", "b", "--no-transformers"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "parity measures one prompt; 2 were given" in err and "twincache generate" in err, err

