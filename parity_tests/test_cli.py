@@ -305,6 +305,14 @@ def test_prompt_id_files_and_prompt_ids_repeat_too(checkpoints, tmp_path, capsys
         api_tokens(checkpoints["gqa"], ids, 6) for ids in ([5, 17, 42], [99, 3])]
 
 
+def test_a_bad_prompt_of_a_batch_is_named(trained_model_dir, capsys):
+    from twincache_app import cli
+
+    assert cli.main(["generate", "--model", str(trained_model_dir), "--prompt", "a", "--prompt", ""]) == 2
+    err = capsys.readouterr().err
+    assert err == "twincache: error: prompt 1 of 2: the prompt encodes to zero tokens; give a non-empty prompt\n", err
+
+
 def test_parity_measures_one_prompt_and_says_so(tiny_model_dir, capsys):
     from twincache_app import cli
 

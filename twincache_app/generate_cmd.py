@@ -213,7 +213,14 @@ def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[li
         return id_lists, tokenizer
     assert tokenizer is not None  # needs_tokenizer: no prompt ids were given
     encode = tokenizer.encode_chat if args.chat else tokenizer.encode
-    return [encode(text) for text in (texts or [DEFAULT_PROMPT])], tokenizer
+    texts = texts or [DEFAULT_PROMPT]
+    prompts = []
+    for row, text in enumerate(texts):
+        try:
+            prompts.append(encode(text))
+        except InputError as err:
+            raise InputError(f"prompt {row} of {len(texts)}: {err}" if len(texts) > 1 else str(err)) from None
+    return prompts, tokenizer
 
 
 def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int], Tokenizer | None]:
