@@ -311,12 +311,3 @@ def test_a_bad_prompt_of_a_batch_is_named(trained_model_dir, capsys):
     assert cli.main(["generate", "--model", str(trained_model_dir), "--prompt", "a", "--prompt", ""]) == 2
     err = capsys.readouterr().err
     assert err == "twincache: error: prompt 1 of 2: the prompt encodes to zero tokens; give a non-empty prompt\n", err
-
-
-def test_parity_measures_one_prompt_and_says_so(tiny_model_dir, capsys):
-    from twincache_app import cli
-
-    code = cli.main(["parity", "--model", str(tiny_model_dir), "--prompt", "a", "--prompt", "b", "--no-transformers"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1, err
-    assert "parity measures one prompt; 2 were given" in err and "twincache generate" in err, err

@@ -57,6 +57,20 @@ def test_parity_table_on_transformers_checkpoint(checkpoints, tmp_path):
     assert "PASS: 6/6" in proc.stderr
 
 
+def test_several_prompts_are_one_left_padded_batch_each_row_against_its_own_truth(checkpoints, capsys):
+    """Repeated --prompt-ids: the implementations decode one batch (the shorter row left-padded) and each row is
+    judged against the float64 model run on that prompt alone; 4 + 12 positions wrap the window of 8."""
+    argv = ["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,5,9,33,2,7,11,4,8,3,100",
+            "--prompt-ids", "6,2,40,3", "--max-new-tokens", "12", "--modes", "torch:eager", "jax:step", "--json"]
+    code = cli.main(argv)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"], report
+    assert report["prompt_lens"] == [11, 4]
+    judged = [row for row in report["rows"] if row["kind"] != "floor"]
+    assert judged and all(row["metrics"]["rows"] == 2 and row["metrics"]["steps"] == 12 for row in judged), judged
+    assert "prompt 11/4 tokens" in parity.format_table(report)
+
+
 @pytest.mark.parametrize("how", ["--no-transformers", "transformers is not installed"])
 def test_without_transformers_torch_cache_float64_is_the_reference_and_says_so(checkpoints, capsys, monkeypatch,
                                                                                how):

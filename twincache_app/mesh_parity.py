@@ -60,7 +60,7 @@ def _share(tokens: list[list[int]] | None) -> list[list[int]]:
     return box[0]
 
 
-def mesh_report(args: argparse.Namespace, config: MistralConfig, model_dir: Path, prompt_ids: list[int],
+def mesh_report(args: argparse.Namespace, config: MistralConfig, model_dir: Path, prompts: list[list[int]],
                 caches: Sequence[str], impls: Sequence[str]) -> ParityReport | int | None:
     """The report on rank 0 (or without ranks); None on the other ranks; an exit code where this process launched
     the ranks (rank 0 printed)."""
@@ -78,14 +78,14 @@ def mesh_report(args: argparse.Namespace, config: MistralConfig, model_dir: Path
         for cache in caches:
             for impl in impls:
                 if impl.split(":")[0] in towers:
-                    run_implementation(impl, sharded, [prompt_ids], tokens, cache)
+                    run_implementation(impl, sharded, prompts, tokens, cache)
         return None
     single = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls,
                          sliding_window=args.sliding_window)
-    reference = float64_reference(single.reference, [prompt_ids], args.max_new_tokens, single.why_not_transformers)
+    reference = float64_reference(single.reference, prompts, args.max_new_tokens, single.why_not_transformers)
     _share(reference.tokens)
     sharded = dataclasses.replace(single, towers=towers, mesh=args.mesh)
-    return parity_report(sharded, [prompt_ids], args.max_new_tokens, args.dtype, caches, impls, reference=reference,
+    return parity_report(sharded, prompts, args.max_new_tokens, args.dtype, caches, impls, reference=reference,
                          single=single)
 
 

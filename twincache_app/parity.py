@@ -36,7 +36,7 @@ from twincache.generation import CACHE_KINDS, validate_prompts
 from twincache.mesh import MeshShape
 from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
-from twincache_app.generate_cmd import add_model_arguments, model_config, resolve_prompt, set_window
+from twincache_app.generate_cmd import add_model_arguments, model_config, resolve_prompts, set_window
 from twincache_app.hf_loading import transformers_model
 
 NOT_INSTALLED = "transformers is not installed"
@@ -555,8 +555,8 @@ def run(args: argparse.Namespace) -> int:
     impls = resolve_implementations(args.modes)
     model_dir = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_dir)
-    prompt_ids, _ = resolve_prompt(args, model_dir)
-    validate_prompts([prompt_ids], config)
+    prompts, _ = resolve_prompts(args, model_dir)  # several: one left-padded batch, each row against its own truth
+    validate_prompts(prompts, config)
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 1 for a parity run")
     if args.cache == "both":  # a window-less config has no sliding cache to compare
@@ -569,13 +569,13 @@ def run(args: argparse.Namespace) -> int:
     if args.mesh is not None:
         from twincache_app import mesh_parity
 
-        report = mesh_parity.mesh_report(args, config, model_dir, prompt_ids, caches, impls)
+        report = mesh_parity.mesh_report(args, config, model_dir, prompts, caches, impls)
         if report is None or isinstance(report, int):  # a rank other than 0, or the launcher's exit code
             return report or 0
     else:
         models = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls,
                              sliding_window=args.sliding_window)
-        report = parity_report(models, [prompt_ids], args.max_new_tokens, args.dtype, caches, impls)
+        report = parity_report(models, prompts, args.max_new_tokens, args.dtype, caches, impls)
     data = (report_json(report, str(model_dir)) | {"sliding_window": config.sliding_window}
             | ({} if args.mesh is None else {"mesh": str(args.mesh)}))
     if args.json:
