@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +30,31 @@ SHARED_RUN_CORES = 0.25
 SHARED_TIMED_CORES = 0.5
 
 
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def shared_machine(records: list[dict[str, Any]]) -> str | None:
     """What says other processes competed for the CPU during a CPU run, or None: the CPU they used while it ran
     (OthersCPU); a run recorded before that was measured falls back to its load average."""
     machine = records[0]["machine"] if records else {}
     if machine.get("device") != "cpu":
         return None
-    cores = machine.get("cpu_cores")
-    timed = [(r["others_cpu_per_wall"], r) for r in records if r.get("others_cpu_per_wall") is not None]
-    run_wide = machine.get("others_cpu_per_wall")
+    cores: Any = machine.get("cpu_cores")
+    # Only numbers count: a record edited by hand or written by another tool may hold anything there.
+    timed = [(r["others_cpu_per_wall"], r) for r in records if _finite(r.get("others_cpu_per_wall"))]
+    run_wide = machine.get("others_cpu_per_wall") if _finite(machine.get("others_cpu_per_wall")) else None
     if run_wide is None and not timed:
-        busy = max((machine.get("loadavg_start") or [0])[0], (machine.get("loadavg_end") or [0])[0])
-        return f"load average up to {busy:.1f} on {cores} cores" if busy > (cores or 0) else None
+        loads = [load[0] for load in (machine.get("loadavg_start"), machine.get("loadavg_end"))
+                 if isinstance(load, list) and load and _finite(load[0])]
+        busy = max(loads, default=0.0)
+        return f"load average up to {busy:.1f} on {cores} cores" if busy > (cores if _finite(cores) else 0.0) else None
     worst, worst_record = max(timed, key=lambda item: item[0], default=(None, None))
     if not ((run_wide or 0.0) > SHARED_RUN_CORES or (worst or 0.0) > SHARED_TIMED_CORES):
         return None
-    where = (f", up to {worst:.2f} during one timed run ({worst_record['kind']} {worst_record['impl']} / "
-             f"{worst_record['cache']}, batch {worst_record['batch']})" if worst is not None and worst_record else "")
+    where = (f", up to {worst:.2f} during one timed run ({worst_record.get('kind')} {worst_record.get('impl')} / "
+             f"{worst_record.get('cache')}, batch {worst_record.get('batch')})" if worst is not None and worst_record
+             else "")
     return f"other processes used {_fmt(run_wide, 2)} of {cores} cores on average over the run{where}"
 
 

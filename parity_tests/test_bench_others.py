@@ -74,3 +74,13 @@ def test_the_shared_machine_warning_follows_what_others_used_during_the_run():
     legacy = report.shared_machine_warning(_records(None, [None], loadavg=3.0))
     assert legacy and "load average up to 3.0 on 2 cores" in legacy[0]
     assert report.shared_machine_warning(_records(None, [None], loadavg=1.0)) == []
+
+
+def test_values_that_are_not_numbers_count_as_unmeasured():
+    """A results.json edited by hand (or by another tool) must not crash results.md or --compare."""
+    lying = _records(None, [None], loadavg=0.1)
+    lying[0]["machine"].update(others_cpu_per_wall="lots", loadavg_start="high", loadavg_end=[float("nan")])
+    lying[0]["others_cpu_per_wall"] = [0.9]
+    assert report.shared_machine_warning(lying) == []
+    lying[0]["machine"]["loadavg_end"] = [3.0]  # the load average still speaks where it is a number
+    assert "load average up to 3.0" in report.shared_machine_warning(lying)[0]
