@@ -2,7 +2,8 @@
 whichever measured faster on the CPU's vendor, and batched float32 steps through oneDNN-packed copies.
 
 On an AMD EPYC, oneMKL's gemv behind F.linear streamed a weight at ~15 GB/s on one row, the multiply-and-sum that
-inductor fuses into one reduction ~40; on an Intel Xeon F.linear was faster in float32 (bench/README.md). These tests
+inductor fuses into one reduction ~40, and from 3 rows the packed copy beat both; on an Intel Xeon F.linear was faster
+in float32 (bench/README.md). These tests
 count which path each projection takes in the traced decode graph (dynamo only, no inductor compile) under each
 vendor's rule, set explicitly, so they do not depend on the machine. The numerics of the
 compiled multiply-and-sum against eager are checked in test_torch_generate.py; speed is measured in bench/.
@@ -59,9 +60,17 @@ def projections(config: object) -> int:
     return 7 * config.num_hidden_layers + 1  # q, k, v, o, gate, up, down per layer, and the LM head
 
 
+def use_vendor_rule(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
+    """Set the projection rule torch_cache.model picks at import for `vendor`'s CPUs, whatever this machine is."""
+    fp32_rows, half_rows = tm._multiply_sum_max_rows(vendor)
+    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_FP32", fp32_rows)
+    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_HALF", half_rows)
+    monkeypatch.setattr(tm, "_PACKED_MIN_ROWS", tm._packed_min_rows(vendor))
+
+
 @pytest.mark.parametrize("vendor, dtype, batch, expect_linear", [
-    ("AuthenticAMD", torch.float32, 1, False), ("AuthenticAMD", torch.float32, 4, False),
-    ("AuthenticAMD", torch.float32, 8, True), ("AuthenticAMD", torch.bfloat16, 1, False),
+    ("AuthenticAMD", torch.float32, 1, False), ("AuthenticAMD", torch.float32, 2, False),
+    ("AuthenticAMD", torch.float32, 3, True), ("AuthenticAMD", torch.bfloat16, 1, False),
     ("AuthenticAMD", torch.bfloat16, 2, True),
     ("GenuineIntel", torch.float32, 1, True), ("GenuineIntel", torch.float32, 4, True),
     ("GenuineIntel", torch.bfloat16, 1, False), ("GenuineIntel", torch.bfloat16, 2, True),
@@ -69,11 +78,9 @@ def projections(config: object) -> int:
 def test_compiled_cpu_decode_projects_few_rows_by_the_vendors_faster_path(checkpoints: dict[str, Path], monkeypatch,
                                                                           vendor: str, dtype: torch.dtype,
                                                                           batch: int, expect_linear: bool):
-    fp32_rows, half_rows = tm._multiply_sum_max_rows(vendor)
-    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_FP32", fp32_rows)
-    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_HALF", half_rows)
+    use_vendor_rule(monkeypatch, vendor)
     model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
-    graph = traced_graph(model, batch)
+    graph = traced_graph(model, batch)  # no packed copies made: rows past multiply-and-sum take F.linear
     assert linear_calls(graph) == (projections(model.config) if expect_linear else 0), graph.code
 
 
@@ -103,20 +110,29 @@ def packed_calls(graph: torch.fx.GraphModule) -> int:
 
 
 @packed_only
-def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkpoints: dict[str, Path]):
+@pytest.mark.parametrize("vendor, first_packed", [("AuthenticAMD", 3), ("GenuineIntel", 5)])
+def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkpoints: dict[str, Path], monkeypatch,
+                                                                          vendor: str, first_packed: int):
+    use_vendor_rule(monkeypatch, vendor)
     model = Mistral.from_pretrained(checkpoints["gqa"])
     tm._pack_projections(model, 8)
-    graph = traced_graph(model, 8)
-    assert packed_calls(graph) == projections(model.config) and linear_calls(graph) == 0, graph.code
-    graph = traced_graph(model, 4)  # fewer rows than _PACKED_MIN_ROWS never read the packed copy
+    for rows in (first_packed, 8):
+        graph = traced_graph(model, rows)
+        assert packed_calls(graph) == projections(model.config) and linear_calls(graph) == 0, (rows, graph.code)
+    graph = traced_graph(model, first_packed - 1)  # fewer rows never read the packed copy
     assert packed_calls(graph) == 0, graph.code
 
 
 @packed_only
-def test_packing_is_for_cpu_float32_batches_of_five_rows_or_more(checkpoints: dict[str, Path]):
+@pytest.mark.parametrize("vendor, first_packed", [("AuthenticAMD", 3), ("GenuineIntel", 5)])
+def test_packing_is_for_cpu_float32_batches_from_the_vendors_threshold(checkpoints: dict[str, Path], monkeypatch,
+                                                                       vendor: str, first_packed: int):
+    use_vendor_rule(monkeypatch, vendor)
     model = Mistral.from_pretrained(checkpoints["gqa"])
-    tm._pack_projections(model, 4)
+    tm._pack_projections(model, first_packed - 1)
     assert model._packed_head is None
+    tm._pack_projections(model, first_packed)
+    assert model._packed_head is not None
     bf16 = Mistral.from_pretrained(checkpoints["gqa"], dtype=torch.bfloat16)
     tm._pack_projections(bf16, 8)
     assert bf16._packed_head is None

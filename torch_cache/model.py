@@ -38,23 +38,33 @@ def _cpu_vendor() -> str:
 
 def _multiply_sum_max_rows(vendor: str) -> tuple[int, int]:
     """Most rows a compiled CPU projection writes as multiply-and-sum, (float32, half precision); more rows take
-    F.linear (oneMKL / oneDNN). Measured with torch 2.13 on two 2-core machines: on an AMD EPYC oneMKL's gemv streamed
-    a [1536, 512] fp32 weight at 15 GB/s against 40 for inductor's fused multiply-and-sum (4 rows: 9.5 vs 17; 8 rows
-    slower); on an Intel Xeon (AVX-512) F.linear decoded the small bench model faster at every fp32 row count (1 row
-    163 vs 141 tok/s, 2 rows 268 vs 142, 4 rows 362 vs 170 in total), while bf16 still gained at one row (trained
-    model 46.6 vs 35.0 tok/s) and was level at two. oneMKL picks its fast kernels on Intel CPUs."""
-    return (0, 1) if vendor == "GenuineIntel" else (4, 1)
+    F.linear (oneMKL / oneDNN) or, in float32 from _packed_min_rows, the weight's oneDNN-packed copy. Multiply-and-sum
+    reads the weight once per row. Measured with torch 2.13 on 2-core machines: on an AMD EPYC oneMKL's gemv streamed
+    a [1536, 512] fp32 weight at 15 GB/s against 40 for inductor's fused multiply-and-sum; on an AMD EPYC (Zen 4) the
+    small bench model's projections at 1 / 2 / 3 / 4 rows streamed 41 / 22 / 14 / 12 GB/s as multiply-and-sum,
+    25 / 24 / 25 / 25 packed and 10 / 5 / 4 / 6 through F.linear, and decoding batch 2 packed was no faster; on an
+    Intel Xeon (AVX-512) F.linear decoded the small bench model faster at every fp32 row count (1 row 163 vs 141
+    tok/s, 2 rows 268 vs 142, 4 rows 362 vs 170 in total), while bf16 still gained at one row (trained model 46.6 vs
+    35.0 tok/s) and was level at two. oneMKL picks its fast kernels on Intel CPUs."""
+    return (0, 1) if vendor == "GenuineIntel" else (2, 1)
+
+
+def _packed_min_rows(vendor: str) -> int:
+    """Fewest rows from which a compiled CPU float32 projection reads its weight's oneDNN-packed copy: 3 where
+    oneMKL's GEMM is slow at few rows (the AMD figures above: `small` at batch 4 decoded 1.4x faster packed than as
+    multiply-and-sum), 5 on Intel, where F.linear at 2-4 rows was the faster (packed there unmeasured)."""
+    return 5 if vendor == "GenuineIntel" else 3
 
 
 # Plain ints, not a dict keyed by dtype: dynamo's subgraph reuse cannot re-resolve a guard on a dtype key.
 _MULTIPLY_SUM_MAX_ROWS_FP32, _MULTIPLY_SUM_MAX_ROWS_HALF = _multiply_sum_max_rows(_cpu_vendor())
 # From _PACKED_MIN_ROWS rows (batched decode), a compiled CPU float32 projection reads a oneDNN-packed copy of its
-# weight (_pack_projections): measured on the EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s packed vs 17.5
+# weight (_pack_projections): measured on an EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s packed vs 17.5
 # with F.linear (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and 32 1.24-1.31x
 # faster. The packed copies cost as much memory again as the projection weights. Needs torch.library.custom_op and
 # oneDNN.
 _PACKED_LINEAR = hasattr(torch.library, "custom_op") and torch.backends.mkldnn.is_available()
-_PACKED_MIN_ROWS = 5
+_PACKED_MIN_ROWS = _packed_min_rows(_cpu_vendor())
 
 if _PACKED_LINEAR:
     @torch.library.custom_op("torch_cache::packed_linear", mutates_args=())
