@@ -65,7 +65,9 @@ def use_vendor_rule(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
     fp32_rows, half_rows = tm._multiply_sum_max_rows(vendor)
     monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_FP32", fp32_rows)
     monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_HALF", half_rows)
-    monkeypatch.setattr(tm, "_PACKED_MIN_ROWS", tm._packed_min_rows(vendor))
+    fp32_packed, bf16_packed = tm._packed_min_rows(vendor)
+    monkeypatch.setattr(tm, "_PACKED_MIN_ROWS_FP32", fp32_packed)
+    monkeypatch.setattr(tm, "_PACKED_MIN_ROWS_BF16", bf16_packed)
 
 
 @pytest.mark.parametrize("vendor, dtype, batch, expect_linear", [
@@ -110,11 +112,14 @@ def packed_calls(graph: torch.fx.GraphModule) -> int:
 
 
 @packed_only
-@pytest.mark.parametrize("vendor, first_packed", [("AuthenticAMD", 3), ("GenuineIntel", 5)])
+@pytest.mark.parametrize("vendor, dtype, first_packed", [
+    ("AuthenticAMD", torch.float32, 3), ("GenuineIntel", torch.float32, 5), ("AuthenticAMD", torch.bfloat16, 2),
+])
 def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkpoints: dict[str, Path], monkeypatch,
-                                                                          vendor: str, first_packed: int):
+                                                                          vendor: str, dtype: torch.dtype,
+                                                                          first_packed: int):
     use_vendor_rule(monkeypatch, vendor)
-    model = Mistral.from_pretrained(checkpoints["gqa"])
+    model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
     tm._pack_projections(model, 8)
     for rows in (first_packed, 8):
         graph = traced_graph(model, rows)
@@ -124,18 +129,38 @@ def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkp
 
 
 @packed_only
-@pytest.mark.parametrize("vendor, first_packed", [("AuthenticAMD", 3), ("GenuineIntel", 5)])
-def test_packing_is_for_cpu_float32_batches_from_the_vendors_threshold(checkpoints: dict[str, Path], monkeypatch,
-                                                                       vendor: str, first_packed: int):
+@pytest.mark.parametrize("vendor, dtype, first_packed", [
+    ("AuthenticAMD", torch.float32, 3), ("GenuineIntel", torch.float32, 5), ("AuthenticAMD", torch.bfloat16, 2),
+    ("GenuineIntel", torch.bfloat16, None), ("AuthenticAMD", torch.float16, None),
+])
+def test_packing_is_for_cpu_batches_from_the_vendors_threshold(checkpoints: dict[str, Path], monkeypatch,
+                                                               vendor: str, dtype: torch.dtype,
+                                                               first_packed: int | None):
     use_vendor_rule(monkeypatch, vendor)
-    model = Mistral.from_pretrained(checkpoints["gqa"])
+    model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
+    if first_packed is None:  # this dtype is never packed on this vendor
+        tm._pack_projections(model, 64)
+        assert model._packed_head is None and model.model.layers[0].mlp.up_proj._packed is None
+        return
     tm._pack_projections(model, first_packed - 1)
     assert model._packed_head is None
     tm._pack_projections(model, first_packed)
-    assert model._packed_head is not None
-    bf16 = Mistral.from_pretrained(checkpoints["gqa"], dtype=torch.bfloat16)
-    tm._pack_projections(bf16, 8)
-    assert bf16._packed_head is None
+    assert model._packed_head is not None and model.model.layers[0].mlp.up_proj._packed is not None
+
+
+@packed_only
+def test_a_bfloat16_packed_projection_gives_f_linears_result():
+    """oneDNN's packed bf16 product accumulates in fp32 and rounds once to bf16, as F.linear does: equal results."""
+    torch.manual_seed(0)
+    weight = (torch.randn(1536, 576) * 0.05).bfloat16()  # [out, in]
+    x = torch.randn(4, 576).bfloat16()  # [N, in]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
+    out = torch.ops.torch_cache.packed_linear(x, packed, weight)  # [N, out]
+    assert out.dtype == torch.bfloat16
+    reference = F.linear(x.double(), weight.double())
+    bf16_step = reference.abs() * 2.0**-8  # half a bf16 ulp is 2^-9 relative; allow one
+    assert ((out.double() - reference).abs() <= bf16_step + 1e-6).all()
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=0)
 
 
 @packed_only

@@ -49,22 +49,28 @@ def _multiply_sum_max_rows(vendor: str) -> tuple[int, int]:
     return (0, 1) if vendor == "GenuineIntel" else (2, 1)
 
 
-def _packed_min_rows(vendor: str) -> int:
-    """Fewest rows from which a compiled CPU float32 projection reads its weight's oneDNN-packed copy: 3 where
-    oneMKL's GEMM is slow at few rows (the AMD figures above: `small` at batch 4 decoded 1.4x faster packed than as
-    multiply-and-sum), 5 on Intel, where F.linear at 2-4 rows was the faster (packed there unmeasured)."""
-    return 5 if vendor == "GenuineIntel" else 3
+def _packed_min_rows(vendor: str) -> tuple[int, int]:
+    """Fewest rows from which a compiled CPU projection reads its weight's oneDNN-packed copy, (float32, bfloat16).
+    On AMD, where oneMKL's GEMM is slow at few rows: float32 from 3 (the figures above: `small` at batch 4 decoded
+    1.4x faster packed than as multiply-and-sum), bfloat16 from 2 (Zen 4: 2 / 4 / 8 rows streamed 25 / 24 / 16 GB/s
+    packed against 12 / 11 / 9 through F.linear, with the same results). On Intel, float32 from 5, where F.linear at
+    2-4 rows was the faster, and bfloat16 never (packed there unmeasured). float16 never: oneDNN's packed float16
+    needs AVX512-FP16 or AVX-NE-CONVERT."""
+    return (5, _NEVER) if vendor == "GenuineIntel" else (3, 2)
+
+
+_NEVER = 1 << 62  # a row count no batch reaches
 
 
 # Plain ints, not a dict keyed by dtype: dynamo's subgraph reuse cannot re-resolve a guard on a dtype key.
 _MULTIPLY_SUM_MAX_ROWS_FP32, _MULTIPLY_SUM_MAX_ROWS_HALF = _multiply_sum_max_rows(_cpu_vendor())
-# From _PACKED_MIN_ROWS rows (batched decode), a compiled CPU float32 projection reads a oneDNN-packed copy of its
-# weight (_pack_projections): measured on an EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s packed vs 17.5
-# with F.linear (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and 32 1.24-1.31x
-# faster. The packed copies cost as much memory again as the projection weights. Needs torch.library.custom_op and
-# oneDNN.
+# From _PACKED_MIN_ROWS_* rows (batched decode), a compiled CPU float32 or bfloat16 projection reads a oneDNN-packed
+# copy of its weight (_pack_projections): measured on an EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s
+# packed vs 17.5 with F.linear (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and
+# 32 1.24-1.31x faster. The packed copies cost as much memory again as the projection weights. Needs
+# torch.library.custom_op and oneDNN.
 _PACKED_LINEAR = hasattr(torch.library, "custom_op") and torch.backends.mkldnn.is_available()
-_PACKED_MIN_ROWS = _packed_min_rows(_cpu_vendor())
+_PACKED_MIN_ROWS_FP32, _PACKED_MIN_ROWS_BF16 = _packed_min_rows(_cpu_vendor())
 
 if _PACKED_LINEAR:
     @torch.library.custom_op("torch_cache::packed_linear", mutates_args=())
@@ -106,12 +112,12 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     """project, reading `packed` (weight's oneDNN copy, _pack_projections) when compiled for CPU with a batch of
-    _PACKED_MIN_ROWS rows or more."""
+    _PACKED_MIN_ROWS_* rows or more."""
     rows = x.shape[:-1].numel()
     if torch.compiler.is_compiling() and x.device.type == "cpu":
         if rows <= (_MULTIPLY_SUM_MAX_ROWS_FP32 if x.dtype == torch.float32 else _MULTIPLY_SUM_MAX_ROWS_HALF):
             return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
-        if packed is not None and rows >= _PACKED_MIN_ROWS:
+        if packed is not None and rows >= _packed_rows_from(x.dtype):
             out = _packed_linear(x.reshape(rows, x.shape[-1]), packed, weight)  # [N, out]
             return out.view(*x.shape[:-1], weight.shape[0])  # [..., out]
     return F.linear(x, weight)  # [..., out]
@@ -387,13 +393,18 @@ class Mistral(nn.Module):
         return cls._assemble(config, state, mesh)
 
 
+def _packed_rows_from(dtype: torch.dtype) -> int:
+    """Fewest rows of `dtype` whose compiled CPU projection reads the packed copy (_packed_min_rows)."""
+    if dtype == torch.float32:
+        return _PACKED_MIN_ROWS_FP32
+    return _PACKED_MIN_ROWS_BF16 if dtype == torch.bfloat16 else _NEVER
+
+
 def _pack_projections(model: Mistral, rows: int) -> None:
-    """Give each projection weight of a CPU float32 model a oneDNN-packed copy (laid out for `rows`-row inputs; any
-    row count reads it), which compiled steps of _PACKED_MIN_ROWS rows or more read instead of F.linear.
-    Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
-    if not _PACKED_LINEAR or model.device.type != "cpu" or model.dtype != torch.float32:
-        return
-    if rows < _PACKED_MIN_ROWS:
+    """Give each projection weight of a CPU float32 or bfloat16 model a oneDNN-packed copy (laid out for `rows`-row
+    inputs; any row count reads it), which compiled steps of _packed_rows_from(dtype) rows or more read instead of
+    F.linear. Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
+    if not _PACKED_LINEAR or model.device.type != "cpu" or rows < _packed_rows_from(model.dtype):
         return
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     linears = [module for module in model.modules() if isinstance(module, Linear) and module is not model.lm_head]
