@@ -1,12 +1,12 @@
 """torch_cache.model.project: a compiled CPU decode step streams its weights through multiply-and-sum or F.linear,
-whichever measured faster on the CPU's vendor, and batched float32 steps through oneDNN-packed copies.
+whichever measured faster on the CPU's vendor, and batched float32 and bfloat16 steps through oneDNN-packed copies.
 
 On an AMD EPYC, oneMKL's gemv behind F.linear streamed a weight at ~15 GB/s on one row, the multiply-and-sum that
 inductor fuses into one reduction ~40, and from 3 rows the packed copy beat both; on an Intel Xeon F.linear was faster
-in float32 (bench/README.md). These tests
-count which path each projection takes in the traced decode graph (dynamo only, no inductor compile) under each
-vendor's rule, set explicitly, so they do not depend on the machine. The numerics of the
-compiled multiply-and-sum against eager are checked in test_torch_generate.py; speed is measured in bench/.
+in float32 (bench/README.md). These tests count which path each projection takes in the traced decode graph (dynamo
+only, no inductor compile) under each vendor's rule, set explicitly, so they do not depend on the machine. The
+numerics of the compiled multiply-and-sum against eager are checked in test_torch_generate.py; speed is measured in
+bench/.
 """
 
 from __future__ import annotations

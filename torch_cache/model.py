@@ -36,10 +36,13 @@ def _cpu_vendor() -> str:
         return ""
 
 
+_NEVER = 1 << 62  # a row count no batch reaches
+
+
 def _multiply_sum_max_rows(vendor: str) -> tuple[int, int]:
     """Most rows a compiled CPU projection writes as multiply-and-sum, (float32, half precision); more rows take
-    F.linear (oneMKL / oneDNN) or, in float32 from _packed_min_rows, the weight's oneDNN-packed copy. Multiply-and-sum
-    reads the weight once per row. Measured with torch 2.13 on 2-core machines: on an AMD EPYC oneMKL's gemv streamed
+    F.linear (oneMKL / oneDNN) or, from _packed_min_rows, the weight's oneDNN-packed copy. Multiply-and-sum reads
+    the weight once per row. Measured with torch 2.13 on 2-core machines: on an AMD EPYC oneMKL's gemv streamed
     a [1536, 512] fp32 weight at 15 GB/s against 40 for inductor's fused multiply-and-sum; on an AMD EPYC (Zen 4) the
     small bench model's projections at 1 / 2 / 3 / 4 rows streamed 41 / 22 / 14 / 12 GB/s as multiply-and-sum,
     25 / 24 / 25 / 25 packed and 10 / 5 / 4 / 6 through F.linear, and decoding batch 2 packed was no faster; on an
@@ -59,18 +62,16 @@ def _packed_min_rows(vendor: str) -> tuple[int, int]:
     return (5, _NEVER) if vendor == "GenuineIntel" else (3, 2)
 
 
-_NEVER = 1 << 62  # a row count no batch reaches
-
-
+_VENDOR = _cpu_vendor()  # read once: both rules below depend on it
 # Plain ints, not a dict keyed by dtype: dynamo's subgraph reuse cannot re-resolve a guard on a dtype key.
-_MULTIPLY_SUM_MAX_ROWS_FP32, _MULTIPLY_SUM_MAX_ROWS_HALF = _multiply_sum_max_rows(_cpu_vendor())
+_MULTIPLY_SUM_MAX_ROWS_FP32, _MULTIPLY_SUM_MAX_ROWS_HALF = _multiply_sum_max_rows(_VENDOR)
 # From _PACKED_MIN_ROWS_* rows (batched decode), a compiled CPU float32 or bfloat16 projection reads a oneDNN-packed
 # copy of its weight (_pack_projections): measured on an EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s
 # packed vs 17.5 with F.linear (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and
 # 32 1.24-1.31x faster. The packed copies cost as much memory again as the projection weights. Needs
 # torch.library.custom_op and oneDNN.
 _PACKED_LINEAR = hasattr(torch.library, "custom_op") and torch.backends.mkldnn.is_available()
-_PACKED_MIN_ROWS_FP32, _PACKED_MIN_ROWS_BF16 = _packed_min_rows(_cpu_vendor())
+_PACKED_MIN_ROWS_FP32, _PACKED_MIN_ROWS_BF16 = _packed_min_rows(_VENDOR)
 
 if _PACKED_LINEAR:
     @torch.library.custom_op("torch_cache::packed_linear", mutates_args=())
