@@ -235,7 +235,7 @@ class DecoderLayer(nnx.Module):
         keys, values, cache = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
         return self.post_attention(x, q, keys, values, visible), cache  # [B, S, hidden]
 
-    # The layer's two halves around its cache write (torch compiles each as a region).
+    # The layer's two halves around its cache write (torch compiles them with the write as one region).
     def pre_attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 

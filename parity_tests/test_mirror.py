@@ -31,8 +31,12 @@ TORCH_ONLY = {
     "sharding.weight_slice": f"{_TORCH_RANK}; JAX's weight_sharding places the global array instead",
     "sharding.local_device": f"{_TORCH_RANK}; one JAX process drives every device of its mesh",
     "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
-    "model.compile_region": "regional compilation for torch.compile (each half of a decoder layer traced once); XLA "
-                            "compiles a whole step in seconds",
+    "model.compile_region": "regional compilation for torch.compile (one decoder layer traced once); XLA compiles a "
+                            "whole step in seconds",
+    "model.DecoderLayer.forward_in_place": "the compiled region: a decoder layer and its cache write on tensors alone",
+    "cache.StaticCache.in_place_slots": "as model.DecoderLayer.forward_in_place: the write's slots, as a tensor",
+    "cache.StaticCache.write_in_place": "as model.DecoderLayer.forward_in_place: the write itself, on the buffers; a "
+                                        "JAX cache's update returns new arrays, which XLA writes in place",
 }
 JAX_ONLY = {
     "sharding.MODEL": "the model axis of the (data, model_kv, model_copy) view JAX places arrays on",

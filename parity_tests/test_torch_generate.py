@@ -203,6 +203,22 @@ def test_cache_buffers_keep_their_addresses_through_a_compiled_generation(compil
     assert sorted(cache.slot_positions[0].tolist()) == list(range(int(cache.length) - WINDOW, int(cache.length)))
 
 
+def test_a_compiled_generation_writes_the_keys_and_values_an_eager_one_writes(compiled):
+    """The compiled step writes each layer's K/V inside that layer's compiled region, on its buffers as inputs
+    (DecoderLayer.forward_in_place): a write lost there would leave the ring as the prefill and earlier steps left it.
+    After the same tokens every buffer of the cache equals an eager generation's."""
+    model, prompt, new_tokens = compiled["model"], compiled["prompts"][0], compiled["new_tokens"]
+    eager_cache = SlidingWindowCache(model.config, 1, len(prompt) + new_tokens)
+    eager = generate(model, [prompt], new_tokens, cache=eager_cache, compile=False)
+    assert eager.token_ids == compiled["results"][0].token_ids
+    for layer_idx in range(model.config.num_hidden_layers):
+        for name in ("keys", "values"):
+            written, expected = getattr(compiled["cache"], name)[layer_idx], getattr(eager_cache, name)[layer_idx]
+            diff = max_abs_diff(written, expected)
+            assert diff <= ATOL, f"layer {layer_idx} {name}: compiled vs eager {diff:.3g}"
+    assert torch.equal(compiled["cache"].slot_positions, eager_cache.slot_positions)
+
+
 @pytest.mark.parametrize("kind", ["static", "sliding_window"])
 def test_cache_buffers_keep_their_addresses_through_reused_eager_generations(model, kind):
     cache = make_cache(kind, model.config, len(PROMPTS), 40)

@@ -46,7 +46,7 @@ def traced_graph(model: Mistral, batch: int) -> torch.fx.GraphModule:
 
 def linear_calls(graph: torch.fx.GraphModule, targets: tuple = (F.linear, torch._C._nn.linear)) -> int:
     """F.linear calls (or calls of `targets`) a step makes: in the graph, and in each call of a compiled region (a
-    half of a decoder layer traced once, torch_cache.model.compile_region) as many times as the graph calls it."""
+    decoder layer traced once, torch_cache.model.compile_region) as many times as the graph calls it."""
     count = 0
     for node in graph.graph.nodes:
         if node.op == "call_function" and node.target in targets:

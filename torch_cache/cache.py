@@ -98,7 +98,7 @@ class StaticCache(BufferSizes):
         """Whether attention can read the buffers after this write (else it reads old buffers + new tokens)."""
         return True
 
-    # --- the forward-pass protocol: attended_positions, update per layer, then advance ------------------------------
+    # --- the forward-pass protocol: attended_positions, update (or in_place_slots, write_in_place) per layer, advance
 
     def attended_positions(self, new_positions: torch.Tensor, attend_len: int | None = None) -> torch.Tensor:
         """Positions of the keys attention reads in this forward. new_positions: [B, S] (-1 = padding).
@@ -127,14 +127,28 @@ class StaticCache(BufferSizes):
         slots, kept = self._write_slots(num_new)
         keys, values = self.keys[layer_idx], self.values[layer_idx]  # [B, Hkv, L, D]
         if self._attends_in_place(num_new):
-            keys.index_copy_(2, slots, key_states[:, :, num_new - kept:])
-            values.index_copy_(2, slots, value_states[:, :, num_new - kept:])
+            self.write_in_place(keys, values, slots, key_states, value_states)
             return keys, values
         attended_keys = torch.cat([keys, key_states], dim=2)  # [B, Hkv, L + S, D], read before the write below
         attended_values = torch.cat([values, value_states], dim=2)  # [B, Hkv, L + S, D]
         keys.index_copy_(2, slots, key_states[:, :, num_new - kept:])
         values.index_copy_(2, slots, value_states[:, :, num_new - kept:])
         return attended_keys, attended_values
+
+    def in_place_slots(self, num_new: int) -> torch.Tensor | None:
+        """The slots [S] int64 a forward of `num_new` tokens writes when attention reads the buffers after the write
+        (a static cache's every forward, a ring's one-token steps): each layer's write is then `write_in_place`, on
+        tensors alone, so that a compiled region can hold it (docs/design.md §7.16). None when attention reads the
+        old buffers plus the new tokens; `update` writes those."""
+        return self._write_slots(num_new)[0] if self._attends_in_place(num_new) else None
+
+    @staticmethod
+    def write_in_place(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key_states: torch.Tensor,
+                       value_states: torch.Tensor) -> None:
+        """Write one layer's new K/V ([B, Hkv, S, D]) into its buffers ([B, Hkv, L, D]) at `slots` [S]
+        (in_place_slots)."""
+        keys.index_copy_(2, slots, key_states)
+        values.index_copy_(2, slots, value_states)
 
     def advance(self, new_positions: torch.Tensor) -> None:
         """Record the positions written by this forward ([B, S]) and move `length` past them; call once per forward."""

@@ -91,8 +91,8 @@ _R = TypeVar("_R")
 
 def compile_region(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     """Regional compilation: under torch.compile, a module method marked so is traced and compiled once and reused
-    for every module of the class with the same input shapes (the two halves of one decoder layer for the whole
-    stack, not 30 layers), which cuts the compile time of a deep model several fold; eager calls are unchanged.
+    for every module of the class with the same input shapes (one decoder layer for the whole stack, not 30
+    layers), which cuts the compile time of a deep model several fold; eager calls are unchanged.
     Marked methods take only tensors and their module, the inputs dynamo's subgraph reuse accepts (docs/design.md
     §7.16). torch >= 2.11, where it was measured (2.11 is the GPU machine's); older versions compile the whole stack."""
     if TorchVersion(torch.__version__) < "2.11" or not hasattr(torch.compiler, "nested_compile_region"):
@@ -233,18 +233,28 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
                 cache: StaticCache, layer_idx: int) -> torch.Tensor:
+        slots = cache.in_place_slots(x.shape[1])  # [S], or None: attention reads the old buffers + the new tokens
+        if slots is not None:  # every decode step, and a static cache's prefill
+            return self.forward_in_place(x, cos, sin, visible, cache.keys[layer_idx], cache.values[layer_idx], slots)
         q, k, v = self.pre_attention(x, cos, sin)  # [B, H, S, D], [B, Hkv, S, D] x2
         keys, values = cache.update(layer_idx, k, v)  # [B, Hkv, L, D]
         return self.post_attention(x, q, keys, values, visible)  # [B, S, hidden]
 
-    # The layer's two halves around its cache write. They take only tensors (and the module), so under torch.compile
-    # dynamo traces each once and reuses that trace for every other layer (docs/design.md §7.16).
     @compile_region
+    def forward_in_place(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor,
+                         keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The layer with its cache write inside, on tensors alone (its K/V buffers [B, Hkv, L, D] and the slots
+        [S] they take): under torch.compile dynamo traces it once and reuses that trace for every other layer, and
+        inductor compiles one layer, not 30 cache writes around it (docs/design.md §7.16)."""
+        q, k, v = self.pre_attention(x, cos, sin)  # [B, H, S, D], [B, Hkv, S, D] x2
+        StaticCache.write_in_place(keys, values, slots, k, v)
+        return self.post_attention(x, q, keys, values, visible)  # [B, S, hidden]
+
+    # The layer's two halves around its cache write.
     def pre_attention(self, x: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-    @compile_region
     def post_attention(self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        visible: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.attend(q, keys, values, visible)
