@@ -131,8 +131,7 @@ class StaticCache(BufferSizes):
             return keys, values
         attended_keys = torch.cat([keys, key_states], dim=2)  # [B, Hkv, L + S, D], read before the write below
         attended_values = torch.cat([values, value_states], dim=2)  # [B, Hkv, L + S, D]
-        keys.index_copy_(2, slots, key_states[:, :, num_new - kept:])
-        values.index_copy_(2, slots, value_states[:, :, num_new - kept:])
+        self.write_in_place(keys, values, slots, key_states[:, :, num_new - kept:], value_states[:, :, num_new - kept:])
         return attended_keys, attended_values
 
     def in_place_slots(self, num_new: int) -> torch.Tensor | None:
@@ -145,8 +144,8 @@ class StaticCache(BufferSizes):
     @staticmethod
     def write_in_place(keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, key_states: torch.Tensor,
                        value_states: torch.Tensor) -> None:
-        """Write one layer's new K/V ([B, Hkv, S, D]) into its buffers ([B, Hkv, L, D]) at `slots` [S]
-        (in_place_slots)."""
+        """Write one layer's new K/V ([B, Hkv, K, D]) into its buffers ([B, Hkv, L, D]) at `slots` [K]: the write of
+        `update`, and of a layer given in_place_slots."""
         keys.index_copy_(2, slots, key_states)
         values.index_copy_(2, slots, value_states)
 
