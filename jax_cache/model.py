@@ -19,12 +19,12 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jax_cache import sharding
-from jax_cache.cache import StaticCache, available_memory, device_label
+from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
 from twincache.generation import INT32_MAX
-from twincache.gguf_checkpoint import is_gguf_file, open_gguf
+from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
 _ModuleList = getattr(nnx, "List", list)
 
@@ -358,6 +358,10 @@ class Mistral(nnx.Module):
         to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted. On
         `mesh`, each device reads only its own slice of every safetensors tensor (as each host would, on many
         hosts); a GGUF is dequantized whole, then placed."""
+        if mesh is None and jnp.dtype(dtype) == jnp.float32 and default_device().platform == "cpu":
+            gguf = open_gguf(path) if is_gguf_file(path) else None
+            config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
+            return cls.from_weights(config, _read_to_host(config, gguf, files, dtype))
         if is_gguf_file(path):
             checkpoint = open_gguf(path)
             config = checkpoint.config
@@ -386,6 +390,41 @@ class Mistral(nnx.Module):
                         weights[name] = jax.make_array_from_callback(
                             tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh), read)
         return cls.from_weights(config, weights, mesh)
+
+
+def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dict[str, Path],
+                  dtype: jnp.dtype) -> dict[str, jax.Array]:
+    """Every weight of the checkpoint (a GGUF, else safetensors `files`) in `dtype`, copied as it is read into one
+    host allocation on 2 MiB pages (host_buffers) that XLA-CPU then reads without a copy, where a decode step streams
+    them faster; loading holds the weights once plus one tensor. from_pretrained asks it for float32 only: on CPU
+    stored_dtype widens some half-precision weights into XLA's own memory, which would strand their copies here."""
+    shapes = expected_tensor_shapes(config)
+    buffers = dict(zip(shapes, host_buffers(list(shapes.values()), dtype)))
+    filled: set[str] = set()
+
+    def put(name: str, array: np.ndarray) -> None:
+        if name not in buffers:
+            raise CheckpointError(f"the checkpoint holds tensor {name}, which a {config.num_hidden_layers}-layer "
+                                  "Mistral of this config has no place for")
+        buffers[name][...] = array  # converts to float32 as astype would
+        filled.add(name)
+
+    if gguf is not None:
+        for name, array in gguf.arrays():
+            put(name, array)
+    else:
+        for file in sorted(set(files.values())):
+            with safe_open(str(file), framework="flax") as f:
+                for name in f.keys():
+                    if name in shapes:
+                        put(name, np.asarray(f.get_tensor(name).astype(dtype)))
+    missing = [name for name in shapes if name not in filled]
+    if missing:
+        raise CheckpointError(f"weights lack tensor {missing[0]}")
+    # device_put of an aligned host array shares it (and keeps it alive). Unlike from_dlpack it leaves the arrays
+    # uncommitted, like every other array a model is made of: a committed weight would commit the first step's
+    # outputs, and the cache that step returns would then be another jit signature (a second compile).
+    return {name: jax.device_put(buffer) for name, buffer in buffers.items()}
 
 
 __all__ = ["project", "stored_dtype", "Linear", "Embedding", "RMSNorm", "rope_cos_sin", "apply_rope",

@@ -83,7 +83,7 @@ def test_decode_records_cover_every_impl_and_cache(tiny_run):
 def test_probe_curve_and_batch_records(tiny_run):
     _, records = tiny_run
     probes = {r["impl"] for r in records if r["kind"] == "bandwidth_probe" and r["status"] == "ok"}
-    assert {"torch_sum", "torch_gemv", "jax_sum", "jax_gemv"} <= probes
+    assert {"torch_sum", "torch_gemv", "torch_sum_huge", "jax_sum", "jax_gemv", "jax_sum_huge"} <= probes
     rounds = {r["when"] for r in records if r["kind"] == "bandwidth_probe" and r["status"] == "ok"}
     assert rounds == {"start", "end"} | {f"round {n}" for n in range(1, PRESETS["tiny"].repeats + 1)}
     assert all(r["limit_gbps"] > 0 for r in records)

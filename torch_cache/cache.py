@@ -16,11 +16,14 @@ slot_positions and length are whole on every rank (torch_cache.sharding).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch_cache import sharding
-from twincache import buckets, cache_checks
+from twincache import buckets, cache_checks, hugepages
 from twincache.cache_layout import BufferSizes
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
@@ -54,8 +57,13 @@ class StaticCache(BufferSizes):
         cache_checks.check_cache_fits(self.kind, config.num_hidden_layers, shape, dtype, dtype.itemsize,
                                       available_memory(device), memory_label(device), shards)
         local = (rows, kv_heads, cache_len, config.head_dim)  # this rank's shard on a mesh
-        self.keys = [torch.zeros(local, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(local, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        layers = config.num_hidden_layers
+        if device.type == "cpu":  # a step streams its K/V as it does its weights: from 2 MiB pages
+            buffers = host_buffers([local] * (2 * layers), dtype)
+            self.keys, self.values = buffers[:layers], buffers[layers:]
+        else:
+            self.keys = [torch.zeros(local, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(local, dtype=dtype, device=device) for _ in range(layers)]
         self.slot_positions = torch.full((batch_size, cache_len), -1, dtype=torch.int32, device=device)
         self.length = torch.zeros((), dtype=torch.int32, device=device)
         for buffer in self.arrays():
@@ -243,6 +251,21 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero-filled CPU tensors of these shapes, each 64-byte aligned, in one allocation advised to be backed by 2 MiB
+    pages (twincache.hugepages): a decode step streams them faster than from malloc's 4 KiB pages. Each tensor has a
+    storage of its own over its part of the allocation (which lives as long as any of them): dynamo refuses region
+    inputs that share a storage. Less than one huge page in all: plain zeros."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+    offsets, total = hugepages.arena_offsets(sizes)
+    if total < hugepages.HUGE_PAGE:  # at most one TLB entry to save, and a whole 2 MiB page to take for it
+        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    arena = hugepages.host_buffer(total)  # [total] uint8
+    arena[...] = 0  # already zeros (a fresh mapping): this takes the pages now, not in the middle of a decode
+    return [torch.from_numpy(arena[offset:offset + size]).view(dtype).view(shape)
+            for offset, size, shape in zip(offsets, sizes, shapes)]
+
+
 def memory_label(device: torch.device) -> str:
     return "host memory" if device.type == "cpu" else f"{device} memory"
 
@@ -257,4 +280,4 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
     return classes[kind](config, batch_size, max_cache_len, dtype, device, mesh)
 
 
-__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "available_memory", "memory_label"]
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "available_memory", "host_buffers", "memory_label"]

@@ -19,12 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
 from torch_cache import sharding
-from torch_cache.cache import StaticCache, available_memory
+from torch_cache.cache import StaticCache, available_memory, host_buffers
 from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX
-from twincache.gguf_checkpoint import is_gguf_file, open_gguf
+from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
 
 def _cpu_vendor() -> str:
@@ -385,6 +385,8 @@ class Mistral(nn.Module):
         if mesh is not None:
             sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
             device = sharding.local_device(mesh)
+        if mesh is None and torch.device(device).type == "cpu":
+            return cls._assemble(config, _read_to_host(config, gguf, files, dtype), None)
         if gguf is not None:
             state = {}
             for name, array in gguf.arrays():
@@ -402,6 +404,37 @@ class Mistral(nn.Module):
                     part = () if mesh is None else sharding.weight_slice(name, config, mesh)
                     state[name] = _aligned(f.get_slice(name)[part].to(dtype) if part else f.get_tensor(name).to(dtype))
         return cls._assemble(config, state, mesh)
+
+
+def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dict[str, Path],
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight of the checkpoint (a GGUF, else safetensors `files`), converted to `dtype` into one host
+    allocation on 2 MiB pages (host_buffers), where a decode step streams them faster. Each tensor is copied in
+    as it is read and then dropped, so loading holds the weights once plus one tensor."""
+    shapes = expected_tensor_shapes(config)
+    state = dict(zip(shapes, host_buffers(list(shapes.values()), dtype)))
+    filled: set[str] = set()
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        if name not in state:
+            raise CheckpointError(f"the checkpoint holds tensor {name}, which a {config.num_hidden_layers}-layer "
+                                  "Mistral of this config has no place for")
+        state[name].copy_(tensor)  # converts to dtype as .to(dtype) would
+        filled.add(name)
+
+    if gguf is not None:
+        for name, array in gguf.arrays():
+            put(name, torch.from_numpy(array))
+    else:
+        for file in sorted(set(files.values())):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name in shapes:
+                        put(name, f.get_tensor(name))
+    missing = [name for name in shapes if name not in filled]
+    if missing:
+        raise CheckpointError(f"weights lack tensor {missing[0]}")
+    return state
 
 
 def _packed_rows_from(dtype: torch.dtype) -> int:
