@@ -406,7 +406,10 @@ def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dic
         if name not in buffers:
             raise CheckpointError(f"the checkpoint holds tensor {name}, which a {config.num_hidden_layers}-layer "
                                   "Mistral of this config has no place for")
-        buffers[name][...] = array  # converts to float32 as astype would
+        if tuple(array.shape) != shapes[name]:  # checked when the checkpoint was opened; assigning would broadcast
+            raise CheckpointError(f"tensor {name} has shape {list(array.shape)}; this config needs "
+                                  f"{list(shapes[name])}")
+        buffers[name][...] = array  # converts to dtype as astype would
         filled.add(name)
 
     if gguf is not None:

@@ -138,3 +138,38 @@ def test_torch_compiled_decoding_reads_weights_and_kv_from_the_arenas_as_eager_d
     compiled = generate(model, prompt, 6, cache=cache, compile=True).token_ids
     eager = generate(model, prompt, 6, cache="static", max_cache_len=4096, compile=False).token_ids
     assert compiled == eager
+
+
+class _Arrays:
+    """Stands in for a GGUFCheckpoint: the (name, array) pairs a loader reads."""
+
+    def __init__(self, pairs: list[tuple[str, np.ndarray]]) -> None:
+        self.pairs = pairs
+
+    def arrays(self):
+        return iter(self.pairs)
+
+
+@pytest.mark.parametrize("tower", ["torch", "jax"])
+def test_reading_into_the_arena_refuses_a_wrong_shape_an_unknown_tensor_and_a_missing_one(wide_vocab_checkpoint,
+                                                                                           tower):
+    """The checkpoint's shapes are checked when it is opened; the arena's reader checks again rather than let a copy
+    broadcast a wrong-shaped tensor or leave a slot of zeros."""
+    import jax.numpy as jnp
+
+    import jax_cache.model as jax_model
+    import torch_cache.model as torch_model
+    from twincache.checkpoint import open_checkpoint
+    from twincache.errors import CheckpointError
+
+    config, _ = open_checkpoint(wide_vocab_checkpoint)
+    full = list(load_file(str(wide_vocab_checkpoint / "model.safetensors")).items())
+    read, dtype = ((torch_model._read_to_host, torch.float32) if tower == "torch"
+                   else (jax_model._read_to_host, jnp.float32))
+    assert len(read(config, _Arrays(full), {}, dtype)) == len(full)  # the stand-in is a valid checkpoint
+    name, array = full[0]
+    cases = {"has shape": [(name, array[:1]), *full[1:]], "has no place for": [*full, ("extra.weight", array)],
+             "lack tensor": full[1:]}
+    for message, pairs in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            read(config, _Arrays(pairs), {}, dtype)

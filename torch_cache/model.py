@@ -419,6 +419,9 @@ def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dic
         if name not in state:
             raise CheckpointError(f"the checkpoint holds tensor {name}, which a {config.num_hidden_layers}-layer "
                                   "Mistral of this config has no place for")
+        if tuple(tensor.shape) != shapes[name]:  # checked when the checkpoint was opened; copy_ would broadcast
+            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}; this config needs "
+                                  f"{list(shapes[name])}")
         state[name].copy_(tensor)  # converts to dtype as .to(dtype) would
         filled.add(name)
 
