@@ -173,3 +173,29 @@ def test_reading_into_the_arena_refuses_a_wrong_shape_an_unknown_tensor_and_a_mi
     for message, pairs in cases.items():
         with pytest.raises(CheckpointError, match=message):
             read(config, _Arrays(pairs), {}, dtype)
+
+
+def test_twincache_huge_pages_0_gives_plain_pages_and_another_value_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TWINCACHE_HUGE_PAGES", "0")
+    plain = hugepages.host_buffer(2 * hugepages.HUGE_PAGE)
+    assert plain.ctypes.data % hugepages.HUGE_PAGE == 0 and not plain.any()
+    assert hugepages.advised_huge(plain.ctypes.data) in (False, None)
+    monkeypatch.setenv("TWINCACHE_HUGE_PAGES", "yes")
+    from twincache.errors import InputError
+
+    with pytest.raises(InputError, match=r"TWINCACHE_HUGE_PAGES='yes': set it to 0 .* or 1"):
+        hugepages.host_buffer(hugepages.HUGE_PAGE)
+
+
+def test_the_cli_reports_a_bad_twincache_huge_pages_in_one_line(tiny_model_dir, monkeypatch):
+    """A model too small for an arena reads no setting; the 2 MiB cache below does."""
+    import subprocess
+
+    env = {**__import__("os").environ, "TWINCACHE_HUGE_PAGES": "2"}
+    run = subprocess.run([sys.executable, "-m", "twincache_app.cli", "generate", "--model", str(tiny_model_dir),
+                          "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--max-cache-len", "65536",
+                          "--cache", "static"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("twincache: ") and "TWINCACHE_HUGE_PAGES='2'" in lines[-1]
+    assert "Traceback" not in run.stderr

@@ -9,18 +9,32 @@ not advise. Measured on a 2-core AMD EPYC VM (docs/design.md §7.29): a sum over
 against 57.8 with its weights and K/V there.
 
 Nothing here changes a value: the arrays hold the same bytes wherever they live. Where the kernel has no such advice
-(not Linux, or THP `never`) the buffer is plain memory with the same alignment.
+(not Linux, or THP `never`), or `TWINCACHE_HUGE_PAGES=0` is set (a host where THP's compaction stalls or its
+rounding costs too much memory), the buffer is plain memory with the same alignment.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 from collections.abc import Sequence
 
 import numpy as np
 
+from twincache.errors import InputError
+
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB granule) transparent huge page
 ALIGNMENT = 64  # each array's start: a cache line, and what XLA-CPU needs to share an array without a copy
+OPT_OUT = "TWINCACHE_HUGE_PAGES"  # "0": no advice, plain pages
+
+
+def huge_pages_wanted() -> bool:
+    """Whether to advise 2 MiB pages: yes unless TWINCACHE_HUGE_PAGES is "0" (read at each allocation)."""
+    value = os.environ.get(OPT_OUT, "1").strip()
+    if value not in ("0", "1"):
+        raise InputError(f"{OPT_OUT}={value!r}: set it to 0 (plain 4 KiB pages) or 1 (advise 2 MiB pages, the "
+                         "default)")
+    return value == "1"
 
 
 def host_buffer(nbytes: int) -> np.ndarray:
@@ -32,7 +46,7 @@ def host_buffer(nbytes: int) -> np.ndarray:
     # MAP_PRIVATE: a shared anonymous mapping is shmem, which THP backs only under shmem_enabled (default never).
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, nbytes + HUGE_PAGE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE") and huge_pages_wanted():
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first write: pages fault in as 2 MiB ones
         except OSError:  # THP compiled out of this kernel: plain pages, same bytes
