@@ -288,19 +288,21 @@ def default_device() -> jax.Device:
     return device if device is not None else jax.devices()[0]
 
 
-def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: jnp.dtype) -> list[np.ndarray]:
+def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: jnp.dtype, prefault: bool = True) -> list[np.ndarray]:
     """Zero-filled host arrays of these shapes, each 64-byte aligned, in one allocation advised to be backed by 2 MiB
     pages (twincache.hugepages), to fill and then share with XLA-CPU without a copy (jax.device_put): a
     decode step streams them faster than from malloc's 4 KiB pages. NumPy arrays, not jax.Arrays: JAX arrays are
     immutable, and XLA owns a cache's K/V buffers (each step donates them), so here only weights live there. Less
-    than one huge page in all: plain zeros."""
+    than one huge page in all: plain zeros. `prefault=False` leaves the pages to be taken by the first write (a
+    loader that writes every byte next: one pass over the memory, not two)."""
     dtype = np.dtype(dtype)
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     offsets, total = hugepages.arena_offsets(sizes)
     if total < hugepages.HUGE_PAGE:  # at most one TLB entry to save, and a whole 2 MiB page to take for it
         return [np.zeros(shape, dtype) for shape in shapes]
     arena = hugepages.host_buffer(total)  # [total] uint8
-    arena[...] = 0  # already zeros (a fresh mapping): this takes the pages now, as jnp.zeros would
+    if prefault:
+        arena[...] = 0  # already zeros (a fresh mapping): this takes the pages now, as jnp.zeros would
     return [arena[offset:offset + size].view(dtype).reshape(shape)
             for offset, size, shape in zip(offsets, sizes, shapes)]
 

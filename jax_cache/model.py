@@ -399,7 +399,7 @@ def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dic
     them faster; loading holds the weights once plus one tensor. from_pretrained asks it for float32 only: on CPU
     stored_dtype widens some half-precision weights into XLA's own memory, which would strand their copies here."""
     shapes = expected_tensor_shapes(config)
-    buffers = dict(zip(shapes, host_buffers(list(shapes.values()), dtype)))
+    buffers = dict(zip(shapes, host_buffers(list(shapes.values()), dtype, prefault=False)))
     filled: set[str] = set()
 
     def put(name: str, array: np.ndarray) -> None:

@@ -251,17 +251,19 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, prefault: bool = True) -> list[torch.Tensor]:
     """Zero-filled CPU tensors of these shapes, each 64-byte aligned, in one allocation advised to be backed by 2 MiB
     pages (twincache.hugepages): a decode step streams them faster than from malloc's 4 KiB pages. Each tensor has a
     storage of its own over its part of the allocation (which lives as long as any of them): dynamo refuses region
-    inputs that share a storage. Less than one huge page in all: plain zeros."""
+    inputs that share a storage. Less than one huge page in all: plain zeros. `prefault=False` leaves the pages to
+    be taken by the first write (a loader that writes every byte next: one pass over the memory, not two)."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     offsets, total = hugepages.arena_offsets(sizes)
     if total < hugepages.HUGE_PAGE:  # at most one TLB entry to save, and a whole 2 MiB page to take for it
         return [torch.zeros(shape, dtype=dtype) for shape in shapes]
     arena = hugepages.host_buffer(total)  # [total] uint8
-    arena[...] = 0  # already zeros (a fresh mapping): this takes the pages now, not in the middle of a decode
+    if prefault:
+        arena[...] = 0  # already zeros (a fresh mapping): this takes the pages now, not in the middle of a decode
     return [torch.from_numpy(arena[offset:offset + size]).view(dtype).view(shape)
             for offset, size, shape in zip(offsets, sizes, shapes)]
 

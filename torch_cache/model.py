@@ -412,7 +412,7 @@ def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dic
     allocation on 2 MiB pages (host_buffers), where a decode step streams them faster. Each tensor is copied in
     as it is read and then dropped, so loading holds the weights once plus one tensor."""
     shapes = expected_tensor_shapes(config)
-    state = dict(zip(shapes, host_buffers(list(shapes.values()), dtype)))
+    state = dict(zip(shapes, host_buffers(list(shapes.values()), dtype, prefault=False)))
     filled: set[str] = set()
 
     def put(name: str, tensor: torch.Tensor) -> None:
