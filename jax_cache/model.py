@@ -7,6 +7,7 @@ are contracted with dot_general over their last axis: on XLA-CPU that runs ~26x 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,7 +21,7 @@ from safetensors import safe_open
 
 from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers
-from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
+from twincache.checkpoint import expected_tensor_shapes, fill_weights, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
 from twincache.generation import INT32_MAX
@@ -400,30 +401,20 @@ def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dic
     stored_dtype widens some half-precision weights into XLA's own memory, which would strand their copies here."""
     shapes = expected_tensor_shapes(config)
     buffers = dict(zip(shapes, host_buffers(list(shapes.values()), dtype, prefault=False)))
-    filled: set[str] = set()
 
-    def put(name: str, array: np.ndarray) -> None:
-        if name not in buffers:
-            raise CheckpointError(f"the checkpoint holds tensor {name}, which a {config.num_hidden_layers}-layer "
-                                  "Mistral of this config has no place for")
-        if tuple(array.shape) != shapes[name]:  # checked when the checkpoint was opened; assigning would broadcast
-            raise CheckpointError(f"tensor {name} has shape {list(array.shape)}; this config needs "
-                                  f"{list(shapes[name])}")
-        buffers[name][...] = array  # converts to dtype as astype would
-        filled.add(name)
-
-    if gguf is not None:
-        for name, array in gguf.arrays():
-            put(name, array)
-    else:
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        if gguf is not None:
+            yield from gguf.arrays()
+            return
         for file in sorted(set(files.values())):
+            # framework="flax", not "numpy": NumPy has no bfloat16 to read a bf16 checkpoint into
             with safe_open(str(file), framework="flax") as f:
-                for name in f.keys():
-                    if name in shapes:
-                        put(name, np.asarray(f.get_tensor(name).astype(dtype)))
-    missing = [name for name in shapes if name not in filled]
-    if missing:
-        raise CheckpointError(f"weights lack tensor {missing[0]}")
+                yield from ((name, np.asarray(f.get_tensor(name).astype(dtype))) for name in f.keys() if name in shapes)
+
+    def write(name: str, array: np.ndarray) -> None:
+        buffers[name][...] = array  # converts to dtype as astype would
+
+    fill_weights(config, shapes, tensors(), write)
     # device_put of an aligned host array shares it (and keeps it alive). Unlike from_dlpack it leaves the arrays
     # uncommitted, like every other array a model is made of: a committed weight would commit the first step's
     # outputs, and the cache that step returns would then be another jit signature (a second compile).

@@ -7,7 +7,7 @@ checkpoint's, so loading is a strict name-for-name copy.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -20,7 +20,7 @@ from torch.torch_version import TorchVersion
 
 from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, host_buffers
-from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
+from twincache.checkpoint import expected_tensor_shapes, fill_weights, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX
@@ -413,30 +413,18 @@ def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dic
     as it is read and then dropped, so loading holds the weights once plus one tensor."""
     shapes = expected_tensor_shapes(config)
     state = dict(zip(shapes, host_buffers(list(shapes.values()), dtype, prefault=False)))
-    filled: set[str] = set()
 
-    def put(name: str, tensor: torch.Tensor) -> None:
-        if name not in state:
-            raise CheckpointError(f"the checkpoint holds tensor {name}, which a {config.num_hidden_layers}-layer "
-                                  "Mistral of this config has no place for")
-        if tuple(tensor.shape) != shapes[name]:  # checked when the checkpoint was opened; copy_ would broadcast
-            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}; this config needs "
-                                  f"{list(shapes[name])}")
-        state[name].copy_(tensor)  # converts to dtype as .to(dtype) would
-        filled.add(name)
-
-    if gguf is not None:
-        for name, array in gguf.arrays():
-            put(name, torch.from_numpy(array))
-    else:
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        if gguf is not None:
+            for name, array in gguf.arrays():
+                yield name, torch.from_numpy(array)
+            return
         for file in sorted(set(files.values())):
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if name in shapes:
-                        put(name, f.get_tensor(name))
-    missing = [name for name in shapes if name not in filled]
-    if missing:
-        raise CheckpointError(f"weights lack tensor {missing[0]}")
+                yield from ((name, f.get_tensor(name)) for name in f.keys() if name in shapes)
+
+    # copy_ converts to dtype as .to(dtype) would
+    fill_weights(config, shapes, tensors(), lambda name, tensor: state[name].copy_(tensor))
     return state
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
@@ -108,6 +109,27 @@ def expected_shape(config: MistralConfig, name: str) -> tuple[int, ...] | None:
     if match is None or int(match[1]) >= config.num_hidden_layers or match[1] != str(int(match[1])):
         return None
     return _layer_shapes(config).get(match[2])
+
+
+def fill_weights(config: MistralConfig, shapes: dict[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],
+                 write: Callable[[str, Any], object]) -> None:
+    """Hand each (name, tensor) a loader reads to `write`, which copies it into the place allocated for it, once the
+    tensor is known to have a place of its shape; then check that every place got its tensor. The checkpoint's
+    shapes were checked when it was opened, but a copy into a buffer allocated up front would broadcast a wrong shape
+    and leave a missing tensor as zeros, so the loaders check again here."""
+    filled: set[str] = set()
+    for name, tensor in tensors:
+        if name not in shapes:
+            raise CheckpointError(f"the checkpoint holds tensor {name}, which a {config.num_hidden_layers}-layer "
+                                  "Mistral of this config has no place for")
+        if tuple(tensor.shape) != shapes[name]:
+            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}; this config needs "
+                                  f"{list(shapes[name])}")
+        write(name, tensor)
+        filled.add(name)
+    missing = [name for name in shapes if name not in filled]
+    if missing:
+        raise CheckpointError(f"weights lack tensor {missing[0]}")
 
 
 def is_ignorable_tensor(name: str) -> bool:
