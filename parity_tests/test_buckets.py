@@ -321,6 +321,75 @@ def test_torch_eager_sampling_draws_the_tokens_of_the_compiled_step(torch_sample
     assert eager.token_ids == torch_sampled_runs["first"].token_ids
 
 
+# --- torch: a steady step checks only the guards that tell entries apart (docs/design.md §7.30) --------------------
+
+def record_guard_skips(model, monkeypatch) -> list[bool]:
+    """Whether dynamo was told to skip guards at each compiled decode step of `model` from now on."""
+    steps = tg._decode_one_fn(model, True)
+    skipped: list[bool] = []
+
+    def recording(*args, _step=steps.step):
+        skipped.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        return _step(*args)
+
+    monkeypatch.setattr(steps, "step", recording)
+    return skipped
+
+
+def expected_skips(steps: int) -> list[bool]:
+    """Decoding `steps` steps after PROMPT's prefill: the first step of each bucket (the oracle's) checks every guard,
+    the steps after it in the same bucket skip them."""
+    seen = visited_buckets(len(PROMPT), steps, CACHE_LEN)
+    return [step > 0 and seen[step] == seen[step - 1] for step in range(steps)]
+
+
+@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
+def test_torch_compiled_decode_checks_every_guard_at_the_first_step_of_each_bucket(torch_bucket_runs, monkeypatch):
+    model = torch_bucket_runs["model"]
+    skipped = record_guard_skips(model, monkeypatch)
+    with torch.compiler.set_stance("fail_on_recompile"):  # the graphs the fixture compiled
+        result = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+        assert torch._dynamo.eval_frame._stance.stance == "fail_on_recompile", "the caller's stance is kept"
+    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    assert set(visited_buckets(len(PROMPT), NEW_TOKENS - 1, CACHE_LEN)) == {8, 16, 32, 64, CACHE_LEN}
+    assert skipped == expected_skips(NEW_TOKENS - 1)  # the prefill's token is not a decode step
+    assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
+
+
+def test_torch_compiled_decode_checks_every_guard_after_another_decode_ran_in_between(
+        torch_bucket_runs, torch_sampled_runs, monkeypatch):
+    """A sampled generation run inside a greedy one's token callback, between two steps of one bucket, makes its own
+    graph dynamo's most recent entry: the greedy loop's next step checks every guard again (a skip would trust the
+    guards that failed before to tell the two graphs apart). Each generation gives its own tokens, and so do a sampled
+    generation after a greedy one and a greedy one after that."""
+    model = torch_bucket_runs["model"]
+    skipped = record_guard_skips(model, monkeypatch)
+    inner: list[object] = []
+    calls = []
+    between = 5  # the callbacks after the prefill's token and decode steps 0-4; steps 4 and 5 share bucket 16
+
+    def sample_once(_ids: list[int]) -> None:
+        calls.append(_ids)
+        if len(calls) == between + 1:
+            inner.append(tg.generate(model, [PROMPT], SAMPLED_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                                     sampling=SAMPLED[0]))
+
+    with torch.compiler.set_stance("fail_on_recompile"):
+        greedy = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                             on_token=sample_once)
+        sampled = tg.generate(model, [PROMPT], SAMPLED_TOKENS, cache="static", max_cache_len=CACHE_LEN,
+                              sampling=SAMPLED[0])
+        greedy_again = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+    assert greedy.token_ids == greedy_again.token_ids == torch_bucket_runs["first"].token_ids
+    assert inner[0].token_ids == sampled.token_ids == torch_sampled_runs["first"].token_ids
+    inner_steps, greedy_steps = SAMPLED_TOKENS - 1, NEW_TOKENS - 1
+    outer = expected_skips(greedy_steps)
+    assert outer[between - 1:between + 1] == [True, True], "step 5 would skip had nothing run in between"
+    outer[between] = False
+    assert skipped[:between] + skipped[between + inner_steps:between + inner_steps + greedy_steps - between] == outer
+    assert skipped[between:between + inner_steps] == expected_skips(inner_steps)
+
+
 # --- with chunked prefill, fused blocks and forced tokens -------------------------------------------------------------
 
 LONG_PROMPT = [(7 * i + 3) % 70 + 2 for i in range(20)]

@@ -89,7 +89,7 @@ def test_a_sampled_step_hashes_each_noise_entry_once_in_the_graph(checkpoints: d
 
     model = Mistral.from_pretrained(checkpoints["gqa"])
     graphs, record = recording_backend()
-    decode_one = torch.compile(torch_generate._decode_one_fn(model, compile=False), backend=record, fullgraph=True,
+    decode_one = torch.compile(torch_generate._decode_one_fn(model, compile=False).step, backend=record, fullgraph=True,
                                dynamic=False)
     sampling = torch_generate.SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     with torch.inference_mode():
