@@ -236,22 +236,23 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
         # one graph then serves every partial bucket, and the whole cache is one more (docs/design.md §7.13).
         # Elsewhere each bucket compiles once.
         compiled: _DecodeOne = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        # (torch.compiler.config gets patch() at runtime from install_config_module but, unlike inductor's config,
-        # declares no type for it: hence the ignore)
-        symbolic_bucket = (torch.compiler.config.patch(dynamic_sources="L['attend_len']")  # type: ignore[attr-defined]
-                           if hasattr(torch.compiler.config, "dynamic_sources") else contextlib.nullcontext())
-        # Inductor tries to fuse each pair of nodes that share a buffer, up to 64 apart. Every layer's K/V write reads
-        # the same slot indices: ~2,000 pairs on a 30-layer model, 1 s of its compile, and the fusions it finds are
-        # between neighbours (8 gave byte-identical code on every model, batch, cache and dtype tried).
         from torch._inductor import config as inductor_config
-        fusion_window = (inductor_config.patch(max_fusion_buffer_group_pairwise_attempts=8)
-                         if hasattr(inductor_config, "max_fusion_buffer_group_pairwise_attempts")
-                         else contextlib.nullcontext())
 
         def compile_settings() -> contextlib.ExitStack:
+            """Fresh patches per session: torch 2.11's config patches refuse to be entered twice at once, and a
+            generation may run inside another's token callback."""
             settings = contextlib.ExitStack()
-            for setting in (symbolic_bucket, fusion_window, batched_kernels()):
-                settings.enter_context(setting)
+            # (torch.compiler.config gets patch() at runtime from install_config_module but, unlike inductor's config,
+            # declares no type for it: hence the ignore)
+            if hasattr(torch.compiler.config, "dynamic_sources"):
+                settings.enter_context(torch.compiler.config.patch(  # type: ignore[attr-defined]
+                    dynamic_sources="L['attend_len']"))
+            # Inductor tries to fuse each pair of nodes that share a buffer, up to 64 apart. Every layer's K/V write
+            # reads the same slot indices: ~2,000 pairs on a 30-layer model, 1 s of its compile, and the fusions it
+            # finds are between neighbours (8 gave byte-identical code on every model, batch, cache and dtype tried).
+            if hasattr(inductor_config, "max_fusion_buffer_group_pairwise_attempts"):
+                settings.enter_context(inductor_config.patch(max_fusion_buffer_group_pairwise_attempts=8))
+            settings.enter_context(batched_kernels())
             return settings
 
         _compiled_decode[model] = _DecodeSteps(compiled, compile_settings, compiled=True)
