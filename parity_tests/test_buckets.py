@@ -390,6 +390,50 @@ def test_torch_compiled_decode_checks_every_guard_after_another_decode_ran_in_be
     assert skipped[between:between + inner_steps] == expected_skips(inner_steps)
 
 
+def test_torch_compiled_decodes_in_two_threads_take_turns_and_give_their_own_tokens(
+        torch_bucket_runs, torch_sampled_runs, monkeypatch):
+    """A greedy and a sampled generation of one model, side by side in two threads: the skip stance is process-wide,
+    so their steps take turns under one lock (none starts while another runs, though the interpreter switches threads
+    every 10 us here), and each gives its own tokens."""
+    import sys
+    import threading
+
+    model = torch_bucket_runs["model"]
+    steps = tg._decode_one_fn(model, True)
+    running, overlaps = [0], [0]
+
+    def counting(*args, _step=steps.step):
+        running[0] += 1
+        overlaps[0] += running[0] > 1
+        try:
+            return _step(*args)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(steps, "step", counting)
+    results: dict[str, object] = {}
+
+    def run(name: str, sampling: SamplingParams | None, new_tokens: int) -> None:
+        results[name] = tg.generate(model, [PROMPT], new_tokens, cache="static", max_cache_len=CACHE_LEN,
+                                    sampling=sampling)
+
+    threads = [threading.Thread(target=run, args=("greedy", None, NEW_TOKENS)),
+               threading.Thread(target=run, args=("sampled", SAMPLED[0], SAMPLED_TOKENS))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert overlaps[0] == 0
+    assert results["greedy"].token_ids == torch_bucket_runs["first"].token_ids
+    assert results["sampled"].token_ids == torch_sampled_runs["first"].token_ids
+
+
 # --- with chunked prefill, fused blocks and forced tokens -------------------------------------------------------------
 
 LONG_PROMPT = [(7 * i + 3) % 70 + 2 for i in range(20)]
