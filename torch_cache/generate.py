@@ -211,9 +211,9 @@ _compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeSteps] = weakref.Wea
 
 
 def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
-    """The whole decode step, compiled once per model: `(input_ids [B, 1], positions [B, 1], cache, attend_len,
-    finished [B], eos [], forced [B], forcing [], step_key [], index_bits, temperature [], top_k [], top_p [], kind)
-    -> (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], for_host [B + 1])`.
+    """The whole decode step (`_DecodeSteps` runs it), compiled once per model: `(input_ids [B, 1], positions [B, 1],
+    cache, attend_len, finished [B], eos [], forced [B], forcing [], step_key [], index_bits, temperature [], top_k [],
+    top_p [], kind) -> (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], for_host [B + 1])`.
     The forward, the choice (greedy or a seeded draw), the EOS bookkeeping and the finiteness flag are one graph per
     sampling kind (`_sampling_kind`); teacher forcing runs the greedy one."""
     def decode_one(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache, attend_len: int | None,
@@ -265,6 +265,7 @@ _step_lock = threading.Lock()
 _last_step_run: object = None  # the session whose step ran last, of any model
 
 
+@functools.cache
 def _can_skip_guards() -> bool:
     """Whether this torch lets a call run only the guards that tell its compiled entries apart (torch >= 2.6)."""
     return (hasattr(torch._dynamo.eval_frame, "_stance")
