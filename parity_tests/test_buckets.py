@@ -156,7 +156,8 @@ def torch_bucket_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         with torch.compiler.set_stance("fail_on_recompile"):
             second = tg.generate(model, [PROMPT[1:]], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
         recompiles = counters["stats"]["unique_graphs"] - before - compiles
-    return dict(model=model, first=first, second=second, compiles=compiles, recompiles=recompiles)
+    return dict(model=model, first=first, second=second, compiles=compiles, recompiles=recompiles,
+                directory=directory)
 
 
 def test_torch_compiles_at_most_once_per_bucket_and_once_for_every_partial_bucket(torch_bucket_runs):
@@ -388,6 +389,44 @@ def test_torch_compiled_decode_checks_every_guard_after_another_decode_ran_in_be
     outer[between] = False
     assert skipped[:between] + skipped[between + inner_steps:between + inner_steps + greedy_steps - between] == outer
     assert skipped[between:between + inner_steps] == expected_skips(inner_steps)
+
+
+def test_twincache_skip_guards_0_checks_every_guard_and_another_value_is_refused_up_front(
+        torch_bucket_runs, monkeypatch):
+    from twincache.errors import InputError
+
+    model = torch_bucket_runs["model"]
+    skipped = record_guard_skips(model, monkeypatch)
+    monkeypatch.setenv("TWINCACHE_SKIP_GUARDS", "0")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        result = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    assert len(skipped) == NEW_TOKENS - 1 and not any(skipped)
+    monkeypatch.setenv("TWINCACHE_SKIP_GUARDS", "yes")
+    refused = r"TWINCACHE_SKIP_GUARDS='yes': set it to 0 \(every compiled step checks every guard\) or 1"
+    with pytest.raises(InputError, match=refused):
+        tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+    with torch.inference_mode():
+        cache = torch_cache("static", model.config, 1, CACHE_LEN)
+        tg.prefill(model, torch.tensor([PROMPT]), torch.ones(1, len(PROMPT), dtype=torch.long), cache)
+    with pytest.raises(InputError, match=refused):
+        tg.continue_generation(model, cache, [7], 4)
+    assert int(cache.length) == len(PROMPT), "a refused call changes nothing"
+    assert len(skipped) == NEW_TOKENS - 1
+
+
+def test_the_guard_skip_bench_times_both_variants(torch_bucket_runs):
+    """bench/guard_skip.py's measurement, on the bucket model's graphs: every step of every timed run, both ways."""
+    import os
+
+    from twincache_app.bench_adapters import guard_skip_step_ms
+
+    before = os.environ.get("TWINCACHE_SKIP_GUARDS")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        times = guard_skip_step_ms(torch_bucket_runs["directory"], PROMPT, NEW_TOKENS, 1, "static", CACHE_LEN)
+    assert set(times) == {"every guard", "steady skip"}
+    assert all(len(steps) == NEW_TOKENS - 2 and min(steps) > 0 for steps in times.values())
+    assert os.environ.get("TWINCACHE_SKIP_GUARDS") == before, "the variable is restored"
 
 
 def test_torch_compiled_decodes_in_two_threads_take_turns_and_give_their_own_tokens(

@@ -46,6 +46,7 @@ from twincache.generation import (
     validate_forced_tokens,
 )
 from twincache.mesh import keep_rows, pad_batch, pad_rows
+from twincache.switches import switch
 
 MAX_DECODE_VARIANTS = 64
 _CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy a jax_cache one with "
@@ -265,6 +266,16 @@ _step_lock = threading.Lock()
 _last_step_run: object = None  # the session whose step ran last, of any model
 
 
+_SKIP_GUARDS = "TWINCACHE_SKIP_GUARDS"  # "0": every compiled step checks every guard (docs/design.md §7.30)
+
+
+def _guard_skip_wanted() -> bool:
+    """Whether a decode loop's steady steps may skip dynamo's guard check: yes unless TWINCACHE_SKIP_GUARDS is "0"
+    (say, a process whose other threads run other compiled code while it decodes: the stance is process-wide)."""
+    return switch(_SKIP_GUARDS, on="a decode loop's steady steps skip dynamo's guard check, the default",
+                  off="every compiled step checks every guard")
+
+
 @functools.cache
 def _can_skip_guards() -> bool:
     """Whether this torch lets a call run only the guards that tell its compiled entries apart (torch >= 2.6)."""
@@ -284,18 +295,18 @@ class _DecodeSteps:
         self.step, self.settings, self.compiled = step, settings, compiled
 
     def __call__(self, *args: object) -> tuple[torch.Tensor, ...]:
-        with self.session() as run:
+        with self.session(skip_guards=False) as run:
             return run(*args, repeats=False)
 
     @contextlib.contextmanager
-    def session(self) -> Iterator[Callable[..., tuple[torch.Tensor, ...]]]:
+    def session(self, skip_guards: bool) -> Iterator[Callable[..., tuple[torch.Tensor, ...]]]:
         """Yields `run(*args, repeats)`: one step. `repeats` True says the step's inputs are those of the session's
         previous step, with the outputs that step returned in place of its own (the same model, cache object, bucket,
         sampling kind, shapes, dtypes and devices): then, if no other compiled decode step ran since (in any thread),
         the entry that step's full guard check chose is dynamo's most recent, and only the guards that tell entries
-        apart are checked. Every other step checks every guard, and may compile."""
+        apart are checked (unless `skip_guards` is False). Every other step checks every guard, and may compile."""
         token = object()  # this session, as _last_step_run records it
-        skip_allowed = self.compiled and _can_skip_guards()
+        skip_allowed = skip_guards and self.compiled and _can_skip_guards()
 
         def run(*args: object, repeats: bool) -> tuple[torch.Tensor, ...]:
             global _last_step_run
@@ -376,6 +387,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
+    _guard_skip_wanted()  # a bad TWINCACHE_SKIP_GUARDS is refused before the prefill writes anything
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
@@ -438,6 +450,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     `_first_step + k` (generate's prefill token is step 0), as jax_cache does.
     """
     config = model.config
+    skip_guards = _guard_skip_wanted()
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens)
     device, dtype = model.device, model.dtype
@@ -474,7 +487,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     all_done = eos is not None and all(t == eos for t in last_tokens)
     phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call
     stamp = time.perf_counter()
-    with stepper.session() as decode_one:
+    with stepper.session(skip_guards) as decode_one:
         while decode_steps < max_new_tokens and not all_done:
             attend = step_attend_len(length, 1, cache.cache_len)
             forced_now = not_forced if forced is None else forced[decode_steps]  # [B]

@@ -16,12 +16,11 @@ rounding costs too much memory), the buffer is plain memory with the same alignm
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from twincache.errors import InputError
+from twincache.switches import switch
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB granule) transparent huge page
 ALIGNMENT = 64  # each array's start: a cache line, and what XLA-CPU needs to share an array without a copy
@@ -30,11 +29,7 @@ OPT_OUT = "TWINCACHE_HUGE_PAGES"  # "0": no advice, plain pages
 
 def huge_pages_wanted() -> bool:
     """Whether to advise 2 MiB pages: yes unless TWINCACHE_HUGE_PAGES is "0" (read at each allocation)."""
-    value = os.environ.get(OPT_OUT, "1").strip()
-    if value not in ("0", "1"):
-        raise InputError(f"{OPT_OUT}={value!r}: set it to 0 (plain 4 KiB pages) or 1 (advise 2 MiB pages, the "
-                         "default)")
-    return value == "1"
+    return switch(OPT_OUT, on="advise 2 MiB pages, the default", off="plain 4 KiB pages")
 
 
 def host_buffer(nbytes: int) -> np.ndarray:
