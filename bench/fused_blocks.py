@@ -13,7 +13,7 @@ import json
 import statistics
 from pathlib import Path
 
-from twincache.checkpoint import load_config
+from bench.study import model_and_prompt
 from twincache_app.bench_adapters import fused_block_tok_s
 
 
@@ -24,13 +24,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=2000, help="tokens per run; also run as one block")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    if args.model is None:
-        from twincache.default_model import default_model_dir
-
-        args.model = default_model_dir()
-    config = load_config(args.model)
+    args.model, prompt = model_and_prompt(args.model, 16)
     blocks = [int(b) for b in args.blocks.split(",")] + [args.new_tokens]  # the last: one loop over the budget
-    prompt = [1 + (7 * i) % (config.vocab_size - 1) for i in range(16)]
     speeds = fused_block_tok_s(args.model, blocks, args.new_tokens, args.rounds, prompt)
     whole = [statistics.median(column) for column in zip(*speeds[args.new_tokens])]
     print(f"model {args.model}, {args.new_tokens} new tokens, {args.rounds} rounds (medians; min-max)")

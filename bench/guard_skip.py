@@ -12,7 +12,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from twincache.checkpoint import load_config
+from bench.study import model_and_prompt
 from twincache_app.bench_adapters import guard_skip_step_ms
 
 
@@ -24,12 +24,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens per generation")
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
-    if args.model is None:
-        from twincache.default_model import default_model_dir
-
-        args.model = default_model_dir()
-    config = load_config(args.model)
-    prompt = [1 + (7 * i) % (config.vocab_size - 1) for i in range(args.prompt_len)]
+    args.model, prompt = model_and_prompt(args.model, args.prompt_len)
     times = guard_skip_step_ms(args.model, prompt, args.new_tokens, args.rounds, args.cache)
     print(f"model {args.model}, {args.cache} cache, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
           f"{args.rounds} rounds; ms per step")
