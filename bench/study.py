@@ -1,8 +1,12 @@
-"""What the single-question studies (`python -m bench.fused_blocks`, `python -m bench.guard_skip`) share: the
-checkpoint they run (the trained default model unless one is named) and a fixed prompt of ids for it."""
+"""What the single-question studies (`python -m bench.fused_blocks`, `python -m bench.guard_skip`,
+`python -m bench.overlap_steps`) share: the checkpoint they run (the trained default model unless one is named), a
+fixed prompt of ids for it, and the command line of a study that times torch's decode with an environment switch
+each way."""
 
 from __future__ import annotations
 
+import argparse
+import statistics
 from pathlib import Path
 
 from twincache.checkpoint import load_config
@@ -17,3 +21,30 @@ def model_and_prompt(model: Path | None, prompt_len: int) -> tuple[Path, list[in
         model = default_model_dir()
     vocab_size = load_config(model).vocab_size
     return model, [1 + (7 * i) % (vocab_size - 1) for i in range(prompt_len)]
+
+
+def switch_study(prog: str, doc: str, variable: str, variants: dict[str, str]) -> None:
+    """The command line of `prog`: per-step times of torch_cache's compiled decode with `variable` set to each of
+    `variants` ({name: value}), alternating in one process (twincache_app.bench_adapters.switch_step_ms), printed as
+    a table."""
+    from twincache_app.bench_adapters import switch_step_ms
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: the trained default model)")
+    parser.add_argument("--cache", default="sliding_window", choices=["static", "sliding_window"])
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens per generation")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", help="default: CUDA when torch sees one, else CPU")
+    args = parser.parse_args()
+    args.model, prompt = model_and_prompt(args.model, args.prompt_len)
+    times = switch_step_ms(args.model, prompt, args.new_tokens, args.rounds, args.cache, variable, variants,
+                           dtype=args.dtype, device=args.device)
+    print(f"model {args.model}, {args.dtype}, {args.cache} cache, prompt {args.prompt_len}, {args.new_tokens} new "
+          f"tokens, {args.rounds} rounds; ms per step, {variable} each way")
+    print("| variant | median | p10 | p25 | mean | steps |\n|---|---:|---:|---:|---:|---:|")
+    for name, steps in times.items():
+        p10, p25 = (statistics.quantiles(steps, n=20)[1], statistics.quantiles(steps, n=4)[0])
+        print(f"| {name} ({variable}={variants[name]}) | {statistics.median(steps):.3f} | {p10:.3f} | {p25:.3f} "
+              f"| {statistics.fmean(steps):.3f} | {len(steps)} |")

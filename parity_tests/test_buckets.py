@@ -357,6 +357,23 @@ def test_torch_compiled_decode_checks_every_guard_at_the_first_step_of_each_buck
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
 
 
+@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
+def test_torch_overlapped_compiled_steps_run_the_same_graphs_with_the_same_guard_checks(torch_bucket_runs,
+                                                                                         monkeypatch):
+    """Two steps in flight (TWINCACHE_OVERLAP_STEPS=1, on CPU for the test, docs/design.md §7.31): a step's bucket and
+    whether it repeats the step before it are decided at its launch, so the loop runs the fixture's graphs, checks
+    every guard exactly where the one-step loop does, and gives its tokens; the last step's cache is not rolled
+    back (nothing was launched after it)."""
+    model = torch_bucket_runs["model"]
+    skipped = record_guard_skips(model, monkeypatch)
+    monkeypatch.setenv("TWINCACHE_OVERLAP_STEPS", "1")
+    with torch.compiler.set_stance("fail_on_recompile"):
+        result = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    assert skipped == expected_skips(NEW_TOKENS - 1)
+    assert int(result.cache.length) == len(PROMPT) + NEW_TOKENS - 1
+
+
 def test_torch_compiled_decode_checks_every_guard_after_another_decode_ran_in_between(
         torch_bucket_runs, torch_sampled_runs, monkeypatch):
     """A sampled generation run inside a greedy one's token callback, between two steps of one bucket, makes its own
@@ -415,18 +432,23 @@ def test_twincache_skip_guards_0_checks_every_guard_and_another_value_is_refused
     assert len(skipped) == NEW_TOKENS - 1
 
 
-def test_the_guard_skip_bench_times_both_variants(torch_bucket_runs):
-    """bench/guard_skip.py's measurement, on the bucket model's graphs: every step of every timed run, both ways."""
+@pytest.mark.parametrize(("variable", "variants"), [
+    ("TWINCACHE_SKIP_GUARDS", {"every guard": "0", "steady skip": "1"}),
+    ("TWINCACHE_OVERLAP_STEPS", {"one step at a time": "0", "two in flight": "1"})])
+def test_the_switch_benches_time_both_variants(torch_bucket_runs, variable, variants):
+    """bench/guard_skip.py's and bench/overlap_steps.py's measurement, on the bucket model's graphs: every step of
+    every timed run, both ways."""
     import os
 
-    from twincache_app.bench_adapters import guard_skip_step_ms
+    from twincache_app.bench_adapters import switch_step_ms
 
-    before = os.environ.get("TWINCACHE_SKIP_GUARDS")
+    before = os.environ.get(variable)
     with torch.compiler.set_stance("fail_on_recompile"):
-        times = guard_skip_step_ms(torch_bucket_runs["directory"], PROMPT, NEW_TOKENS, 1, "static", CACHE_LEN)
-    assert set(times) == {"every guard", "steady skip"}
+        times = switch_step_ms(torch_bucket_runs["directory"], PROMPT, NEW_TOKENS, 1, "static", variable, variants,
+                               CACHE_LEN, device="cpu")
+    assert set(times) == set(variants)
     assert all(len(steps) == NEW_TOKENS - 2 and min(steps) > 0 for steps in times.values())
-    assert os.environ.get("TWINCACHE_SKIP_GUARDS") == before, "the variable is restored"
+    assert os.environ.get(variable) == before, "the variable is restored"
 
 
 def test_torch_compiled_decodes_in_two_threads_take_turns_and_give_their_own_tokens(

@@ -8,6 +8,7 @@ so compiling it would only add that compile.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -327,6 +328,75 @@ class _DecodeSteps:
             yield run
 
 
+_OVERLAP_STEPS = "TWINCACHE_OVERLAP_STEPS"  # "1": step k + 1 is launched before step k's tokens are read
+
+
+def _overlap_wanted(device: torch.device) -> bool:
+    """Whether a decode loop keeps two steps in flight (docs/design.md §7.31): by default where the device runs
+    asynchronously to the host (not on CPU, where a step returns when it is done and an overlapped one only adds a
+    step to roll back at EOS); TWINCACHE_OVERLAP_STEPS=1 or 0 says so for every device."""
+    return switch(_OVERLAP_STEPS, on="two decode steps in flight", off="one decode step at a time",
+                  default=device.type != "cpu")
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched decode step whose tokens the host has not read: its host copy (`_HostCopies.start`), whether it
+    is the first step of its attention bucket (timed apart: it may compile), and its logits' copy (return_logits)."""
+    host: tuple[torch.Tensor, torch.cuda.Event | None]
+    first_of_bucket: bool
+    logits: torch.Tensor | None
+
+
+class _HostCopies:
+    """A step's [B + 1] int64 for_host, copied to the host in stream order: into one of two pinned buffers on CUDA
+    (with an event to wait on; the other buffer may hold the step before it), a plain copy elsewhere."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.buffers = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)] if self.cuda else []
+        self.turn = 0
+
+    def start(self, for_host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if not self.cuda:  # the step has run: its output is on the host (a fresh one per call)
+            return for_host, None
+        buffer, self.turn = self.buffers[self.turn], 1 - self.turn
+        buffer.copy_(for_host, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return buffer, ready
+
+    @staticmethod
+    def read(host: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
+        buffer, ready = host
+        if ready is not None:
+            ready.synchronize()
+        return buffer.tolist()
+
+
+@contextlib.contextmanager
+def _rolled_back_if_unread(cache: StaticCache, in_flight: collections.deque[_InFlight]) -> Iterator[None]:
+    """On leaving a decode loop (done, or by an exception), undo the steps still in flight: an overlapped loop
+    launched them before it knew it had ended (EOS, a non-finite step, on_token raising)."""
+    try:
+        yield
+    finally:
+        if in_flight:
+            _roll_back(cache, len(in_flight))
+            in_flight.clear()
+
+
+def _roll_back(cache: StaticCache, steps: int) -> None:
+    """Undo the last `steps` one-token writes: `length` goes back and their slots are empty again (position -1,
+    zero K/V). A ring's slot held position p - W before the write, which no query from p on can see: it stays
+    empty, not restored (its K/V were overwritten)."""
+    cache.length.sub_(steps)
+    slots, _ = cache._write_slots(steps)  # [steps] int64, from the restored length
+    cache.slot_positions.index_fill_(1, slots, -1)
+    for buffer in (*cache.keys, *cache.values):
+        buffer.index_fill_(2, slots, 0)
+
+
 def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]` fp32,
     compiled once per model: the graph generate runs (its greedy choice unused here). `attend_len` is the step's
@@ -387,7 +457,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
-    _guard_skip_wanted()  # a bad TWINCACHE_SKIP_GUARDS is refused before the prefill writes anything
+    _guard_skip_wanted()  # a bad TWINCACHE_SKIP_GUARDS or TWINCACHE_OVERLAP_STEPS is refused before the prefill
+    _overlap_wanted(model.device)  # writes anything
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
@@ -452,6 +523,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     config = model.config
     skip_guards = _guard_skip_wanted()
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
+    overlap = _overlap_wanted(cache.device)
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens)
     device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
@@ -477,36 +549,49 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     index_bits = _sampling_bits(kind, len(last_tokens), config.vocab_size, device)
     knobs = _knobs(sampling, device)
     stepper = _decode_one_fn(model, compile)
+    depth = 2 if overlap else 1  # steps in flight at once
     if compile:  # batched CPU steps read packed weights (torch_cache/model.py): made or checked once per call
         _pack_projections(model, len(last_tokens))
     tokens: list[list[int]] = [[] for _ in last_tokens]
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0
-    decode_steps = timed_steps = 0
+    decode_steps = timed_steps = launched = 0
     length, bucket = int(cache.length), None  # the host's copy of the cache length picks each step's bucket
     all_done = eos is not None and all(t == eos for t in last_tokens)
+    in_flight: collections.deque[_InFlight] = collections.deque()  # launched steps whose tokens are not read yet
+    host_copies = _HostCopies(len(last_tokens) + 1, device)
     phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call
     stamp = time.perf_counter()
-    with stepper.session(skip_guards) as decode_one:
-        while decode_steps < max_new_tokens and not all_done:
-            attend = step_attend_len(length, 1, cache.cache_len)
-            forced_now = not_forced if forced is None else forced[decode_steps]  # [B]
-            # A step in the bucket of the step before it repeats that step: the same cache, kind and shapes, with the
-            # outputs it returned as inputs (on_token, run in between, is handed ids and changes none of them)
-            logits, next_ids, finished, positions, for_host = decode_one(
-                next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing,
-                step_key.at(_first_step + decode_steps), index_bits, *knobs, kind, repeats=attend == bucket)
-            length, decode_steps = length + 1, decode_steps + 1
-            *row_ids, non_finite = for_host.tolist()  # the step's one host copy: its tokens and the NaN flag
+    with stepper.session(skip_guards) as decode_one, _rolled_back_if_unread(cache, in_flight):
+        while True:
+            # Launch until `depth` steps are in flight: step k + 1 reads step k's tokens on the device, so it is
+            # queued before the host waits for step k's (overlapped steps, docs/design.md §7.31)
+            while len(in_flight) < depth and launched < max_new_tokens and not all_done:
+                attend = step_attend_len(length, 1, cache.cache_len)
+                forced_now = not_forced if forced is None else forced[launched]  # [B]
+                # A step in the bucket of the step before it repeats that step: the same cache, kind and shapes, with
+                # the outputs it returned as inputs (on_token, run in between, is handed ids and changes none of them)
+                logits, next_ids, finished, positions, for_host = decode_one(
+                    next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing,
+                    step_key.at(_first_step + launched), index_bits, *knobs, kind, repeats=attend == bucket)
+                # cudagraph outputs are overwritten by the next replay: what is read later is copied out now, in
+                # stream order (no host sync)
+                in_flight.append(_InFlight(host_copies.start(for_host), attend != bucket,
+                                           logits.clone() if return_logits else None))
+                next_ids, finished, positions = next_ids.clone(), finished.clone(), positions.clone()
+                length, launched, bucket = length + 1, launched + 1, attend
+            if all_done or not in_flight:  # a step launched after the last one wanted is rolled back on the way out
+                break
+            step = in_flight.popleft()
+            *row_ids, non_finite = host_copies.read(step.host)  # the step's one host copy: its tokens and NaN flag
+            decode_steps += 1
             _raise_if_non_finite(non_finite, decode_steps, logits.dtype)
-            # cudagraph outputs are overwritten by the next replay: what the next step reads is copied out
-            next_ids, finished, positions = next_ids.clone(), finished.clone(), positions.clone()
-            if return_logits:
-                step_logits.append(logits.clone())
+            if step.logits is not None:
+                step_logits.append(step.logits)
             all_done = eos is not None and all(token == eos for token in row_ids)
             now = time.perf_counter()
-            if attend != bucket:  # the first step of each bucket may compile: timed apart from the steady state
-                first_step_s, bucket = first_step_s + now - stamp, attend
+            if step.first_of_bucket:  # the first step of each bucket may compile: timed apart from the steady state
+                first_step_s += now - stamp
             else:
                 decode_s, timed_steps = decode_s + now - stamp, timed_steps + 1
             stamp = now

@@ -155,26 +155,24 @@ def fused_block_tok_s(model_dir: Path, block_sizes: Sequence[int], new_tokens: i
     return speeds
 
 
-def guard_skip_step_ms(model_dir: Path, prompt: Sequence[int], new_tokens: int, rounds: int, cache: str,
-                       max_cache_len: int | None = None) -> dict[str, list[float]]:
-    """Per-step times (ms) of torch_cache's compiled decode with every dynamo guard checked at every step
-    (TWINCACHE_SKIP_GUARDS=0, "every guard") and with a loop's steady steps skipping them ("steady skip"),
-    generations alternating in one process, `rounds` rounds after a warm-up (bench/guard_skip.py). A step's time is
-    the wall time between two token callbacks; the prefill's token is left out. The variable is restored."""
+def switch_step_ms(model_dir: Path, prompt: Sequence[int], new_tokens: int, rounds: int, cache: str,
+                   variable: str, variants: dict[str, str], max_cache_len: int | None = None,
+                   dtype: str = "float32", device: str | None = None) -> dict[str, list[float]]:
+    """Per-step times (ms) of torch_cache's compiled decode with the environment switch `variable` set to each of
+    `variants` ({name: value}), generations alternating in one process, `rounds` rounds after a warm-up
+    (bench/guard_skip.py, bench/overlap_steps.py). A step's time is the wall time between two token callbacks; the
+    prefill's token is left out. The variable is restored."""
     import os
 
-    from torch_cache.generate import _SKIP_GUARDS
-
     tower = BACKENDS["torch"].module()
-    model = tower.load(model_dir, "float32")
+    model = tower.load(model_dir, dtype, device)
     model.config = dataclasses.replace(model.config, eos_token_id=None)  # every run decodes its whole budget
-    variants = {"every guard": "0", "steady skip": "1"}
     times: dict[str, list[float]] = {name: [] for name in variants}
-    before = os.environ.get(_SKIP_GUARDS)
+    before = os.environ.get(variable)
     try:
         for round_index in range(rounds + 1):  # round 0 warms up (compiles)
             for name in (list(variants) if round_index % 2 else list(variants)[::-1]):
-                os.environ[_SKIP_GUARDS] = variants[name]
+                os.environ[variable] = variants[name]
                 stamps: list[float] = []
                 tower.generate(model, [list(prompt)], new_tokens, cache=cache, max_cache_len=max_cache_len,
                                on_token=lambda _ids, stamps=stamps: stamps.append(time.perf_counter()))
@@ -182,11 +180,11 @@ def guard_skip_step_ms(model_dir: Path, prompt: Sequence[int], new_tokens: int, 
                     times[name] += [1e3 * (b - a) for a, b in zip(stamps[1:], stamps[2:])]
     finally:
         if before is None:
-            os.environ.pop(_SKIP_GUARDS, None)
+            os.environ.pop(variable, None)
         else:
-            os.environ[_SKIP_GUARDS] = before
+            os.environ[variable] = before
     return times
 
 
 __all__ = ["bench_model", "BackendImpl", "backend_impls", "replicate_vocabulary", "mesh_record", "fused_block_tok_s",
-           "guard_skip_step_ms"]
+           "switch_step_ms"]
