@@ -357,6 +357,18 @@ def test_torch_compiled_decode_checks_every_guard_at_the_first_step_of_each_buck
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
 
 
+def greedy_with_switch(torch_bucket_runs, monkeypatch, variable: str, value: str) -> tuple[object, list[bool]]:
+    """The fixture's first greedy generation again, on its graphs (fail_on_recompile), with the environment switch
+    `variable` set to `value`: its result, checked to give the fixture's tokens, and the guard skip of each step."""
+    skipped = record_guard_skips(torch_bucket_runs["model"], monkeypatch)
+    monkeypatch.setenv(variable, value)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        result = tg.generate(torch_bucket_runs["model"], [PROMPT], NEW_TOKENS, cache="static",
+                             max_cache_len=CACHE_LEN)
+    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    return result, skipped
+
+
 @pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
 def test_torch_overlapped_compiled_steps_run_the_same_graphs_with_the_same_guard_checks(torch_bucket_runs,
                                                                                          monkeypatch):
@@ -364,12 +376,7 @@ def test_torch_overlapped_compiled_steps_run_the_same_graphs_with_the_same_guard
     whether it repeats the step before it are decided at its launch, so the loop runs the fixture's graphs, checks
     every guard exactly where the one-step loop does, and gives its tokens; the last step's cache is not rolled
     back (nothing was launched after it)."""
-    model = torch_bucket_runs["model"]
-    skipped = record_guard_skips(model, monkeypatch)
-    monkeypatch.setenv("TWINCACHE_OVERLAP_STEPS", "1")
-    with torch.compiler.set_stance("fail_on_recompile"):
-        result = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
-    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    result, skipped = greedy_with_switch(torch_bucket_runs, monkeypatch, "TWINCACHE_OVERLAP_STEPS", "1")
     assert skipped == expected_skips(NEW_TOKENS - 1)
     assert int(result.cache.length) == len(PROMPT) + NEW_TOKENS - 1
 
@@ -413,11 +420,7 @@ def test_twincache_skip_guards_0_checks_every_guard_and_another_value_is_refused
     from twincache.errors import InputError
 
     model = torch_bucket_runs["model"]
-    skipped = record_guard_skips(model, monkeypatch)
-    monkeypatch.setenv("TWINCACHE_SKIP_GUARDS", "0")
-    with torch.compiler.set_stance("fail_on_recompile"):
-        result = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
-    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    _, skipped = greedy_with_switch(torch_bucket_runs, monkeypatch, "TWINCACHE_SKIP_GUARDS", "0")
     assert len(skipped) == NEW_TOKENS - 1 and not any(skipped)
     monkeypatch.setenv("TWINCACHE_SKIP_GUARDS", "yes")
     refused = r"TWINCACHE_SKIP_GUARDS='yes': set it to 0 \(every compiled step checks every guard\) or 1"
