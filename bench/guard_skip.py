@@ -11,5 +11,4 @@ from __future__ import annotations
 from bench.study import switch_study
 
 if __name__ == "__main__":
-    switch_study("python -m bench.guard_skip", __doc__, "TWINCACHE_SKIP_GUARDS",
-                 {"every guard": "0", "steady skip": "1"})
+    switch_study("guard_skip", __doc__)

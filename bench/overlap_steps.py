@@ -12,5 +12,4 @@ from __future__ import annotations
 from bench.study import switch_study
 
 if __name__ == "__main__":
-    switch_study("python -m bench.overlap_steps", __doc__, "TWINCACHE_OVERLAP_STEPS",
-                 {"one step at a time": "0", "two in flight": "1"})
+    switch_study("overlap_steps", __doc__)

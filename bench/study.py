@@ -23,13 +23,14 @@ def model_and_prompt(model: Path | None, prompt_len: int) -> tuple[Path, list[in
     return model, [1 + (7 * i) % (vocab_size - 1) for i in range(prompt_len)]
 
 
-def switch_study(prog: str, doc: str, variable: str, variants: dict[str, str]) -> None:
-    """The command line of `prog`: per-step times of torch_cache's compiled decode with `variable` set to each of
-    `variants` ({name: value}), alternating in one process (twincache_app.bench_adapters.switch_step_ms), printed as
-    a table."""
-    from twincache_app.bench_adapters import switch_step_ms
+def switch_study(study: str, doc: str) -> None:
+    """The command line of `python -m bench.<study>`: per-step times of torch_cache's compiled decode with the
+    study's environment switch set each way (twincache_app.bench_adapters.switch_studies), alternating in one process
+    (switch_step_ms), printed as a table."""
+    from twincache_app.bench_adapters import switch_step_ms, switch_studies
 
-    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    variable, variants = switch_studies()[study]
+    parser = argparse.ArgumentParser(prog=f"python -m bench.{study}", description=doc.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the trained default model)")
     parser.add_argument("--cache", default="sliding_window", choices=["static", "sliding_window"])
     parser.add_argument("--prompt-len", type=int, default=100)

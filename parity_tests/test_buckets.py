@@ -435,16 +435,17 @@ def test_twincache_skip_guards_0_checks_every_guard_and_another_value_is_refused
     assert len(skipped) == NEW_TOKENS - 1
 
 
-@pytest.mark.parametrize(("variable", "variants"), [
-    ("TWINCACHE_SKIP_GUARDS", {"every guard": "0", "steady skip": "1"}),
-    ("TWINCACHE_OVERLAP_STEPS", {"one step at a time": "0", "two in flight": "1"})])
-def test_the_switch_benches_time_both_variants(torch_bucket_runs, variable, variants):
+@pytest.mark.parametrize("study", ["guard_skip", "overlap_steps"])
+def test_the_switch_benches_time_both_variants(torch_bucket_runs, study):
     """bench/guard_skip.py's and bench/overlap_steps.py's measurement, on the bucket model's graphs: every step of
-    every timed run, both ways."""
+    every timed run, both ways, of the variable the generation reads."""
     import os
 
-    from twincache_app.bench_adapters import switch_step_ms
+    from twincache_app.bench_adapters import switch_step_ms, switch_studies
 
+    variable, variants = switch_studies()[study]
+    assert variable == {"guard_skip": "TWINCACHE_SKIP_GUARDS", "overlap_steps": "TWINCACHE_OVERLAP_STEPS"}[study]
+    assert sorted(variants.values()) == ["0", "1"]
     before = os.environ.get(variable)
     with torch.compiler.set_stance("fail_on_recompile"):
         times = switch_step_ms(torch_bucket_runs["directory"], PROMPT, NEW_TOKENS, 1, "static", variable, variants,

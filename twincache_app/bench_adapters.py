@@ -155,6 +155,15 @@ def fused_block_tok_s(model_dir: Path, block_sizes: Sequence[int], new_tokens: i
     return speeds
 
 
+def switch_studies() -> dict[str, tuple[str, dict[str, str]]]:
+    """The environment switches of torch_cache's decode that a study times each way (bench/guard_skip.py,
+    bench/overlap_steps.py): {study: (variable, {variant name: value})}, the variables as torch_cache reads them."""
+    from torch_cache.generate import _OVERLAP_STEPS, _SKIP_GUARDS
+
+    return {"guard_skip": (_SKIP_GUARDS, {"every guard": "0", "steady skip": "1"}),
+            "overlap_steps": (_OVERLAP_STEPS, {"one step at a time": "0", "two in flight": "1"})}
+
+
 def switch_step_ms(model_dir: Path, prompt: Sequence[int], new_tokens: int, rounds: int, cache: str,
                    variable: str, variants: dict[str, str], max_cache_len: int | None = None,
                    dtype: str = "float32", device: str | None = None) -> dict[str, list[float]]:
@@ -187,4 +196,4 @@ def switch_step_ms(model_dir: Path, prompt: Sequence[int], new_tokens: int, roun
 
 
 __all__ = ["bench_model", "BackendImpl", "backend_impls", "replicate_vocabulary", "mesh_record", "fused_block_tok_s",
-           "switch_step_ms"]
+           "switch_studies", "switch_step_ms"]
