@@ -47,8 +47,6 @@ JAX_ONLY = {
     "model.stored_dtype": "XLA-CPU contracts float16 at ~2 GB/s and gathers bf16 rows from an fp32 copy of the "
                           "table, so there some half-precision weights are kept as float32 (docs/design.md §7.20); "
                           "torch's CPU kernels read half-precision weights as they are",
-    "model.scaled_dot_product_attention": "torch has F.scaled_dot_product_attention; JAX spells it out (and contracts "
-                                          "over two halves of the slots on XLA-CPU, docs/design.md §7.2)",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
     "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
     "cache.default_device": "a torch cache takes a device argument; JAX places new arrays on its default device",

@@ -1,5 +1,6 @@
 """torch_cache.model.project: a compiled CPU decode step streams its weights through multiply-and-sum or F.linear,
 whichever measured faster on the CPU's vendor, and batched float32 and bfloat16 steps through oneDNN-packed copies.
+Its attention is multiply-and-sum too (torch_cache.model.scaled_dot_product_attention).
 
 On an AMD EPYC, oneMKL's gemv behind F.linear streamed a weight at ~15 GB/s on one row, the multiply-and-sum that
 inductor fuses into one reduction ~40, and from 3 rows the packed copy beat both; on an Intel Xeon F.linear was faster
@@ -23,8 +24,8 @@ from torch_cache.cache import make_cache
 from torch_cache.model import Mistral, project
 
 
-def traced_graph(model: Mistral, batch: int) -> torch.fx.GraphModule:
-    """The FX graph dynamo traces for one decode step at `batch` rows."""
+def traced_graph(model: Mistral, batch: int, new_tokens: int = 1) -> torch.fx.GraphModule:
+    """The FX graph dynamo traces for one decode step at `batch` rows (a forward of `new_tokens` tokens)."""
     graphs: list[torch.fx.GraphModule] = []
 
     def record(graph_module: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -36,10 +37,11 @@ def traced_graph(model: Mistral, batch: int) -> torch.fx.GraphModule:
 
     dtype = model.dtype
     cache = make_cache("sliding_window", model.config, batch, 16, dtype)
-    ids = torch.zeros(batch, 1, dtype=torch.long)
+    ids = torch.zeros(batch, new_tokens, dtype=torch.long)
+    positions = torch.arange(new_tokens).expand(batch, -1)
     # Every call traces `step`'s one code object again (a new model or rule): more than dynamo's default 8 entries
     with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=64):
-        torch.compile(step, backend=record, fullgraph=True, dynamic=False)(ids, torch.zeros_like(ids), cache)
+        torch.compile(step, backend=record, fullgraph=True, dynamic=False)(ids, positions, cache)
     assert len(graphs) == 1
     return graphs[0]
 
@@ -100,6 +102,39 @@ def test_multiply_and_sum_matches_f_linear_within_fp32_rounding():
     # Both sum 512 fp32 products in some order: each is within a few fp32 ulps of the float64 result.
     torch.testing.assert_close(compiled(x, weight).double(), reference, rtol=0, atol=2e-5)
     torch.testing.assert_close(F.linear(x, weight).double(), reference, rtol=0, atol=2e-5)
+
+
+# --- a compiled CPU decode step attends in the layer's own kernels ------------------------------------------------
+
+def attention_calls(graph: torch.fx.GraphModule) -> int:
+    return linear_calls(graph, (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_cpu_decode_step_spells_attention_out_and_a_chunk_calls_sdpa(checkpoints: dict[str, Path],
+                                                                                dtype: torch.dtype):
+    """One new token: multiply-and-sum, no SDPA call (design.md §7.33). Two: SDPA in every layer."""
+    model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
+    assert attention_calls(traced_graph(model, 1)) == 0
+    assert attention_calls(traced_graph(model, 1, new_tokens=2)) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+def test_compiled_decode_attention_matches_float64_attention(dtype: torch.dtype, atol: float):
+    """The compiled multiply-and-sum against attention computed in float64 by matmuls, with masked keys and grouped
+    query rows; bfloat16 within one rounding of its output."""
+    torch.manual_seed(0)
+    batch, kv_heads, rows, slots, head_dim = 2, 2, 3, 37, 64
+    q = torch.randn(batch, kv_heads, rows, head_dim).to(dtype)  # [B, Hkv, R, D]
+    keys, values = (torch.randn(batch, kv_heads, slots, head_dim).to(dtype) for _ in range(2))  # [B, Hkv, L, D]
+    visible = torch.rand(batch, 1, rows, slots) > 0.3  # [B, 1, R, L]
+    visible[..., 0] = True  # every row sees a key
+    scores = q.double() @ keys.double().transpose(-1, -2) / head_dim**0.5  # [B, Hkv, R, L]
+    reference = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values.double()  # [B, Hkv, R, D]
+    compiled = torch.compile(tm.scaled_dot_product_attention, fullgraph=True, backend="inductor")
+    out = compiled(q, keys, values, visible, decode=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=atol)
 
 
 # --- batched CPU float32 steps read oneDNN-packed weights ---------------------------------------------------------

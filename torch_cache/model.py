@@ -206,9 +206,26 @@ class Attention(nn.Module):
         # Grouped-query attention without repeating K/V: the G query heads of one KV head become G*S query rows.
         q = q.reshape(batch, self.num_kv_heads, groups * seq_len, self.head_dim)  # [B, Hkv, G*S, D]
         mask = visible[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * seq_len, -1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*S, D]
+        out = scaled_dot_product_attention(q, keys, values, mask, decode=seq_len == 1)  # [B, Hkv, G*S, D]
         out = out.view(batch, self.num_heads, seq_len, self.head_dim).transpose(1, 2)  # [B, S, H, D]
         return self.parallel.reduce(self.o_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim)))
+
+
+def scaled_dot_product_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                                 decode: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v. q [B, Hkv, R, D], keys/values [B, Hkv, L, D], mask [B, 1, R, L] bool. [B, Hkv, R, D]
+
+    A compiled CPU `decode` step (one new token) spells it out as multiply-and-sum in float32, which inductor turns
+    into loops of the layer's own kernels: SDPA's CPU flash kernel, a call of its own, spends most of its time on the
+    few query rows of a step, 1.3-2x slower per layer on decode shapes (docs/design.md §7.33). Elsewhere
+    F.scaled_dot_product_attention.
+    """
+    if not (decode and q.device.type == "cpu" and torch.compiler.is_compiling()):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, R, D]
+    q = q.float() * q.shape[-1] ** -0.5  # [B, Hkv, R, D]
+    scores = (q.unsqueeze(-2) * keys.float().unsqueeze(-3)).sum(-1)  # [B, Hkv, R, L]
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)  # [B, Hkv, R, L]
+    return (weights.unsqueeze(-1) * values.float().unsqueeze(-3)).sum(-2).to(values.dtype)  # [B, Hkv, R, D]
 
 
 class MLP(nn.Module):
@@ -471,4 +488,4 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["compile_region", "project", "Linear", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility",
-           "Attention", "MLP", "DecoderLayer", "MistralModel", "Mistral"]
+           "Attention", "scaled_dot_product_attention", "MLP", "DecoderLayer", "MistralModel", "Mistral"]
