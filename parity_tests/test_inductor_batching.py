@@ -91,10 +91,15 @@ if sys.argv[1] == "first":
     model = Mistral.from_pretrained(sys.argv[2])
     batches.clear()
     libraries = set(CppPythonBindingsCodeCache.cache)
-    tokens = {mode: generate(model, [[3, 4, 5, 6]], 6, compile=mode == "compiled").token_ids
-              for mode in ("compiled", "eager")}
+    from torch._inductor.utils import run_and_get_code
+
+    compiled_tokens, sources = run_and_get_code(lambda: generate(model, [[3, 4, 5, 6]], 6, compile=True).token_ids)
+    tokens = {"compiled": compiled_tokens, "eager": generate(model, [[3, 4, 5, 6]], 6, compile=False).token_ids}
     report["decode step"] = {"tokens": tokens, "batches": batches,
-                             "libraries": len(set(CppPythonBindingsCodeCache.cache) - libraries)}
+                             "libraries": len(set(CppPythonBindingsCodeCache.cache) - libraries),
+                             "modules": len(sources),
+                             "size asserts": sum(len(re.findall(r"^\\s+assert_size_stride\\(", source, re.M))
+                                                 for source in sources)}
 else:  # a new process on the same inductor cache: the same graph's libraries are found, not rebuilt
     report["batched"] = compiled(kernels_around_two_matmuls(1.0), x, w, batched=True)
 print(json.dumps(report))
@@ -147,6 +152,8 @@ def test_the_decode_step_builds_its_kernels_together(compiles: dict[str, dict]):
     assert step["tokens"]["compiled"] == step["tokens"]["eager"], step
     assert len(step["batches"]) == 1 and step["batches"][0] >= 3, step  # one graph, all of its kernels
     assert step["libraries"] == 2, step
+    # ...and its wrapper checks no sizes at run time: 136 checks a step of `small` otherwise (design.md §7.33)
+    assert step["modules"] >= 1 and step["size asserts"] == 0, step
 
 
 def test_groups_cover_every_kernel_once_and_balance_their_sizes():

@@ -254,6 +254,10 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
             # finds are between neighbours (8 gave byte-identical code on every model, batch, cache and dtype tried).
             if hasattr(inductor_config, "max_fusion_buffer_group_pairwise_attempts"):
                 settings.enter_context(inductor_config.patch(max_fusion_buffer_group_pairwise_attempts=8))
+            # No size/stride asserts in the generated code: each decoder-layer region re-checks its 16 inputs at
+            # every call, 136 checks a `small` CPU step (~3% of it), on tensors whose shapes dynamo's guards and the
+            # outer graph already fix (docs/design.md §7.33).
+            settings.enter_context(inductor_config.patch(size_asserts=False))
             settings.enter_context(batched_kernels())
             return settings
 
@@ -550,6 +554,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     knobs = _knobs(sampling, device)
     stepper = _decode_one_fn(model, compile)
     depth = 2 if overlap else 1  # steps in flight at once
+    replayed = compile and device.type == "cuda"  # reduce-overhead replays CUDA graphs into the same output buffers
     if compile:  # batched CPU steps read packed weights (torch_cache/model.py): made or checked once per call
         _pack_projections(model, len(last_tokens))
     tokens: list[list[int]] = [[] for _ in last_tokens]
@@ -573,12 +578,14 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 # the outputs it returned as inputs (on_token, run in between, is handed ids and changes none of them)
                 logits, next_ids, finished, positions, for_host = decode_one(
                     next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing,
-                    step_key.at(_first_step + launched), index_bits, *knobs, kind, repeats=attend == bucket)
+                    step_key.tensor if kind == "greedy" else step_key.at(_first_step + launched), index_bits, *knobs,
+                    kind, repeats=attend == bucket)
                 # cudagraph outputs are overwritten by the next replay: what is read later is copied out now, in
-                # stream order (no host sync)
+                # stream order (no host sync). Elsewhere each call returns new tensors.
                 in_flight.append(_InFlight(host_copies.start(for_host), attend != bucket,
-                                           logits.clone() if return_logits else None))
-                next_ids, finished, positions = next_ids.clone(), finished.clone(), positions.clone()
+                                           (logits.clone() if replayed else logits) if return_logits else None))
+                if replayed:
+                    next_ids, finished, positions = next_ids.clone(), finished.clone(), positions.clone()
                 length, launched, bucket = length + 1, launched + 1, attend
             if all_done or not in_flight:  # a step launched after the last one wanted is rolled back on the way out
                 break
