@@ -131,7 +131,10 @@ PRESETS: dict[str, Preset] = {
         # Warm-up order, so that a deadline (bench/gpu_lease.sh) cuts the least needed: transformers eager first
         # (no compile; some transformers run must precede torch_cache's compiles), then ours compiled, then
         # transformers compiled (the seed's setup).
-        impls=("transformers_eager", "torch_compiled", "jax_fused", "transformers", "jax_step", "torch_eager"),
+        # torch_compiled_one_step: torch_compiled's graphs with one step in flight, the A/B of its overlapped loop
+        # (design.md §7.31), and its figures if that loop failed on the device; it compiles nothing of its own.
+        impls=("transformers_eager", "torch_compiled", "torch_compiled_one_step", "jax_fused", "transformers",
+               "jax_step", "torch_eager"),
         # Ordered so that, when gpu_7b.sh's deadline cuts the curves short, torch vs transformers is measured
         # first; JAX compiles one prefill per prompt bucket, so its curve costs the most compile time.
         curve_impls=("torch_compiled", "transformers", "jax_step"), curve_contexts=_contexts(4096, 4),

@@ -97,6 +97,9 @@ class Workload:
         self.device = device
         self.model_dir = preset_checkpoint(preset, cache_dir)
         self.models: dict[str, Any] = {}
+        # A backend mode's caches by (cache kind, batch, length), shared by its adapters: a compiled torch step's CUDA
+        # graphs are recorded on the cache buffers' addresses, so another adapter of the same step reuses them
+        self.caches: dict[tuple[str, str], dict[tuple[str, int, int], Any]] = {}
         self._weights: dict[str, Any] | None = None
         self._hf_models: dict[bool, Any] = {}
 

@@ -455,6 +455,35 @@ def test_the_switch_benches_time_both_variants(torch_bucket_runs, study):
     assert os.environ.get(variable) == before, "the variable is restored"
 
 
+def test_the_one_step_adapter_runs_torch_compileds_graphs_and_caches_with_the_overlap_off(torch_bucket_runs,
+                                                                                         monkeypatch):
+    """bench's torch_compiled_one_step (the 7b preset's A/B of design.md §7.31): torch_compiled's model, compiled
+    step and cache buffers (a GPU's CUDA graphs are recorded on their addresses), with its decode loop's overlap off
+    whatever the environment says, and the environment restored after."""
+    import os
+
+    from bench.impls import impl_registry
+    from bench.presets import PRESETS, resolve
+    from bench.workload import Workload
+
+    monkeypatch.setattr(buckets, "ATTEND_BLOCK", BLOCK)
+    monkeypatch.setenv("TWINCACHE_OVERLAP_STEPS", "1")
+    workload = Workload(resolve(PRESETS["tiny"], model=torch_bucket_runs["directory"]), "cpu")
+    workload.models["torch"] = torch_bucket_runs["model"]  # compiled by the fixture
+    wanted, overlapped_loops = tg._overlap_wanted, []
+    monkeypatch.setattr(tg, "_overlap_wanted", lambda device: overlapped_loops.append(wanted(device)) or wanted(device))
+    registry = impl_registry()
+    adapters = [registry[name](workload) for name in ("torch_compiled", "torch_compiled_one_step")]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        runs = [adapter.generate([PROMPT], NEW_TOKENS, "static", CACHE_LEN) for adapter in adapters * 2]
+    # generate asks before its prefill (a bad value is refused there) and its decode loop asks again
+    assert overlapped_loops == [True, True, False, False] * 2, overlapped_loops
+    assert os.environ["TWINCACHE_OVERLAP_STEPS"] == "1"
+    caches = [adapter._caches for adapter in adapters]  # type: ignore[attr-defined]
+    assert caches[0] is caches[1] and len(caches[0]) == 1, "one cache for both"
+    assert len({run.decode_steps for run in runs}) == 1
+
+
 def test_torch_compiled_decodes_in_two_threads_take_turns_and_give_their_own_tokens(
         torch_bucket_runs, torch_sampled_runs, monkeypatch):
     """A greedy and a sampled generation of one model, side by side in two threads: the skip stance is process-wide,

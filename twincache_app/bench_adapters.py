@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ class BackendImpl(Impl):
 
     def __init__(self, workload: Workload) -> None:
         super().__init__(workload)
-        self._caches: dict[tuple[str, int, int], Any] = {}
+        self._caches = workload.caches.setdefault((self.backend.name, self.mode), {})
 
     @classmethod
     def unavailable(cls) -> str | None:
@@ -79,8 +80,33 @@ class BackendImpl(Impl):
         return self.backend.module().compiled_variants()
 
 
+class SwitchedImpl(BackendImpl):
+    """A backend mode run with one of torch_cache's environment switches set (a `variant` of a study of
+    switch_studies): the same compiled step and caches as the mode's own adapter, another host loop."""
+
+    study: ClassVar[str]
+    variant: ClassVar[str]
+
+    def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int, cache: str, max_cache_len: int) -> Run:
+        variable, variants = switch_studies()[self.study]  # read here: the parser lists names without torch
+        before = os.environ.get(variable)
+        os.environ[variable] = variants[self.variant]
+        try:
+            return super().generate(prompts, new_tokens, cache, max_cache_len)
+        finally:
+            if before is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = before
+
+    def note(self, cache: str) -> str:
+        variable, variants = switch_studies()[self.study]
+        return f"{super().note(cache)}; {self.variant} ({variable}={variants[self.variant]})"
+
+
 def backend_impls() -> dict[str, type[Impl]]:
-    """name -> adapter class for every backend x mode in the registry, named backend_mode."""
+    """name -> adapter class for every backend x mode in the registry, named backend_mode, and torch_compiled with
+    one decode step in flight (torch_compiled_one_step: on a GPU, the loop torch_compiled overlaps, design.md §7.31)."""
     impls: dict[str, type[Impl]] = {}
     for backend in BACKENDS.values():
         for mode in backend.modes:
@@ -88,6 +114,8 @@ def backend_impls() -> dict[str, type[Impl]]:
             impls[name] = type(name, (BackendImpl,), {
                 "name": name, "framework": backend.name, "backend": backend, "mode": mode,
                 "per_step_timing": mode in backend.streaming_modes and mode not in backend.block_streaming_modes})
+    impls["torch_compiled_one_step"] = type("torch_compiled_one_step", (SwitchedImpl, impls["torch_compiled"]), {
+        "name": "torch_compiled_one_step", "study": "overlap_steps", "variant": "one step at a time"})
     return impls
 
 
