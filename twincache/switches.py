@@ -3,7 +3,9 @@ otherwise); any other value is refused in one line, naming the variable and what
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from twincache.errors import InputError
 
@@ -15,3 +17,17 @@ def switch(name: str, on: str, off: str, default: bool = True) -> bool:
     if value not in ("0", "1"):
         raise InputError(f"{name}={value!r}: set it to 0 ({off}) or 1 ({on})")
     return value == "1"
+
+
+@contextlib.contextmanager
+def switch_set(name: str, value: str) -> Iterator[None]:
+    """The environment variable `name` set to `value` inside the block, and as it was (or unset) after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +16,7 @@ from bench.workload import Workload
 from twincache.config import MistralConfig
 from twincache.errors import UnavailableError
 from twincache.mesh import MeshShape
+from twincache.switches import switch_set
 from twincache_app.backends import BACKENDS, Backend
 
 
@@ -89,15 +89,8 @@ class SwitchedImpl(BackendImpl):
 
     def generate(self, prompts: Sequence[Sequence[int]], new_tokens: int, cache: str, max_cache_len: int) -> Run:
         variable, variants = switch_studies()[self.study]  # read here: the parser lists names without torch
-        before = os.environ.get(variable)
-        os.environ[variable] = variants[self.variant]
-        try:
+        with switch_set(variable, variants[self.variant]):
             return super().generate(prompts, new_tokens, cache, max_cache_len)
-        finally:
-            if before is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = before
 
     def note(self, cache: str) -> str:
         variable, variants = switch_studies()[self.study]
@@ -199,27 +192,18 @@ def switch_step_ms(model_dir: Path, prompt: Sequence[int], new_tokens: int, roun
     `variants` ({name: value}), generations alternating in one process, `rounds` rounds after a warm-up
     (bench/guard_skip.py, bench/overlap_steps.py). A step's time is the wall time between two token callbacks; the
     prefill's token is left out. The variable is restored."""
-    import os
-
     tower = BACKENDS["torch"].module()
     model = tower.load(model_dir, dtype, device)
     model.config = dataclasses.replace(model.config, eos_token_id=None)  # every run decodes its whole budget
     times: dict[str, list[float]] = {name: [] for name in variants}
-    before = os.environ.get(variable)
-    try:
-        for round_index in range(rounds + 1):  # round 0 warms up (compiles)
-            for name in (list(variants) if round_index % 2 else list(variants)[::-1]):
-                os.environ[variable] = variants[name]
-                stamps: list[float] = []
+    for round_index in range(rounds + 1):  # round 0 warms up (compiles)
+        for name in (list(variants) if round_index % 2 else list(variants)[::-1]):
+            stamps: list[float] = []
+            with switch_set(variable, variants[name]):
                 tower.generate(model, [list(prompt)], new_tokens, cache=cache, max_cache_len=max_cache_len,
                                on_token=lambda _ids, stamps=stamps: stamps.append(time.perf_counter()))
-                if round_index:
-                    times[name] += [1e3 * (b - a) for a, b in zip(stamps[1:], stamps[2:])]
-    finally:
-        if before is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = before
+            if round_index:
+                times[name] += [1e3 * (b - a) for a, b in zip(stamps[1:], stamps[2:])]
     return times
 
 
