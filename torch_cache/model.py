@@ -217,8 +217,8 @@ def scaled_dot_product_attention(q: torch.Tensor, keys: torch.Tensor, values: to
 
     A compiled CPU `decode` step (one new token) spells it out as multiply-and-sum in float32, which inductor turns
     into loops of the layer's own kernels: SDPA's CPU flash kernel, a call of its own, spends most of its time on the
-    few query rows of a step, 1.3-2x slower per layer on decode shapes (docs/design.md §7.33). Elsewhere
-    F.scaled_dot_product_attention.
+    few query rows of a step: 1.2-2x slower a layer on the bench's decode shapes, 3.7x at 4k keys (docs/design.md
+    §7.33). Elsewhere F.scaled_dot_product_attention.
     """
     if not (decode and q.device.type == "cpu" and torch.compiler.is_compiling()):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, R, D]
