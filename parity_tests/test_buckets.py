@@ -11,6 +11,7 @@ logit stops generation with NonFiniteLogitsError. ATTEND_BLOCK is lowered to 8 s
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -324,16 +325,42 @@ def test_torch_eager_sampling_draws_the_tokens_of_the_compiled_step(torch_sample
 
 # --- torch: a steady step checks only the guards that tell entries apart (docs/design.md §7.30) --------------------
 
-def record_guard_skips(model, monkeypatch) -> list[bool]:
-    """Whether dynamo was told to skip guards at each compiled decode step of `model` from now on."""
+def record_guard_skips(model, monkeypatch, how: list[str] | None = None, codes: list[object] | None = None
+                       ) -> list[bool]:
+    """Whether each compiled decode step of `model` from now on skipped dynamo's guards: a call of the compiled
+    function under the skip stance, or (CPU) a direct call of the entry the step before it ran (§7.34). `how`, if
+    given, gets each step's way: "checked", "stance" or "entry"; `codes` the code each ran: for a checked step the
+    code of dynamo's most recent entry after it, for an entry step the code called."""
     steps = tg._decode_one_fn(model, True)
     skipped: list[bool] = []
+    how = [] if how is None else how
+    codes = [] if codes is None else codes
+    decode_code = steps.compiled_step._torchdynamo_orig_callable.__code__
+    # this torch's (where it has one), whatever a test patches later
+    entries_of = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
 
     def recording(*args, _step=steps.step):
-        skipped.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
-        return _step(*args)
+        skip = torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
+        skipped.append(skip)
+        how.append("stance" if skip else "checked")
+        outputs = _step(*args)
+        codes.append(entries_of(decode_code)[0].code if entries_of is not None else None)
+        return outputs
+
+    def entry_function(compiled, args, _own=tg._entry_function):
+        direct = _own(compiled, args)
+        if direct is None:
+            return None
+
+        def recorded(*args):
+            skipped.append(True)
+            how.append("entry")
+            codes.append(direct.__code__)
+            return direct(*args)
+        return recorded
 
     monkeypatch.setattr(steps, "step", recording)
+    monkeypatch.setattr(tg, "_entry_function", entry_function)
     return skipped
 
 
@@ -355,6 +382,68 @@ def test_torch_compiled_decode_checks_every_guard_at_the_first_step_of_each_buck
     assert set(visited_buckets(len(PROMPT), NEW_TOKENS - 1, CACHE_LEN)) == {8, 16, 32, 64, CACHE_LEN}
     assert skipped == expected_skips(NEW_TOKENS - 1)  # the prefill's token is not a decode step
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
+
+
+@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
+def test_torch_compiled_steady_cpu_steps_call_the_entry_the_checked_step_ran(torch_bucket_runs, monkeypatch):
+    """On CPU a steady step runs the code of the entry its bucket's first step chose, called directly (§7.34): the
+    fixture's tokens across five buckets, whose graphs differ (a symbolic partial bucket and the whole cache), so a
+    stale or wrong entry would not give them; the compiled function (dynamo's frame evaluation) is called only at
+    each bucket's first step."""
+    model = torch_bucket_runs["model"]
+    how: list[str] = []
+    codes: list[object] = []
+    record_guard_skips(model, monkeypatch, how, codes)  # "checked": a call of the compiled function, dynamo's frame
+    original = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+    entries_read = []
+    monkeypatch.setattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list",
+                        lambda code: entries_read.append(code) or original(code))
+    from torch._inductor.output_code import CompiledFxGraph
+    graph_calls = []
+    graph_call = CompiledFxGraph.__call__
+    monkeypatch.setattr(CompiledFxGraph, "__call__",
+                        lambda self, inputs: graph_calls.append(1) or graph_call(self, inputs))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        result = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
+    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    assert how == ["entry" if skip else "checked" for skip in expected_skips(NEW_TOKENS - 1)]
+    assert len(graph_calls) == NEW_TOKENS - 1  # each step ran inductor's graph, not the function's eager code
+    checked_code = [codes[max(i for i in range(step + 1) if how[i] == "checked")] for step in range(len(how))]
+    assert all(code is checked for code, checked in zip(codes, checked_code)), "an entry step ran another entry"
+    assert len({id(code) for code in codes}) == 2  # the symbolic partial bucket's graph and the whole cache's
+    assert len(entries_read) == how.count("checked") == 5  # one read after each bucket's checked step
+
+
+@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
+@pytest.mark.parametrize("entries", ["unlisted", "first fails its guards", "force_eager"])
+def test_torch_compiled_steady_steps_keep_the_skip_stance_without_a_checked_entry(torch_bucket_runs, monkeypatch,
+                                                                                 entries):
+    """No entry to call directly: a torch that does not list a code object's entries, or a most recent entry whose
+    guards do not pass for the step's arguments (listed here oldest first, so the one in front is another bucket's):
+    steady steps skip the guards under the stance instead, with the same tokens. Under the caller's `force_eager`
+    stance every step runs the eager code, none skips anything."""
+    from torch._inductor.output_code import CompiledFxGraph
+    how: list[str] = []
+    record_guard_skips(torch_bucket_runs["model"], monkeypatch, how)
+    if entries == "unlisted":
+        monkeypatch.delattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    elif entries == "first fails its guards":
+        listed = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
+        monkeypatch.setattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list",
+                            lambda code: list(reversed(listed(code))))
+    graph_calls = []
+    graph_call = CompiledFxGraph.__call__
+    monkeypatch.setattr(CompiledFxGraph, "__call__",
+                        lambda self, inputs: graph_calls.append(1) or graph_call(self, inputs))
+    with torch.compiler.set_stance("force_eager" if entries == "force_eager" else "fail_on_recompile"):
+        result = tg.generate(torch_bucket_runs["model"], [PROMPT], NEW_TOKENS, cache="static",
+                             max_cache_len=CACHE_LEN)
+    assert result.token_ids == torch_bucket_runs["first"].token_ids
+    if entries == "force_eager":
+        assert how == ["checked"] * (NEW_TOKENS - 1) and not graph_calls
+    else:
+        assert how == ["stance" if skip else "checked" for skip in expected_skips(NEW_TOKENS - 1)]
+        assert len(graph_calls) == NEW_TOKENS - 1
 
 
 def greedy_with_switch(torch_bucket_runs, monkeypatch, variable: str, value: str) -> tuple[object, list[bool]]:
@@ -504,7 +593,12 @@ def test_torch_compiled_decodes_in_two_threads_take_turns_and_give_their_own_tok
         finally:
             running[0] -= 1
 
+    def entry_function(compiled, args, _own=tg._entry_function):  # steady CPU steps call an entry directly (§7.34)
+        direct = _own(compiled, args)
+        return None if direct is None else functools.partial(counting, _step=direct)
+
     monkeypatch.setattr(steps, "step", counting)
+    monkeypatch.setattr(tg, "_entry_function", entry_function)
     results: dict[str, object] = {}
 
     def run(name: str, sampling: SamplingParams | None, new_tokens: int) -> None:

@@ -15,6 +15,7 @@ import functools
 import inspect
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -261,7 +262,8 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
             settings.enter_context(batched_kernels())
             return settings
 
-        _compiled_decode[model] = _DecodeSteps(compiled, compile_settings, compiled=True)
+        _compiled_decode[model] = _DecodeSteps(compiled, compile_settings, compiled=True,
+                                               entry_calls=model.device.type == "cpu")
     return _compiled_decode[model]
 
 
@@ -288,16 +290,49 @@ def _can_skip_guards() -> bool:
             and "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters)
 
 
+def _entry_function(compiled: object, args: Sequence[object]) -> _DecodeOne | None:
+    """The code dynamo ran at the last call of the compiled function `compiled`, with `args`, as a plain function of
+    the same arguments and closure (docs/design.md §7.34): its code object's most recent cache entry (dynamo moves the
+    entry whose guards pass to the front), if that entry's guards pass for `args`. Calling it runs the entry's
+    bytecode (gathering the graph's inputs, calling the compiled graph, returning its outputs) without dynamo's frame
+    evaluation, guard lookup or stance. None where this torch does not list a code object's entries, the entry's
+    code does not take the original's arguments, or its guards fail (the call ran another entry, or none)."""
+    original = getattr(compiled, "_torchdynamo_orig_callable", None)
+    entries_of = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if not isinstance(original, types.FunctionType) or entries_of is None:
+        return None
+    entries = entries_of(original.__code__)
+    entry = entries[0] if entries else None
+    code, own = getattr(entry, "code", None), original.__code__
+    if not isinstance(code, types.CodeType) or (code.co_argcount, code.co_kwonlyargcount, code.co_freevars) != (
+            own.co_argcount, own.co_kwonlyargcount, own.co_freevars) or len(args) != own.co_argcount:
+        return None
+    frame_locals = dict(zip(own.co_varnames, args))  # what dynamo's guards read: the arguments and the closure
+    frame_locals.update(zip(own.co_freevars, (cell.cell_contents for cell in original.__closure__ or ())))
+    try:
+        passes = bool(entry.guard_manager.check(frame_locals))  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - a torch whose guard manager checks differently: the stance path instead
+        return None
+    if not passes:
+        return None
+    return types.FunctionType(code, original.__globals__, original.__name__, original.__defaults__,
+                              original.__closure__)
+
+
 class _DecodeSteps:
     """A model's decode step (`_decode_one_fn`), run one call at a time (`__call__`) or as a loop's steps (`session`).
 
     A session enters inference mode and the compile settings once for all its steps (~15 us a step otherwise), and
     lets a step that repeats the one before it skip dynamo's guard checks (docs/design.md §7.30): 0.1-0.5 ms a step on
-    CPU, where the trained model has ~300 guarded tensors."""
+    CPU, where the trained model has ~300 guarded tensors. With `entry_calls` (CPU) such a step calls the code dynamo
+    ran for the step before it directly (`_entry_function`, §7.34): no frame evaluation, guard lookup or stance at
+    all, whose Python runs with caches the step's kernels have just flushed."""
 
     def __init__(self, step: _DecodeOne, settings: Callable[[], contextlib.AbstractContextManager[object]],
-                 compiled: bool) -> None:
+                 compiled: bool, entry_calls: bool = False) -> None:
         self.step, self.settings, self.compiled = step, settings, compiled
+        self.compiled_step = step  # what dynamo compiled, whose entries `_entry_function` reads
+        self.entry_calls = entry_calls
 
     def __call__(self, *args: object) -> tuple[torch.Tensor, ...]:
         with self.session(skip_guards=False) as run:
@@ -312,6 +347,7 @@ class _DecodeSteps:
         apart are checked (unless `skip_guards` is False). Every other step checks every guard, and may compile."""
         token = object()  # this session, as _last_step_run records it
         skip_allowed = skip_guards and self.compiled and _can_skip_guards()
+        steady: list[_DecodeOne | None] = [None]  # the entry the last fully checked step ran, as a function
 
         def run(*args: object, repeats: bool) -> tuple[torch.Tensor, ...]:
             global _last_step_run
@@ -319,11 +355,18 @@ class _DecodeSteps:
                 return self.step(*args)
             with _step_lock:
                 stance = torch._dynamo.eval_frame._stance  # kept: fail_on_recompile still fails, and so on
-                skip = (skip_allowed and repeats and _last_step_run is token and not stance.skip_guard_eval_unsafe
-                        and stance.stance in ("default", "fail_on_recompile") and stance.backend is None)
+                evaluated = (not stance.skip_guard_eval_unsafe and stance.stance in ("default", "fail_on_recompile")
+                             and stance.backend is None)  # dynamo checks every guard and runs (or compiles) an entry
+                skip = skip_allowed and repeats and _last_step_run is token and evaluated
                 _last_step_run = token
                 if not skip:
-                    return self.step(*args)
+                    steady[0] = None
+                    outputs = self.step(*args)
+                    if skip_allowed and self.entry_calls and evaluated:  # under the lock: no other step ran since
+                        steady[0] = _entry_function(self.compiled_step, args)
+                    return outputs
+                if steady[0] is not None:
+                    return steady[0](*args)
                 with torch.compiler.set_stance(stance.stance, skip_guard_eval_unsafe=True):
                     return self.step(*args)
 
