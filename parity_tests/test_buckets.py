@@ -384,6 +384,16 @@ def test_torch_compiled_decode_checks_every_guard_at_the_first_step_of_each_buck
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
 
 
+def count_graph_calls(monkeypatch) -> list[int]:
+    """One entry per call of an inductor-compiled graph from now on (a step that ran eagerly adds none)."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    calls: list[int] = []
+    graph_call = CompiledFxGraph.__call__
+    monkeypatch.setattr(CompiledFxGraph, "__call__", lambda self, inputs: calls.append(1) or graph_call(self, inputs))
+    return calls
+
+
 @pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
 def test_torch_compiled_steady_cpu_steps_call_the_entry_the_checked_step_ran(torch_bucket_runs, monkeypatch):
     """On CPU a steady step runs the code of the entry its bucket's first step chose, called directly (§7.34): the
@@ -398,11 +408,7 @@ def test_torch_compiled_steady_cpu_steps_call_the_entry_the_checked_step_ran(tor
     entries_read = []
     monkeypatch.setattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list",
                         lambda code: entries_read.append(code) or original(code))
-    from torch._inductor.output_code import CompiledFxGraph
-    graph_calls = []
-    graph_call = CompiledFxGraph.__call__
-    monkeypatch.setattr(CompiledFxGraph, "__call__",
-                        lambda self, inputs: graph_calls.append(1) or graph_call(self, inputs))
+    graph_calls = count_graph_calls(monkeypatch)
     with torch.compiler.set_stance("fail_on_recompile"):
         result = tg.generate(model, [PROMPT], NEW_TOKENS, cache="static", max_cache_len=CACHE_LEN)
     assert result.token_ids == torch_bucket_runs["first"].token_ids
@@ -422,7 +428,6 @@ def test_torch_compiled_steady_steps_keep_the_skip_stance_without_a_checked_entr
     guards do not pass for the step's arguments (listed here oldest first, so the one in front is another bucket's):
     steady steps skip the guards under the stance instead, with the same tokens. Under the caller's `force_eager`
     stance every step runs the eager code, none skips anything."""
-    from torch._inductor.output_code import CompiledFxGraph
     how: list[str] = []
     record_guard_skips(torch_bucket_runs["model"], monkeypatch, how)
     if entries == "unlisted":
@@ -431,10 +436,7 @@ def test_torch_compiled_steady_steps_keep_the_skip_stance_without_a_checked_entr
         listed = torch._C._dynamo.eval_frame._debug_get_cache_entry_list
         monkeypatch.setattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list",
                             lambda code: list(reversed(listed(code))))
-    graph_calls = []
-    graph_call = CompiledFxGraph.__call__
-    monkeypatch.setattr(CompiledFxGraph, "__call__",
-                        lambda self, inputs: graph_calls.append(1) or graph_call(self, inputs))
+    graph_calls = count_graph_calls(monkeypatch)
     with torch.compiler.set_stance("force_eager" if entries == "force_eager" else "fail_on_recompile"):
         result = tg.generate(torch_bucket_runs["model"], [PROMPT], NEW_TOKENS, cache="static",
                              max_cache_len=CACHE_LEN)
