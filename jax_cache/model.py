@@ -58,8 +58,8 @@ def project(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 def _contract(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [..., in] contracted with weight [out, in] over `in`: [..., out]. On XLA-CPU a float32 weight is the dot's
-    left operand (weight @ x.T, then transposed), which streamed it 1.2-3x faster at 2-128 rows (batched decode,
-    prefill chunks; `small`'s [512, 1536] at 8 rows 23.1 against 11.2 GB/s) and as fast at one row, with the same
+    left operand (weight @ x.T, then transposed), which streamed it 1.2-3x faster at 2-128 rows (batched decode;
+    `small`'s [512, 1536] at 8 rows 23.1 against 11.2 GB/s) and as fast at one row, with the same
     values as x @ weight.T up to 8 rows and the same distance from float64 beyond (docs/design.md §7.35)."""
     if weight.dtype == jnp.float32 and jax.default_backend() == "cpu":
         out = lax.dot_general(weight, x, (((1,), (x.ndim - 1,)), ((), ())), precision=_precision(weight.dtype))
