@@ -62,6 +62,10 @@ def projections(config: object) -> int:
     return 7 * config.num_hidden_layers + 1  # q, k, v, o, gate, up, down per layer, and the LM head
 
 
+def packed_projections(config: object) -> int:
+    return 4 * config.num_hidden_layers + 1  # q|k|v stacked, o, gate|up stacked, down per layer, and the LM head
+
+
 def use_vendor_rule(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
     """Set the projection rule torch_cache.model picks at import for `vendor`'s CPUs, whatever this machine is."""
     fp32_rows, half_rows = tm._multiply_sum_max_rows(vendor)
@@ -158,7 +162,7 @@ def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkp
     tm._pack_projections(model, 8)
     for rows in (first_packed, 8):
         graph = traced_graph(model, rows)
-        assert packed_calls(graph) == projections(model.config) and linear_calls(graph) == 0, (rows, graph.code)
+        assert packed_calls(graph) == packed_projections(model.config) and linear_calls(graph) == 0, (rows, graph.code)
     graph = traced_graph(model, first_packed - 1)  # fewer rows never read the packed copy
     assert packed_calls(graph) == 0, graph.code
 
@@ -175,12 +179,12 @@ def test_packing_is_for_cpu_batches_from_the_vendors_threshold(checkpoints: dict
     model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
     if first_packed is None:  # this dtype is never packed on this vendor
         tm._pack_projections(model, 64)
-        assert model._packed_head is None and model.model.layers[0].mlp.up_proj._packed is None
+        assert model._packed_head is None and model.model.layers[0].mlp._packed_gate_up is None
         return
     tm._pack_projections(model, first_packed - 1)
     assert model._packed_head is None
     tm._pack_projections(model, first_packed)
-    assert model._packed_head is not None and model.model.layers[0].mlp.up_proj._packed is not None
+    assert model._packed_head is not None and model.model.layers[0].mlp._packed_gate_up is not None
 
 
 @packed_only
@@ -190,12 +194,30 @@ def test_a_bfloat16_packed_projection_gives_f_linears_result():
     weight = (torch.randn(1536, 576) * 0.05).bfloat16()  # [out, in]
     x = torch.randn(4, 576).bfloat16()  # [N, in]
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 4)
-    out = torch.ops.torch_cache.packed_linear(x, packed, weight)  # [N, out]
+    out = torch.ops.torch_cache.packed_linear(x, packed, weight.shape[0])  # [N, out]
     assert out.dtype == torch.bfloat16
     reference = F.linear(x.double(), weight.double())
     bf16_step = reference.abs() * 2.0**-8  # half a bf16 ulp is 2^-9 relative; allow one
     assert ((out.double() - reference).abs() <= bf16_step + 1e-6).all()
     torch.testing.assert_close(out, F.linear(x, weight), rtol=0, atol=0)
+
+
+@packed_only
+def test_stacked_packed_copies_give_each_weights_own_product(checkpoints: dict[str, Path]):
+    """q, k and v read one packed copy of their stacked weights, gate and up another (one oneDNN call each, not three
+    and two): each part of its output is that weight's own product, in q, k, v and gate, up order."""
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    tm._pack_projections(model, 8)
+    attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert attention.q_proj._packed is None and mlp.up_proj._packed is None  # read only through the stacked copies
+    x = torch.randn(8, model.config.hidden_size)
+    for stacked, linears in ((attention._packed_qkv, (attention.q_proj, attention.k_proj, attention.v_proj)),
+                             (mlp._packed_gate_up, (mlp.gate_proj, mlp.up_proj))):
+        sizes = [linear.weight.shape[0] for linear in linears]
+        out = torch.ops.torch_cache.packed_linear(x, stacked, sum(sizes))  # [N, sum(out_i)]
+        for part, linear in zip(out.split(sizes, dim=-1), linears, strict=True):
+            reference = F.linear(x.double(), linear.weight.double())
+            torch.testing.assert_close(part.double(), reference, rtol=1e-5, atol=1e-5)
 
 
 @packed_only
@@ -236,12 +258,14 @@ def test_packing_that_would_crowd_the_host_is_skipped_and_drops_stale_copies(che
                                                                             monkeypatch):
     model = Mistral.from_pretrained(checkpoints["gqa"])
     tm._pack_projections(model, 8)
-    assert model._packed_head is not None and model.model.layers[0].mlp.up_proj._packed is not None
+    assert model._packed_head is not None and model.model.layers[0].mlp._packed_gate_up is not None
     monkeypatch.setattr(tm, "available_memory", lambda device: 1024)  # 1 KB free
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.add_(1.0)
     tm._pack_projections(model, 8)
-    assert model._packed_head is None and model.model.layers[0].mlp.up_proj._packed is None, "a stale copy stays"
+    layer = model.model.layers[0]
+    assert model._packed_head is None and layer.mlp._packed_gate_up is None and layer.mlp.down_proj._packed is None
+    assert layer.self_attn._packed_qkv is None and layer.self_attn.o_proj._packed is None, "a stale copy stays"
     fresh = Mistral.from_pretrained(checkpoints["gqa"])
     tm._pack_projections(fresh, 8)
     assert fresh._packed_head is None

@@ -7,7 +7,7 @@ checkpoint's, so loading is a strict name-for-name copy.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -75,14 +75,15 @@ _PACKED_MIN_ROWS_FP32, _PACKED_MIN_ROWS_BF16 = _packed_min_rows(_VENDOR)
 
 if _PACKED_LINEAR:
     @torch.library.custom_op("torch_cache::packed_linear", mutates_args=())
-    def _packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [N, in] @ weight.T [in, out] through `packed`, weight's oneDNN-reordered copy (an opaque tensor inductor
-        calls out to as it is). [N, out]"""
+    def _packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [N, in] @ W.T [in, out_features] through `packed`, the oneDNN-reordered copy of W (one weight, or
+        several stacked along out: _pack_projections), an opaque tensor inductor calls out to as it is.
+        [N, out_features]"""
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
 
     @_packed_linear.register_fake
-    def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(x.shape[0], weight.shape[0])
+    def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], out_features)
 
 
 _P = ParamSpec("_P")
@@ -113,15 +114,38 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     """project, reading `packed` (weight's oneDNN copy, _pack_projections) when compiled for CPU with a batch of
-    _PACKED_MIN_ROWS_* rows or more."""
+    _PACKED_MIN_ROWS_* rows or more (_reads_packed)."""
     rows = x.shape[:-1].numel()
-    if torch.compiler.is_compiling() and x.device.type == "cpu":
-        if rows <= (_MULTIPLY_SUM_MAX_ROWS_FP32 if x.dtype == torch.float32 else _MULTIPLY_SUM_MAX_ROWS_HALF):
-            return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
-        if packed is not None and rows >= _packed_rows_from(x.dtype):
-            out = _packed_linear(x.reshape(rows, x.shape[-1]), packed, weight)  # [N, out]
-            return out.view(*x.shape[:-1], weight.shape[0])  # [..., out]
+    if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= _multiply_sum_rows(x.dtype):
+        return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
+    if _reads_packed(x, packed):
+        return _packed_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0]).view(*x.shape[:-1], -1)
     return F.linear(x, weight)  # [..., out]
+
+
+def _project_stacked(x: torch.Tensor, linears: Sequence[Linear], packed: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each of `linears` applied to x, [..., out_i] each. Where a step reads packed copies (_reads_packed), one call
+    reads `packed`, the joint copy of their weights stacked along out (_pack_projections), and splits its output:
+    one call on one larger matrix instead of several, which oneDNN streams faster (docs/design.md §7.36)."""
+    if not _reads_packed(x, packed):
+        return [linear(x) for linear in linears]
+    sizes = [linear.weight.shape[0] for linear in linears]
+    rows = x.shape[:-1].numel()
+    out = _packed_linear(x.reshape(rows, x.shape[-1]), packed, sum(sizes))  # [N, sum(out_i)]
+    return [part.view(*x.shape[:-1], size) for part, size in zip(out.split(sizes, dim=-1), sizes, strict=True)]
+
+
+def _multiply_sum_rows(dtype: torch.dtype) -> int:
+    """Most rows of `dtype` a compiled CPU projection writes as multiply-and-sum (_multiply_sum_max_rows)."""
+    return _MULTIPLY_SUM_MAX_ROWS_FP32 if dtype == torch.float32 else _MULTIPLY_SUM_MAX_ROWS_HALF
+
+
+def _reads_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether a projection of x reads the packed copy `packed`: one is made, and a compiled CPU step has more rows
+    than multiply-and-sum takes and at least _packed_rows_from(dtype)."""
+    rows = x.shape[:-1].numel()
+    return (packed is not None and torch.compiler.is_compiling() and x.device.type == "cpu"
+            and _multiply_sum_rows(x.dtype) < rows and rows >= _packed_rows_from(x.dtype))
 
 
 class Linear(nn.Linear):
@@ -185,15 +209,17 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
+        self._packed_qkv: torch.Tensor | None = None  # q, k and v's joint oneDNN copy (_pack_projections), when made
         self.parallel = sharding.SINGLE  # on a mesh: local head counts, and o_proj's partial sums are all-reduced
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new tokens' q [B, H, S, D], k and v [B, Hkv, S, D], RoPE applied to q and k."""
         batch, seq_len, _ = x.shape
-        q = self.q_proj(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
-        k = self.k_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        v = self.v_proj(x).view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        q, k, v = _project_stacked(x, (self.q_proj, self.k_proj, self.v_proj), self._packed_qkv)  # [B, S, out_i]
+        q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
+        k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -234,10 +260,12 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self._packed_gate_up: torch.Tensor | None = None  # gate and up's joint oneDNN copy (_pack_projections)
         self.parallel = sharding.SINGLE  # on a mesh: down_proj's partial sums are all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = _project_stacked(x, (self.gate_proj, self.up_proj), self._packed_gate_up)  # [B, S, I] x2
+        return self.parallel.reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -453,9 +481,10 @@ def _packed_rows_from(dtype: torch.dtype) -> int:
 
 
 def _pack_projections(model: Mistral, rows: int) -> None:
-    """Give each projection weight of a CPU float32 or bfloat16 model a oneDNN-packed copy (laid out for `rows`-row
-    inputs; any row count reads it), which compiled steps of _packed_rows_from(dtype) rows or more read instead of
-    F.linear. Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
+    """Give the projection weights of a CPU float32 or bfloat16 model oneDNN-packed copies (laid out for `rows`-row
+    inputs; any row count reads them), which compiled steps of _packed_rows_from(dtype) rows or more read instead of
+    F.linear: q, k and v stacked into one copy per layer, gate and up into another, o, down and the LM head one each.
+    Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
     if not _PACKED_LINEAR or model.device.type != "cpu" or rows < _packed_rows_from(model.dtype):
         return
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -464,15 +493,30 @@ def _pack_projections(model: Mistral, rows: int) -> None:
     made_from = [(weight.data_ptr(), 0 if weight.is_inference() else weight._version) for weight in weights]
     if made_from == model._packed_from:
         return
+    attentions = [module for module in model.modules() if isinstance(module, Attention)]
+    mlps = [module for module in model.modules() if isinstance(module, MLP)]
     model._packed_head, model._packed_from = None, []  # a stale copy is never read, even if repacking stops here
     for linear in linears:
         linear._packed = None
+    for attention in attentions:
+        attention._packed_qkv = None
+    for mlp in mlps:
+        mlp._packed_gate_up = None
     free = available_memory(model.device)
     if free is not None and 2 * sum(weight.nbytes for weight in weights) > free:
         return  # the copies would crowd the host: F.linear reads the weights themselves (slower, same results)
+
+    def packed(*stacked: Linear) -> torch.Tensor:  # [sum(out), in] weights, laid out for `rows`
+        weight = torch.cat([linear.weight.detach() for linear in stacked]) if len(stacked) > 1 else stacked[0].weight
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
     with torch.no_grad():
-        for linear in linears:
-            linear._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        for attention in attentions:
+            attention._packed_qkv = packed(attention.q_proj, attention.k_proj, attention.v_proj)
+            attention.o_proj._packed = packed(attention.o_proj)
+        for mlp in mlps:
+            mlp._packed_gate_up = packed(mlp.gate_proj, mlp.up_proj)
+            mlp.down_proj._packed = packed(mlp.down_proj)
         model._packed_head = torch.ops.mkldnn._reorder_linear_weight(head.detach(), rows)
     model._packed_from = made_from
 
