@@ -506,18 +506,18 @@ def _pack_projections(model: Mistral, rows: int) -> None:
     if free is not None and 2 * sum(weight.nbytes for weight in weights) > free:
         return  # the copies would crowd the host: F.linear reads the weights themselves (slower, same results)
 
-    def packed(*stacked: Linear) -> torch.Tensor:  # [sum(out), in] weights, laid out for `rows`
-        weight = torch.cat([linear.weight.detach() for linear in stacked]) if len(stacked) > 1 else stacked[0].weight
+    def packed(*stacked: torch.Tensor) -> torch.Tensor:  # [out, in] weights stacked along out, laid out for `rows`
+        weight = torch.cat(stacked) if len(stacked) > 1 else stacked[0]
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
     with torch.no_grad():
         for attention in attentions:
-            attention._packed_qkv = packed(attention.q_proj, attention.k_proj, attention.v_proj)
-            attention.o_proj._packed = packed(attention.o_proj)
+            attention._packed_qkv = packed(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
+            attention.o_proj._packed = packed(attention.o_proj.weight)
         for mlp in mlps:
-            mlp._packed_gate_up = packed(mlp.gate_proj, mlp.up_proj)
-            mlp.down_proj._packed = packed(mlp.down_proj)
-        model._packed_head = torch.ops.mkldnn._reorder_linear_weight(head.detach(), rows)
+            mlp._packed_gate_up = packed(mlp.gate_proj.weight, mlp.up_proj.weight)
+            mlp.down_proj._packed = packed(mlp.down_proj.weight)
+        model._packed_head = packed(head)
     model._packed_from = made_from
 
 
