@@ -41,7 +41,7 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
 
 def from_weights(config: MistralConfig, weights: dict[str, jax.Array]) -> Mistral:
     """A model holding these HF-named arrays themselves (no copy, but for the half-precision ones
-    jax_cache.model.stored_dtype widens on CPU)."""
+    jax_cache.projection.stored_dtype widens on CPU)."""
     return Mistral.from_weights(config, weights)
 
 

@@ -340,7 +340,7 @@ def test_tiny_gguf_converts_to_the_requested_dtype_as_transformers_does(tiny_ggu
         array = np.asarray(variable[...])
         widened = array.ndim == 2 and (dtype == "float16" or name == "model.embed_tokens.weight")
         if widened and jax.default_backend() == "cpu":
-            # kept as float32 on XLA-CPU (jax_cache.model.stored_dtype): the same values, exactly
+            # kept as float32 on XLA-CPU (jax_cache.projection.stored_dtype): the same values, exactly
             assert array.dtype == np.float32, name
             np.testing.assert_array_equal(array, theirs[name].float().numpy(), err_msg=name)
         else:

@@ -145,7 +145,7 @@ def test_from_torch_model_equals_the_jax_loader(checkpoints, jax_model):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_half_precision_model_crosses_in_its_dtype_both_ways(checkpoints, dtype):
-    """On CPU a half-precision JAX model keeps some weights as float32 (jax_cache.model.stored_dtype); torch gets
+    """On CPU a half-precision JAX model keeps some weights as float32 (jax_cache.projection.stored_dtype); torch gets
     them back in the model's dtype, bit for bit."""
     reference = TorchMistral.from_pretrained(checkpoints["tied"], getattr(torch, dtype))
     back = interop.to_torch(Mistral.from_pretrained(checkpoints["tied"], jnp.dtype(dtype)))

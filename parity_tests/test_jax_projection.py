@@ -21,10 +21,12 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from jax_cache.cache import StaticCache
-from jax_cache.model import Mistral, project
+from jax_cache.model import Mistral
+from jax_cache.projection import project
 from twincache.errors import CacheError
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA-CPU workaround (jax_cache/model.py)")
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
+                                reason="an XLA-CPU workaround (jax_cache/projection.py)")
 
 
 def compiled_dots(fn, *args) -> list[str]:

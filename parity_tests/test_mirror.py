@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 
 TOWERS = ("torch_cache", "jax_cache")
-MODULES = ("", "cache", "model", "generate", "backend", "sharding")  # "" is the package itself
+MODULES = ("", "cache", "model", "projection", "generate", "backend", "sharding")  # "" is the package itself
 
 # Public names only one tower has (module.name or module.Class.member) -> why.
 _TORCH_RANK = "torch runs one process per device, each holding plain local tensors and calling its collectives itself"
@@ -37,6 +37,9 @@ TORCH_ONLY = {
     "cache.StaticCache.in_place_slots": "as model.DecoderLayer.forward_in_place: the write's slots, as a tensor",
     "cache.StaticCache.write_in_place": "as model.DecoderLayer.forward_in_place: the write itself, on the buffers; a "
                                         "JAX cache's update returns new arrays, which XLA writes in place",
+    "projection.pack_projections": "oneDNN-packed weight copies that batched compiled CPU steps read through a custom "
+                                   "op (docs/design.md §7.36); XLA-CPU has no packed layout to call",
+    "projection.project_stacked": "as pack_projections: q, k and v (gate and up) read from one stacked packed copy",
 }
 JAX_ONLY = {
     "sharding.MODEL": "the model axis of the (data, model_kv, model_copy) view JAX places arrays on",
@@ -44,7 +47,7 @@ JAX_ONLY = {
     **{f"sharding.{name}": _JAX_SPMD for name in ("cache_shardings", "batch_sharding", "replicated", "place",
                                                     "place_cache")},
     "model.Embedding": "torch uses nn.Embedding; NNX builds the HF [vocab, hidden] table itself",
-    "model.stored_dtype": "XLA-CPU contracts float16 at ~2 GB/s and gathers bf16 rows from an fp32 copy of the "
+    "projection.stored_dtype": "XLA-CPU contracts float16 at ~2 GB/s and gathers bf16 rows from an fp32 copy of the "
                           "table, so there some half-precision weights are kept as float32 (docs/design.md §7.20); "
                           "torch's CPU kernels read half-precision weights as they are",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
@@ -87,6 +90,7 @@ TORCH_ONLY_PARAMS = {
     "generate.decode_step_fn": ("compile",),  # torch.compile or eager; JAX's step is always jitted
     "generate.generate": ("compile",),  # the tower's own decode knob; backend.generate(mode=...) is the neutral one
     "generate.continue_generation": ("compile",),
+    "projection.project": ("packed",),  # the weight's oneDNN copy (pack_projections), where one is made
 }
 JAX_ONLY_PARAMS = {
     # NNX creates parameters at construction, in a dtype; torch modules are built first and converted afterwards.

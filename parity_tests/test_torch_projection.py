@@ -1,4 +1,4 @@
-"""torch_cache.model.project: a compiled CPU decode step streams its weights through multiply-and-sum or F.linear,
+"""torch_cache.projection.project: a compiled CPU decode step streams its weights through multiply-and-sum or F.linear,
 whichever measured faster on the CPU's vendor, and batched float32 and bfloat16 steps through oneDNN-packed copies.
 Its attention is multiply-and-sum too (torch_cache.model.scaled_dot_product_attention).
 
@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 import torch_cache.generate as tg
 import torch_cache.model as tm
+import torch_cache.projection as tp
 from torch_cache.cache import make_cache
-from torch_cache.model import Mistral, project
+from torch_cache.model import Mistral
+from torch_cache.projection import project
 
 
 def traced_graph(model: Mistral, batch: int, new_tokens: int = 1) -> torch.fx.GraphModule:
@@ -67,13 +69,13 @@ def packed_projections(config: object) -> int:
 
 
 def use_vendor_rule(monkeypatch: pytest.MonkeyPatch, vendor: str) -> None:
-    """Set the projection rule torch_cache.model picks at import for `vendor`'s CPUs, whatever this machine is."""
-    fp32_rows, half_rows = tm._multiply_sum_max_rows(vendor)
-    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_FP32", fp32_rows)
-    monkeypatch.setattr(tm, "_MULTIPLY_SUM_MAX_ROWS_HALF", half_rows)
-    fp32_packed, bf16_packed = tm._packed_min_rows(vendor)
-    monkeypatch.setattr(tm, "_PACKED_MIN_ROWS_FP32", fp32_packed)
-    monkeypatch.setattr(tm, "_PACKED_MIN_ROWS_BF16", bf16_packed)
+    """Set the projection rule torch_cache.projection picks at import for `vendor`'s CPUs, whatever this machine is."""
+    fp32_rows, half_rows = tp._multiply_sum_max_rows(vendor)
+    monkeypatch.setattr(tp, "_MULTIPLY_SUM_MAX_ROWS_FP32", fp32_rows)
+    monkeypatch.setattr(tp, "_MULTIPLY_SUM_MAX_ROWS_HALF", half_rows)
+    fp32_packed, bf16_packed = tp._packed_min_rows(vendor)
+    monkeypatch.setattr(tp, "_PACKED_MIN_ROWS_FP32", fp32_packed)
+    monkeypatch.setattr(tp, "_PACKED_MIN_ROWS_BF16", bf16_packed)
 
 
 @pytest.mark.parametrize("vendor, dtype, batch, expect_linear", [
@@ -143,7 +145,7 @@ def test_compiled_decode_attention_matches_float64_attention(dtype: torch.dtype,
 
 # --- batched CPU float32 steps read oneDNN-packed weights ---------------------------------------------------------
 
-packed_only = pytest.mark.skipif(not tm._PACKED_LINEAR, reason="needs torch.library.custom_op and oneDNN")
+packed_only = pytest.mark.skipif(not tp._PACKED_LINEAR, reason="needs torch.library.custom_op and oneDNN")
 
 
 def packed_calls(graph: torch.fx.GraphModule) -> int:
@@ -159,7 +161,7 @@ def test_a_packed_model_projects_batched_steps_through_its_packed_weights(checkp
                                                                           first_packed: int):
     use_vendor_rule(monkeypatch, vendor)
     model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
-    tm._pack_projections(model, 8)
+    tp.pack_projections(model, 8)
     for rows in (first_packed, 8):
         graph = traced_graph(model, rows)
         assert packed_calls(graph) == packed_projections(model.config) and linear_calls(graph) == 0, (rows, graph.code)
@@ -178,12 +180,12 @@ def test_packing_is_for_cpu_batches_from_the_vendors_threshold(checkpoints: dict
     use_vendor_rule(monkeypatch, vendor)
     model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
     if first_packed is None:  # this dtype is never packed on this vendor
-        tm._pack_projections(model, 64)
+        tp.pack_projections(model, 64)
         assert model._packed_head is None and model.model.layers[0].mlp._packed_gate_up is None
         return
-    tm._pack_projections(model, first_packed - 1)
+    tp.pack_projections(model, first_packed - 1)
     assert model._packed_head is None
-    tm._pack_projections(model, first_packed)
+    tp.pack_projections(model, first_packed)
     assert model._packed_head is not None and model.model.layers[0].mlp._packed_gate_up is not None
 
 
@@ -207,7 +209,7 @@ def test_stacked_packed_copies_give_each_weights_own_product(checkpoints: dict[s
     """q, k and v read one packed copy of their stacked weights, gate and up another (one oneDNN call each, not three
     and two): each part of its output is that weight's own product, in q, k, v and gate, up order."""
     model = Mistral.from_pretrained(checkpoints["gqa"])
-    tm._pack_projections(model, 8)
+    tp.pack_projections(model, 8)
     attention, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
     assert attention.q_proj._packed is None and mlp.up_proj._packed is None  # read only through the stacked copies
     x = torch.randn(8, model.config.hidden_size)
@@ -257,15 +259,15 @@ def test_compiled_batched_decode_reads_packed_weights_and_equals_eager(checkpoin
 def test_packing_that_would_crowd_the_host_is_skipped_and_drops_stale_copies(checkpoints: dict[str, Path],
                                                                             monkeypatch):
     model = Mistral.from_pretrained(checkpoints["gqa"])
-    tm._pack_projections(model, 8)
+    tp.pack_projections(model, 8)
     assert model._packed_head is not None and model.model.layers[0].mlp._packed_gate_up is not None
-    monkeypatch.setattr(tm, "available_memory", lambda device: 1024)  # 1 KB free
+    monkeypatch.setattr(tp, "available_memory", lambda device: 1024)  # 1 KB free
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.add_(1.0)
-    tm._pack_projections(model, 8)
+    tp.pack_projections(model, 8)
     layer = model.model.layers[0]
     assert model._packed_head is None and layer.mlp._packed_gate_up is None and layer.mlp.down_proj._packed is None
     assert layer.self_attn._packed_qkv is None and layer.self_attn.o_proj._packed is None, "a stale copy stays"
     fresh = Mistral.from_pretrained(checkpoints["gqa"])
-    tm._pack_projections(fresh, 8)
+    tp.pack_projections(fresh, 8)
     assert fresh._packed_head is None

@@ -7,8 +7,8 @@ prefill already wraps the ring) and a 9-token one. The float64 model chooses bot
 float64 greedy loop and every 30-layer run cost seconds per step on 2 CPU cores); every run is teacher-forced with
 them. Each JAX run compiles a 30-layer prefill and decode loop and bf16 runs slowly on CPU, so the runs cover each
 axis rather than the product: fp32 on both caches, bf16 on the ring (sliding_window), fp16 on the static cache
-(where JAX on CPU keeps float16 matrices as float32: jax_cache.model.stored_dtype), torch eager beside a JAX mode in
-each (a direct torch-vs-JAX row), JAX step and fused both. torch compiled, and every cell of the product, run on
+(where JAX on CPU keeps float16 matrices as float32: jax_cache.projection.stored_dtype), torch eager beside a JAX
+mode in each (a direct torch-vs-JAX row), JAX step and fused both. torch compiled, and every cell of the product, run on
 the tiny checkpoints (test_parity_matrix.py, test_parity_cli.py) and in `twincache parity` on this model
 (docs/parity.md has those tables).
 """

@@ -26,7 +26,8 @@ import torch
 from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, make_cache, memory_label
 from torch_cache.inductor_cpu import batched_kernels
-from torch_cache.model import Mistral, _pack_projections
+from torch_cache.model import Mistral
+from torch_cache.projection import pack_projections
 from twincache import cache_checks, phases
 from twincache.buckets import step_attend_len
 from twincache.errors import NonFiniteLogitsError
@@ -453,8 +454,8 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
     def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
              attend_len: int | None = None) -> torch.Tensor:
         device = input_ids.device
-        if compile:  # batched CPU steps read packed weights (torch_cache/model.py), checked once per call
-            _pack_projections(model, input_ids.shape[0])
+        if compile:  # batched CPU steps read packed weights (torch_cache/projection.py), checked once per call
+            pack_projections(model, input_ids.shape[0])
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)  # [B]
         no_eos = torch.tensor(-1, device=device)
         return decode_one(input_ids, positions, cache, attend_len, finished, no_eos,
@@ -598,8 +599,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     stepper = _decode_one_fn(model, compile)
     depth = 2 if overlap else 1  # steps in flight at once
     replayed = compile and device.type == "cuda"  # reduce-overhead replays CUDA graphs into the same output buffers
-    if compile:  # batched CPU steps read packed weights (torch_cache/model.py): made or checked once per call
-        _pack_projections(model, len(last_tokens))
+    if compile:  # batched CPU steps read packed weights (torch_cache/projection.py): made or checked once per call
+        pack_projections(model, len(last_tokens))
     tokens: list[list[int]] = [[] for _ in last_tokens]
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0

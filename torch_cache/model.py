@@ -1,13 +1,14 @@
 """Mistral in PyTorch: a lean decoder that reads and writes a StaticCache or SlidingWindowCache.
 
 jax_cache/model.py mirrors this file: same classes, methods and argument order. Parameter names equal the HF
-checkpoint's, so loading is a strict name-for-name copy.
+checkpoint's, so loading is a strict name-for-name copy. How a projection streams its weight on each device is
+torch_cache/projection.py's.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -19,72 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
 from torch_cache import sharding
-from torch_cache.cache import StaticCache, available_memory, host_buffers
+from torch_cache.cache import StaticCache, host_buffers
+from torch_cache.projection import project, project_stacked
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
-
-
-def _cpu_vendor() -> str:
-    """The CPU's vendor id as Linux reports it ("GenuineIntel", "AuthenticAMD", ...); "" where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-
-
-_NEVER = 1 << 62  # a row count no batch reaches
-
-
-def _multiply_sum_max_rows(vendor: str) -> tuple[int, int]:
-    """Most rows a compiled CPU projection writes as multiply-and-sum, (float32, half precision); more rows take
-    F.linear (oneMKL / oneDNN) or, from _packed_min_rows, the weight's oneDNN-packed copy. Multiply-and-sum reads
-    the weight once per row. Measured with torch 2.13 on 2-core machines: on an AMD EPYC oneMKL's gemv streamed
-    a [1536, 512] fp32 weight at 15 GB/s against 40 for inductor's fused multiply-and-sum; on an AMD EPYC (Zen 4) the
-    small bench model's projections at 1 / 2 / 3 / 4 rows streamed 41 / 22 / 14 / 12 GB/s as multiply-and-sum,
-    25 / 24 / 25 / 25 packed and 10 / 5 / 4 / 6 through F.linear, and decoding batch 2 packed was no faster; on an
-    Intel Xeon (AVX-512) F.linear decoded the small bench model faster at every fp32 row count (1 row 163 vs 141
-    tok/s, 2 rows 268 vs 142, 4 rows 362 vs 170 in total), while bf16 still gained at one row (trained model 46.6 vs
-    35.0 tok/s) and was level at two. oneMKL picks its fast kernels on Intel CPUs."""
-    return (0, 1) if vendor == "GenuineIntel" else (2, 1)
-
-
-def _packed_min_rows(vendor: str) -> tuple[int, int]:
-    """Fewest rows from which a compiled CPU projection reads its weight's oneDNN-packed copy, (float32, bfloat16).
-    On AMD, where oneMKL's GEMM is slow at few rows: float32 from 3 (the figures above: `small` at batch 4 decoded
-    1.4x faster packed than as multiply-and-sum), bfloat16 from 2 (Zen 4: 2 / 4 / 8 rows streamed 25 / 24 / 16 GB/s
-    packed against 12 / 11 / 9 through F.linear, with the same results). On Intel, float32 from 5, where F.linear at
-    2-4 rows was the faster, and bfloat16 never (packed there unmeasured). float16 never: oneDNN's packed float16
-    needs AVX512-FP16 or AVX-NE-CONVERT."""
-    return (5, _NEVER) if vendor == "GenuineIntel" else (3, 2)
-
-
-_VENDOR = _cpu_vendor()  # read once: both rules below depend on it
-# Plain ints, not a dict keyed by dtype: dynamo's subgraph reuse cannot re-resolve a guard on a dtype key.
-_MULTIPLY_SUM_MAX_ROWS_FP32, _MULTIPLY_SUM_MAX_ROWS_HALF = _multiply_sum_max_rows(_VENDOR)
-# From _PACKED_MIN_ROWS_* rows (batched decode), a compiled CPU float32 or bfloat16 projection reads a oneDNN-packed
-# copy of its weight (_pack_projections): measured on an EPYC, a [32000, 512] weight at 8 rows streams at 38 GB/s
-# packed vs 17.5 with F.linear (16 rows 27 vs 14, 32 rows 16 vs 10), and the small bench model decoded batch 8, 16 and
-# 32 1.24-1.31x faster. The packed copies cost as much memory again as the projection weights. Needs
-# torch.library.custom_op and oneDNN.
-_PACKED_LINEAR = hasattr(torch.library, "custom_op") and torch.backends.mkldnn.is_available()
-_PACKED_MIN_ROWS_FP32, _PACKED_MIN_ROWS_BF16 = _packed_min_rows(_VENDOR)
-
-if _PACKED_LINEAR:
-    @torch.library.custom_op("torch_cache::packed_linear", mutates_args=())
-    def _packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """x [N, in] @ W.T [in, out_features] through `packed`, the oneDNN-reordered copy of W (one weight, or
-        several stacked along out: _pack_projections), an opaque tensor inductor calls out to as it is.
-        [N, out_features]"""
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
-
-    @_packed_linear.register_fake
-    def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        return x.new_empty(x.shape[0], out_features)
-
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -101,60 +43,13 @@ def compile_region(forward: Callable[_P, _R]) -> Callable[_P, _R]:
     return functools.wraps(forward)(torch.compiler.nested_compile_region(forward))  # keeps the signature visible
 
 
-def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for weight [out, in] (HF layout).
-
-    Compiled for CPU with few rows (decode), it is written as multiply-and-sum where that measured faster than
-    F.linear (`_multiply_sum_max_rows`): inductor fuses it into one vectorised, threaded reduction that streamed the
-    weight ~2.7x faster than the oneMKL gemv behind F.linear on a 2-core AMD EPYC; on an Intel Xeon F.linear wins in
-    float32.
-    """
-    return _project(x, weight, None)
-
-
-def _project(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """project, reading `packed` (weight's oneDNN copy, _pack_projections) when compiled for CPU with a batch of
-    _PACKED_MIN_ROWS_* rows or more (_reads_packed)."""
-    rows = x.shape[:-1].numel()
-    if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= _multiply_sum_rows(x.dtype):
-        return (x.unsqueeze(-2) * weight).sum(-1)  # [..., out]
-    if _reads_packed(x, packed):
-        return _packed_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0]).view(*x.shape[:-1], -1)
-    return F.linear(x, weight)  # [..., out]
-
-
-def _project_stacked(x: torch.Tensor, linears: Sequence[Linear], packed: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each of `linears` applied to x, [..., out_i] each. Where a step reads packed copies (_reads_packed), one call
-    reads `packed`, the joint copy of their weights stacked along out (_pack_projections), and splits its output:
-    one call on one larger matrix instead of several, which oneDNN streams faster (docs/design.md §7.36)."""
-    if not _reads_packed(x, packed):
-        return [linear(x) for linear in linears]
-    sizes = [linear.weight.shape[0] for linear in linears]
-    rows = x.shape[:-1].numel()
-    out = _packed_linear(x.reshape(rows, x.shape[-1]), packed, sum(sizes))  # [N, sum(out_i)]
-    return [part.view(*x.shape[:-1], size) for part, size in zip(out.split(sizes, dim=-1), sizes, strict=True)]
-
-
-def _multiply_sum_rows(dtype: torch.dtype) -> int:
-    """Most rows of `dtype` a compiled CPU projection writes as multiply-and-sum (_multiply_sum_max_rows)."""
-    return _MULTIPLY_SUM_MAX_ROWS_FP32 if dtype == torch.float32 else _MULTIPLY_SUM_MAX_ROWS_HALF
-
-
-def _reads_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
-    """Whether a projection of x reads the packed copy `packed`: one is made, and a compiled CPU step has more rows
-    than multiply-and-sum takes and at least _packed_rows_from(dtype)."""
-    rows = x.shape[:-1].numel()
-    return (packed is not None and torch.compiler.is_compiling() and x.device.type == "cpu"
-            and _multiply_sum_rows(x.dtype) < rows and rows >= _packed_rows_from(x.dtype))
-
-
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)  # weight [out, in], as in HF
-        self._packed: torch.Tensor | None = None  # the weight's oneDNN copy (_pack_projections), when made
+        self._packed: torch.Tensor | None = None  # the weight's oneDNN copy, when made (pack_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _project(x, self.weight, self._packed)
+        return project(x, self.weight, self._packed)
 
 
 class RMSNorm(nn.Module):
@@ -209,14 +104,14 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
-        self._packed_qkv: torch.Tensor | None = None  # q, k and v's joint oneDNN copy (_pack_projections), when made
+        self._packed_qkv: torch.Tensor | None = None  # q, k and v stacked: their copy (pack_projections)
         self.parallel = sharding.SINGLE  # on a mesh: local head counts, and o_proj's partial sums are all-reduced
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The new tokens' q [B, H, S, D], k and v [B, Hkv, S, D], RoPE applied to q and k."""
         batch, seq_len, _ = x.shape
-        q, k, v = _project_stacked(x, (self.q_proj, self.k_proj, self.v_proj), self._packed_qkv)  # [B, S, out_i]
+        q, k, v = project_stacked(x, (self.q_proj, self.k_proj, self.v_proj), self._packed_qkv)  # [B, S, out_i]
         q = q.view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         k = k.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = v.view(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
@@ -260,11 +155,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
-        self._packed_gate_up: torch.Tensor | None = None  # gate and up's joint oneDNN copy (_pack_projections)
+        self._packed_gate_up: torch.Tensor | None = None  # gate and up stacked: their copy (pack_projections)
         self.parallel = sharding.SINGLE  # on a mesh: down_proj's partial sums are all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _project_stacked(x, (self.gate_proj, self.up_proj), self._packed_gate_up)  # [B, S, I] x2
+        gate, up = project_stacked(x, (self.gate_proj, self.up_proj), self._packed_gate_up)  # [B, S, I] x2
         return self.parallel.reduce(self.down_proj(F.silu(gate) * up))
 
 
@@ -323,7 +218,7 @@ class Mistral(nn.Module):
         self.config = config
         self.model = MistralModel(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        self._packed_head: torch.Tensor | None = None  # the head's oneDNN copy (_pack_projections), when made
+        self._packed_head: torch.Tensor | None = None  # the head's oneDNN copy, when made (pack_projections)
         self._packed_from: list[tuple[int, int]] = []  # (data_ptr, version) of each weight the copies were made from
         self.mesh: DeviceMesh | None = None  # the mesh this rank's weights are a part of (docs/design.md §10)
         self.parallel = sharding.SINGLE  # the collectives of that mesh; the identity on one device
@@ -355,7 +250,7 @@ class Mistral(nn.Module):
         x = self.model.norm(x)
         head = embed if self.lm_head is None else self.lm_head.weight
         # [B, S or K, V], the whole batch on every rank
-        return self.parallel.gather_logits(_project(x, head, self._packed_head))
+        return self.parallel.gather_logits(project(x, head, self._packed_head))
 
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attention_mask: torch.Tensor | None) -> None:
@@ -473,54 +368,6 @@ def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dic
     return state
 
 
-def _packed_rows_from(dtype: torch.dtype) -> int:
-    """Fewest rows of `dtype` whose compiled CPU projection reads the packed copy (_packed_min_rows)."""
-    if dtype == torch.float32:
-        return _PACKED_MIN_ROWS_FP32
-    return _PACKED_MIN_ROWS_BF16 if dtype == torch.bfloat16 else _NEVER
-
-
-def _pack_projections(model: Mistral, rows: int) -> None:
-    """Give the projection weights of a CPU float32 or bfloat16 model oneDNN-packed copies (laid out for `rows`-row
-    inputs; any row count reads them), which compiled steps of _packed_rows_from(dtype) rows or more read instead of
-    F.linear: q, k and v stacked into one copy per layer, gate and up into another, o, down and the LM head one each.
-    Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
-    if not _PACKED_LINEAR or model.device.type != "cpu" or rows < _packed_rows_from(model.dtype):
-        return
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    linears = [module for module in model.modules() if isinstance(module, Linear) and module is not model.lm_head]
-    weights = [linear.weight for linear in linears] + [head]
-    made_from = [(weight.data_ptr(), 0 if weight.is_inference() else weight._version) for weight in weights]
-    if made_from == model._packed_from:
-        return
-    attentions = [module for module in model.modules() if isinstance(module, Attention)]
-    mlps = [module for module in model.modules() if isinstance(module, MLP)]
-    model._packed_head, model._packed_from = None, []  # a stale copy is never read, even if repacking stops here
-    for linear in linears:
-        linear._packed = None
-    for attention in attentions:
-        attention._packed_qkv = None
-    for mlp in mlps:
-        mlp._packed_gate_up = None
-    free = available_memory(model.device)
-    if free is not None and 2 * sum(weight.nbytes for weight in weights) > free:
-        return  # the copies would crowd the host: F.linear reads the weights themselves (slower, same results)
-
-    def packed(*stacked: torch.Tensor) -> torch.Tensor:  # [out, in] weights stacked along out, laid out for `rows`
-        weight = torch.cat(stacked) if len(stacked) > 1 else stacked[0]
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-
-    with torch.no_grad():
-        for attention in attentions:
-            attention._packed_qkv = packed(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
-            attention.o_proj._packed = packed(attention.o_proj.weight)
-        for mlp in mlps:
-            mlp._packed_gate_up = packed(mlp.gate_proj.weight, mlp.up_proj.weight)
-            mlp.down_proj._packed = packed(mlp.down_proj.weight)
-        model._packed_head = packed(head)
-    model._packed_from = made_from
-
-
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor, or an own copy when its CPU data is not 64-byte aligned.
 
@@ -531,5 +378,5 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
-__all__ = ["compile_region", "project", "Linear", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility",
+__all__ = ["compile_region", "Linear", "RMSNorm", "rope_cos_sin", "apply_rope", "attention_visibility",
            "Attention", "scaled_dot_product_attention", "MLP", "DecoderLayer", "MistralModel", "Mistral"]

@@ -67,7 +67,8 @@ def to_torch(model: Mistral, device: str | torch.device = "cpu") -> torch_model.
     """The torch_cache model with a jax_cache model's weights (copied)."""
     from flax import nnx
 
-    # astype: the weights a half-precision model keeps as float32 on CPU (jax_cache.model.stored_dtype) go back exactly.
+    # astype: the weights a half-precision model keeps as float32 on CPU (jax_cache.projection.stored_dtype) go back
+    # exactly.
     state = {".".join(map(str, path)): _to_torch(variable.get_value().astype(model.dtype), torch.device(device))
              for path, variable in nnx.to_flat_state(nnx.state(model))}
     return torch_model.Mistral.from_weights(model.config, state)
