@@ -12,6 +12,7 @@ bench/.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,42 @@ def test_packing_that_would_crowd_the_host_is_skipped_and_drops_stale_copies(che
     fresh = Mistral.from_pretrained(checkpoints["gqa"])
     tp.pack_projections(fresh, 8)
     assert fresh._packed_head is None
+
+
+# --- a compiled CPU decode step normalises each layer's input once, not once per output row -----------------------
+
+def projection_loops(source: str) -> list[str]:
+    """The innermost C++ loops of inductor's generated `source` that accumulate a reduction (`tmp_acc`) over rows of a
+    matrix (an operand indexed `x1 + <row length>*x0`): a projection's multiply-and-sum. Each from `for(` to its
+    closing brace."""
+    bodies = []
+    for start in (match.start() for match in re.finditer(r"for\(int64_t x\d+=", source)):
+        depth, position = 0, source.index("{", start)
+        while True:
+            depth += {"{": 1, "}": -1}.get(source[position], 0)
+            if depth == 0:
+                break
+            position += 1
+        body = source[start:position]
+        if "tmp_acc" in body and "for(int64_t" not in body[1:] and re.search(r"x1 \+ \d+L\*x0", body):
+            bodies.append(body)
+    return bodies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_projection_loop_recomputes_the_normalisation_it_reads(checkpoints: dict[str, Path], dtype: torch.dtype):
+    """Inductor inlines a pointwise result of fewer than 50 ops into each reduction that reads it: RMSNorm's output
+    (its rsqrt, loads and conversions) was recomputed for every output row of the projections after it, which left
+    a bfloat16 step compute-bound (docs/design.md §7.37). The decode step's generated kernels take no square root
+    inside any multiply-and-sum loop; the norms' own loops still do."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = Mistral.from_pretrained(checkpoints["gqa"], dtype=dtype)
+    torch._dynamo.reset()  # compile here, whatever compiled this model's shapes before
+    result, sources = run_and_get_code(tg.generate, model, [[3, 1, 4, 1, 5]], 3, compile=True)
+    assert len(result.token_ids[0]) == 3
+    assert any("std::sqrt" in source for source in sources)  # the norms are in these kernels
+    loops = [body for source in sources for body in projection_loops(source)]
+    assert loops, "no multiply-and-sum loop found in the generated code"
+    recomputing = [body for body in loops if "std::sqrt" in body]
+    assert not recomputing, f"{len(recomputing)} of {len(loops)} projection loops recompute a norm:\n{recomputing[0]}"
