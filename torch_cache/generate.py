@@ -213,8 +213,8 @@ def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, for
 _DecodeOne = Callable[..., tuple[torch.Tensor, ...]]
 _compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeSteps] = weakref.WeakKeyDictionary()
 # In a CPU step, a pointwise result of more ops than this is written out once before the reductions that read it,
-# instead of recomputed inside each (inductor's CPU default: 50). `small` and the trained model in bfloat16 decoded
-# 13-25% faster at 8 (docs/design.md §7.37).
+# instead of recomputed inside each (inductor's CPU default: 50). `small` and the trained model in bfloat16 over a
+# 1,024-slot cache decoded 13-25% faster at 8; short contexts and float32 the same (docs/design.md §7.37).
 _REALIZE_OPCOUNT_THRESHOLD = 8
 
 
@@ -265,10 +265,10 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
             # outer graph already fix (docs/design.md §7.33).
             settings.enter_context(inductor_config.patch(size_asserts=False))
             if model.device.type == "cpu":
-                # A normed input (RMSNorm's ~10 ops) is written once and read by every row of the projections after
-                # it, not recomputed in their inner loops, which inductor does below 50 ops on CPU: in bfloat16 the
-                # recomputation (loads and conversions per weight element) made the step compute-bound, as slow as
-                # float32 at half the bytes (docs/design.md §7.37). float32 gives the same values either way.
+                # The rotated query and each normed input are written once and read by every key slot and every
+                # projection row after them, not recomputed in those loops (inductor inlines up to 50 ops on CPU):
+                # in bfloat16 over a long cache the recomputation made the step compute-bound (docs/design.md
+                # §7.37). float32 gives the same values either way.
                 settings.enter_context(inductor_config.patch(realize_opcount_threshold=_REALIZE_OPCOUNT_THRESHOLD))
             settings.enter_context(batched_kernels())
             return settings
