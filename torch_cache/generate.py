@@ -214,7 +214,8 @@ _DecodeOne = Callable[..., tuple[torch.Tensor, ...]]
 _compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeSteps] = weakref.WeakKeyDictionary()
 # In a CPU step, a pointwise result of more ops than this is written out once before the reductions that read it,
 # instead of recomputed inside each (inductor's CPU default: 50). `small` and the trained model in bfloat16 over a
-# 1,024-slot cache decoded 13-25% faster at 8; short contexts and float32 the same (docs/design.md §7.37).
+# 1,024-slot cache decoded 13-25% faster at 8; short contexts and float32 the same, and float32 gives the same values
+# either way (docs/design.md §7.37).
 _REALIZE_OPCOUNT_THRESHOLD = 8
 
 
@@ -265,10 +266,8 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
             # outer graph already fix (docs/design.md §7.33).
             settings.enter_context(inductor_config.patch(size_asserts=False))
             if model.device.type == "cpu":
-                # The rotated query and each normed input are written once and read by every key slot and every
-                # projection row after them, not recomputed in those loops (inductor inlines up to 50 ops on CPU):
-                # in bfloat16 over a long cache the recomputation made the step compute-bound (docs/design.md
-                # §7.37). float32 gives the same values either way.
+                # The rotated query and each normed input are written once, not recomputed for every key slot and
+                # projection row that reads them (_REALIZE_OPCOUNT_THRESHOLD).
                 settings.enter_context(inductor_config.patch(realize_opcount_threshold=_REALIZE_OPCOUNT_THRESHOLD))
             settings.enter_context(batched_kernels())
             return settings
