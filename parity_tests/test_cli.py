@@ -8,11 +8,13 @@ run takes the default compiled decode path. The error cases and a few others cal
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -311,3 +313,24 @@ def test_a_bad_prompt_of_a_batch_is_named(trained_model_dir, capsys):
     assert cli.main(["generate", "--model", str(trained_model_dir), "--prompt", "a", "--prompt", ""]) == 2
     err = capsys.readouterr().err
     assert err == "twincache: error: prompt 1 of 2: the prompt encodes to zero tokens; give a non-empty prompt\n", err
+
+
+def test_the_executable_freezes_what_is_alive_before_it_exits(monkeypatch, capsys, tmp_path):
+    """The `twincache` script (and `python -m twincache_app.cli`) is console_main: main's exit code, after gc.freeze,
+    so the interpreter's last collection skips the objects a compile leaves alive (~1 s, bench/README.md). main()
+    itself, which tests and other programs call in a process that goes on, leaves the collector alone."""
+    from twincache_app import cli
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["twincache"] == "twincache_app.cli:console_main"
+    gc.unfreeze()
+    try:
+        assert cli.main(["generate", "--model", str(tmp_path / "missing")]) == 2  # refused in one line
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setattr(cli, "main", lambda: 3)
+        with pytest.raises(SystemExit) as exited:
+            cli.console_main()
+        assert exited.value.code == 3
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
