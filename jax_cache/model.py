@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers
-from jax_cache.projection import _precision, project, stored_dtype
+from jax_cache.projection import matmul_precision, project, stored_dtype
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, InputError
@@ -154,7 +154,7 @@ def scaled_dot_product_attention(q: jax.Array, keys: _KeySegments, values: _KeyS
             key_parts, value_parts = (keys[:, :, :half], keys[:, :, half:]), (values[:, :, :half], values[:, :, half:])
         else:
             key_parts, value_parts = (keys,), (values,)
-    scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, part, precision=_precision(q.dtype),
+    scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, part, precision=matmul_precision(q.dtype),
                                          preferred_element_type=jnp.float32) for part in key_parts],
                              axis=-1) / scale  # [B, Hkv, R, L]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)

@@ -14,8 +14,9 @@ import numpy as np
 from jax import lax
 
 
-def _precision(dtype: jnp.dtype) -> lax.Precision:
-    # fp32 parity needs true fp32 matmuls (GPUs default to TF32); lower precisions use the default.
+def matmul_precision(dtype: jnp.dtype) -> lax.Precision:
+    """The precision of a product in `dtype`: HIGHEST for float32, whose parity needs true fp32 products (GPUs
+    default to TF32), the default for lower precisions."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
@@ -46,9 +47,9 @@ def _contract(x: jax.Array, weight: jax.Array) -> jax.Array:
     `small`'s [512, 1536] at 8 rows 23.1 against 11.2 GB/s) and as fast at one row, with the same
     values as x @ weight.T up to 8 rows and the same distance from float64 beyond (docs/design.md §7.35)."""
     if weight.dtype == jnp.float32 and jax.default_backend() == "cpu":
-        out = lax.dot_general(weight, x, (((1,), (x.ndim - 1,)), ((), ())), precision=_precision(weight.dtype))
+        out = lax.dot_general(weight, x, (((1,), (x.ndim - 1,)), ((), ())), precision=matmul_precision(weight.dtype))
         return jnp.moveaxis(out, 0, -1)  # [out, ...] -> [..., out]
-    return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=_precision(weight.dtype))
+    return lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), precision=matmul_precision(weight.dtype))
 
 
 _EMBEDDING_TABLE = "model.embed_tokens.weight"
@@ -65,4 +66,4 @@ def stored_dtype(name: str, array: jax.Array) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if on_cpu and array.ndim == 2 and half else array.dtype)
 
 
-__all__ = ["project", "stored_dtype"]
+__all__ = ["project", "stored_dtype", "matmul_precision"]

@@ -50,6 +50,8 @@ JAX_ONLY = {
     "projection.stored_dtype": "XLA-CPU contracts float16 at ~2 GB/s and gathers bf16 rows from an fp32 copy of the "
                           "table, so there some half-precision weights are kept as float32 (docs/design.md §7.20); "
                           "torch's CPU kernels read half-precision weights as they are",
+    "projection.matmul_precision": "XLA takes a precision per product (float32 must ask for HIGHEST: GPUs default to "
+                                   "TF32); torch's CPU and CUDA float32 products are true fp32 unless TF32 is enabled",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
     "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
     "cache.default_device": "a torch cache takes a device argument; JAX places new arrays on its default device",
