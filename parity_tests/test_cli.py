@@ -26,7 +26,7 @@ from twincache_app.generate_cmd import DEFAULT_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_IDS = [5, 17, 42, 99, 3]
-JSON_KEYS = {"backend", "mode", "cache", "prompt_ids", "token_ids", "text", "prefill_s", "decode_tok_s"}
+JSON_KEYS = {"backend", "mode", "cache", "prompt_ids", "token_ids", "text", "load_s", "prefill_s", "decode_tok_s"}
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,7 @@ def parse_json(stdout: str) -> dict:
     assert JSON_KEYS <= record.keys(), f"missing keys {JSON_KEYS - record.keys()}"
     assert record["backend"] == "torch"
     assert isinstance(record["prefill_s"], float) and record["prefill_s"] >= 0
+    assert isinstance(record["load_s"], float) and record["load_s"] > 0
     assert isinstance(record["decode_tok_s"], float) and record["decode_tok_s"] >= 0
     assert all(isinstance(t, int) for t in record["prompt_ids"] + record["token_ids"])
     return record

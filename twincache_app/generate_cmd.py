@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -267,9 +268,11 @@ def run(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     phases.enter("load")  # importing the framework is part of it
+    load_start = time.perf_counter()
     backend.persist_compiles()
     tower = backend.module()
     model = set_window(tower.load(model_path, args.dtype, mesh=args.mesh), args.sliding_window)
+    load_s = time.perf_counter() - load_start  # with prefill_s, when the first token is printed
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
         result = tower.generate(model, prompts, args.max_new_tokens, mode=mode, cache=args.cache,
                                 max_cache_len=args.max_cache_len, sampling=sampling,
@@ -284,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
             "dtype": args.dtype, "sliding_window": config.sliding_window, "max_cache_len": result.max_cache_len,
             **(rows[0] if len(rows) == 1 else {}),  # one prompt: its row's fields at the top level, too
             "batch": len(rows), "rows": rows,
-            "prefill_s": round(result.prefill_s, 6), "first_step_s": round(result.first_step_s, 6),
+            "load_s": round(load_s, 6), "prefill_s": round(result.prefill_s, 6),
+            "first_step_s": round(result.first_step_s, 6),
             # per row; null: no step after the first was timed
             "decode_tok_s": None if result.decode_tok_s is None else round(result.decode_tok_s, 2),
             "decode_steps": result.decode_steps,
@@ -305,6 +309,6 @@ def run(args: argparse.Namespace) -> int:
                    if len(prompts) > 1 and result.decode_tok_s is not None else "")
         decode = ("no decode step after the first to time" if result.decode_tok_s is None
                   else f"decode {result.decode_tok_s:.1f} tok/s{rows_of} over {result.timed_steps} timed steps")
-        print(f"[{args.backend} {result.cache_kind} cache{mesh}: {result.mode} mode, prefill "
+        print(f"[{args.backend} {result.cache_kind} cache{mesh}: {result.mode} mode, load {load_s:.2f} s, prefill "
               f"{result.prefill_s * 1000:.1f} ms, first step {result.first_step_s:.2f} s, {decode}]", file=sys.stderr)
     return 0
