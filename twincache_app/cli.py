@@ -84,8 +84,8 @@ def console_main() -> NoReturn:
     """The `twincache` executable (and `python -m twincache_app.cli`): main(), then exit with its code. Before the
     interpreter's teardown, every object alive is frozen (gc.freeze), so its last garbage collection skips them: a
     command that compiled leaves torch's compiler holding over half a million objects, and walking them took 1.0-1.4 s
-    after the output was written (0.2-0.3 s frozen; bench/README.md, session 32). Only a process's exit does this:
-    main() called in a process that goes on keeps its collector as it was."""
+    after the output was written (0.2-0.3 s frozen; bench/README.md, "A command's whole time"). Only a process's exit
+    does this: main() called in a process that goes on keeps its collector as it was."""
     code = main()
     gc.freeze()
     sys.exit(code)
