@@ -1,6 +1,6 @@
 """Ctrl-C: `twincache generate` ends with exit 130 and the one line "twincache: interrupted" in every phase (load,
-prefill, compile, decode) in both backends, never with a traceback, never with exit 0 and the full text, never with a
-crash (twincache_app/interrupts.py, docs/design.md §6).
+prefill, compile, decode, and the process's exit after its output) in both backends, never with a traceback, never
+with exit 0 and the full text, never with a crash (twincache_app/interrupts.py, docs/design.md §6).
 
 Each case is a real process. The phases are hit deterministically through the test hook TWINCACHE_INTERRUPT_AT
 (twincache/phases.py: the process sends itself SIGINT as it enters the phase); one more case sends SIGINT from here,
@@ -80,6 +80,20 @@ def test_sigint_in_every_phase_exits_130_with_one_line(long_model):
         assert len(out.split()) < 300, f"{'/'.join(case)}: it decoded every token before stopping"
     out, err = ignoring.communicate(timeout=300)
     assert ignoring.returncode == 0 and len(out.split()) == 20, f"an ignored SIGINT ended the run: {err!r}"
+
+
+@pytest.mark.parametrize("backend, mode", [("torch", "eager"), ("jax", "step")])
+def test_sigint_as_the_process_exits_after_its_output_is_one_line_and_130(long_model, backend, mode):
+    """After the command has run and written its output, the `twincache` process ends (atexit callbacks, teardown):
+    a SIGINT there (the hook's "exit" phase) ends it with the same one line and code 130, the output kept. main() had
+    given Python's handling back by then, and such a SIGINT printed a KeyboardInterrupt traceback."""
+    proc = start(backend, mode, long_model, 5, {ENV: "exit"})
+    out, err = proc.communicate(timeout=300)
+    assert len(out.split()) == 5, f"{backend}/{mode}: the output is not all there: {out!r}"
+    # the finished run's summary line stays, as its output does; then the interrupt's one line
+    summary = [line for line in err.splitlines() if line.startswith(f"[{backend} ")]
+    assert len(summary) == 1 and "tok/s" in summary[0], f"{backend}/{mode}: {err!r}"
+    assert_interrupted(f"{backend}/{mode} at exit", proc.returncode, err.replace(summary[0] + "\n", "", 1))
 
 
 def test_sigint_during_a_long_fused_decode_ends_it_within_seconds(long_model):

@@ -1,5 +1,5 @@
 """The phases of a run that code marks as it enters them: "load", "prefill", "compile" (the decode step or loop),
-"decode" (after the first decode step or block).
+"decode" (after the first decode step or block), "exit" (the `twincache` process ending, its command done).
 
 Their one use is a test hook: with TWINCACHE_INTERRUPT_AT=<phase> in the environment, the process sends itself
 SIGINT when it enters that phase, so that tests can interrupt each phase deterministically
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 
-PHASES = ("load", "prefill", "compile", "decode")
+PHASES = ("load", "prefill", "compile", "decode", "exit")
 ENV = "TWINCACHE_INTERRUPT_AT"
 
 

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from twincache import phases
 from twincache.errors import TwincacheError
 from twincache_app import interrupts, launch
 
@@ -85,8 +86,13 @@ def console_main() -> NoReturn:
     interpreter's teardown, every object alive is frozen (gc.freeze), so its last garbage collection skips them: a
     command that compiled leaves torch's compiler holding over half a million objects, and walking them took 1.0-1.4 s
     after the output was written (0.2-0.3 s frozen; bench/README.md, "A command's whole time"). Only a process's exit
-    does this: main() called in a process that goes on keeps its collector as it was."""
+    does this: main() called in a process that goes on keeps its collector as it was.
+
+    Ctrl-C keeps its one line and exit code 130 to the end: main() gives Python's handling back when it returns, and a
+    SIGINT then, during the atexit callbacks, printed a KeyboardInterrupt traceback."""
     code = main()
+    interrupts.ExitOnInterrupt().install()  # never restored: the process is ending
+    phases.enter("exit")
     gc.freeze()
     sys.exit(code)
 
