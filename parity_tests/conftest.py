@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,46 +31,32 @@ def xla_executables_shared_by_the_session(tmp_path_factory: pytest.TempPathFacto
     test already compiled is read back instead of compiled again (test_jax_generate.py alone: 55 -> 44 s on 2 cores,
     starting empty). The tests' counts of compiled variants stay what they were: an executable read back is still
     one entry of its jitted function, traced and lowered as before. Set as JAX config, not in the environment, so
-    the processes the tests start keep their own caches (the CLI's is one of the things tested). A directory the
-    user set is left alone."""
+    the processes the tests start keep their own caches (the CLI's is one of the things tested); an in-process
+    `twincache generate --backend jax` (cli.main) finds a directory set and uses it (twincache_app.backends), so the
+    session leaves no executables on disk, which the end of the session checks. A directory the user set is left
+    alone."""
     try:
         import jax
         from jax.experimental.compilation_cache import compilation_cache
     except ImportError:  # a torch-only environment: nothing to share
         yield
         return
-    settings = {"jax_compilation_cache_dir": None, "jax_persistent_cache_min_compile_time_secs": 0.0}
-    saved = {name: getattr(jax.config, name) for name in settings}
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(jax.config, name) for name in names}
     if saved["jax_compilation_cache_dir"] is not None:
         yield
         return
     directory = tmp_path_factory.mktemp("xla_executables")
-    settings["jax_compilation_cache_dir"] = str(directory)
-    for name, value in settings.items():
-        jax.config.update(name, value)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     compilation_cache.reset_cache()  # JAX opens its cache once per process, at the first compile that uses it
     yield
+    in_use = jax.config.jax_compilation_cache_dir
     for name, value in saved.items():
         jax.config.update(name, value)
     compilation_cache.reset_cache()
     shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def jax_compile_cache_left_as_found():
-    """An in-process `twincache generate --backend jax` (cli.main) turns on XLA's persistent compilation cache in its
-    own directory where none is set (twincache_app.backends): set back after the test to the session's
-    (xla_executables_shared_by_the_session), so a test session leaves no executables on disk."""
-    jax_before = sys.modules.get("jax")
-    before = (jax_before.config.jax_compilation_cache_dir if jax_before is not None
-              else os.environ.get("JAX_COMPILATION_CACHE_DIR"))
-    yield
-    jax = sys.modules.get("jax")
-    if jax is not None and jax.config.jax_compilation_cache_dir != before:
-        from jax.experimental.compilation_cache import compilation_cache
-
-        jax.config.update("jax_compilation_cache_dir", before)
-        compilation_cache.reset_cache()  # JAX opened the cache once per process; the next compile reads the setting
+    assert in_use == str(directory), f"a test moved XLA's compilation cache to {in_use} and left it there"
 
 
 @pytest.fixture(scope="session", autouse=True)
