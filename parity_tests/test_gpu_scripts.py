@@ -55,6 +55,25 @@ def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path):
     assert text.rstrip().splitlines()[-1].startswith("PASS: 6/6 rows") and "past-the-deadline" in text
 
 
+def test_gpu_parity_holds_the_weights_once_in_the_dtype_and_once_in_float64():
+    """At 7B shape the weights are 14.5 GB in bf16 and 57.9 GB in float64: with transformers' floor holding a bf16 copy
+    of its own the run needs 86.9 GB and cannot fit an H100's 80 GB. Counted by distinct storages at a tiny shape:
+    torch_cache's model, JAX's view of it and transformers' floor hold one set of bf16 tensors; the float64
+    reference is the only copy, and an exact one."""
+    import torch
+
+    models = gpu_parity.build_models(gpu_parity.TINY, torch.bfloat16)
+    torch_model, floor, reference = models.towers["torch"], models.floor, models.reference  # JAX's view: test_handoff
+    held = {id(t): t for m in (torch_model, floor, reference) for t in m.state_dict().values()}
+    storages = {(t.untyped_storage().data_ptr(), t.dtype): t.untyped_storage().nbytes() for t in held.values()}
+    params = sum(t.numel() for t in torch_model.state_dict().values())
+    assert sum(storages.values()) == params * 2 + params * 8, (sum(storages.values()), params)
+    assert {dtype for _, dtype in storages} == {torch.bfloat16, torch.float64}
+    for name, tensor in torch_model.state_dict().items():
+        assert floor.state_dict()[name].data_ptr() == tensor.data_ptr(), name
+        assert torch.equal(reference.state_dict()[name], tensor.double()), name
+
+
 def test_gpu_parity_with_every_case_skipped_is_not_a_pass(tmp_path):
     assert gpu_parity.main(tmp_path, gpu_parity.SMOKE_CASES, deadline_s=-1.0) == 1
     assert "FAIL: 0/0 rows" in (tmp_path / "gpu_parity.md").read_text()
