@@ -74,6 +74,36 @@ def test_gpu_parity_holds_the_weights_once_in_the_dtype_and_once_in_float64():
         assert torch.equal(reference.state_dict()[name], tensor.double()), name
 
 
+def test_a_gpu_parity_case_frees_its_models_before_the_next_one_builds(tmp_path, monkeypatch):
+    """The models are held by a reference cycle (build_models' frame, kept by what transformers' lazy import leaves
+    the first time), so dropping them frees nothing until the collector runs: at 7B shape the first case's 14.5 GB
+    would still be held while the third builds its 72.4 GB, past an H100's 80 GB. With automatic collection off,
+    every model run_case built must be gone when it returns, here with a cycle of our own around them (the one
+    transformers leaves arises only in a process's first import)."""
+    import gc
+    import weakref
+
+    built: list[weakref.ref] = []
+    build = gpu_parity.build_models
+
+    def watched(*args, **kwargs):
+        models = build(*args, **kwargs)
+        built.extend(weakref.ref(m) for m in (*models.towers.values(), models.floor, models.reference))
+        cycle: list = [models]
+        cycle.append(cycle)
+        return models
+
+    monkeypatch.setattr(gpu_parity, "build_models", watched)
+    gc.collect()
+    gc.disable()
+    try:
+        gpu_parity.run_case("tiny-bf16", gpu_parity.TINY, "bfloat16", 5, 4, tmp_path, gpu_parity.AT_7B)
+        alive = [type(ref()).__module__ for ref in built if ref() is not None]
+    finally:
+        gc.enable()
+    assert len(built) == 4 and alive == [], alive
+
+
 def test_gpu_parity_with_every_case_skipped_is_not_a_pass(tmp_path):
     assert gpu_parity.main(tmp_path, gpu_parity.SMOKE_CASES, deadline_s=-1.0) == 1
     assert "FAIL: 0/0 rows" in (tmp_path / "gpu_parity.md").read_text()
