@@ -20,7 +20,7 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -81,11 +81,25 @@ def build_models(config: MistralConfig, dtype: torch.dtype, seed: int = 0) -> pa
 
 
 def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, steps: int, out: Path,
-             impls: tuple[str, ...]) -> list[dict]:
+             impls: tuple[str, ...], finished: Sequence[dict] = ()) -> list[dict]:
+    """One case's rows. Each row is printed as it is judged, with the seconds since the case began, and written to
+    gpu_parity.json after the `finished` cases' records, marked partial: a case the lease's hard stop cuts still
+    says how far it got, and how fast (no GPU time has been measured yet)."""
     start = time.perf_counter()
     models = build_models(config, getattr(torch, dtype))
+    print(f"{name}: models built ({time.perf_counter() - start:.0f} s)", flush=True)
     prompt = np.random.default_rng(1).integers(3, config.vocab_size, prompt_len).tolist()
-    report = parity.parity_report(models, [prompt], steps, dtype, ["static", "sliding_window"], impls)
+    judged_so_far: list[dict] = []
+
+    def on_row(row: parity.Row) -> None:
+        seconds = time.perf_counter() - start
+        judged_so_far.append(dict(parity.row_json(row), case=name, seconds=seconds, partial=True))
+        (out / "gpu_parity.json").write_text(json.dumps([*finished, *judged_so_far], indent=1))
+        verdict = "floor" if row.kind == "floor" else "FAIL " + ", ".join(row.failed) if row.failed else "ok"
+        print(f"{name}: {row.cache} {row.name}: {verdict} ({seconds:.0f} s)", flush=True)
+
+    report = parity.parity_report(models, [prompt], steps, dtype, ["static", "sliding_window"], impls,
+                                  on_row=on_row)
     data = parity.report_json(report, name)
     table = parity.format_table(data)
     seconds = time.perf_counter() - start
@@ -133,7 +147,7 @@ def main(out_dir: str | Path, cases: list[tuple] = CASES, deadline_s: float | No
             with (out / "gpu_parity.md").open("a") as f:
                 f.write(f"## {name}: skipped (deadline: {deadline_s:g} s passed before it could start)\n\n")
         else:
-            records += run_case(name, config, dtype, prompt_len, steps, out, impls)
+            records += run_case(name, config, dtype, prompt_len, steps, out, impls, finished=records)
         (out / "gpu_parity.json").write_text(json.dumps(records, indent=1))
     judged = [r for r in records if r["kind"] not in ("floor", "skipped")]
     passed = bool(judged) and all(not r["failed"] for r in judged)

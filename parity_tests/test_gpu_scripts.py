@@ -29,7 +29,7 @@ def test_gpu_parity_cases_are_the_ones_its_docstring_names():
     assert gpu_parity.CASES[1][5] == parity.IMPLEMENTATIONS  # fp32: every implementation, torch compiled included
 
 
-def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path):
+def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path, capsys):
     """A tiny fp32 case runs and passes (the bf16 one whose ring wraps runs in the lease's smoke test below); a
     second, reached after the deadline (a clock that jumps), is recorded as skipped, not run; the JSON is written
     after each case, so a run killed later keeps the finished ones."""
@@ -53,6 +53,35 @@ def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path):
     text = (tmp_path / "gpu_parity.md").read_text()
     assert "## tiny-fp32: float32, window 8, prompt 5, 10 steps" in text and "## past-the-deadline: skipped" in text
     assert text.rstrip().splitlines()[-1].startswith("PASS: 6/6 rows") and "past-the-deadline" in text
+    assert all("partial" not in r for r in records)  # a finished case's rows replace its partial ones
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny-fp32: ")]
+    assert re.fullmatch(r"tiny-fp32: models built \(\d+ s\)", progress[0]), progress
+    assert [re.sub(r" \(\d+ s\)$", "", line) for line in progress[1:]] == [
+        f"tiny-fp32: {cache} {name}: {'floor' if name.endswith('(floor)') else 'ok'}"
+        for cache in ("static", "sliding_window")
+        for name in ("transformers (floor)", "torch:eager", "jax:fused", "torch:eager vs jax:fused")], progress
+
+
+def test_a_gpu_parity_case_cut_short_leaves_the_rows_it_judged(tmp_path, monkeypatch):
+    """The lease's hard stop (SIGINT, then SIGKILL) can cut a case: gpu_parity.json then holds the finished cases'
+    records and, marked partial, each row of the cut case judged before the stop, with its seconds."""
+    calls = []
+    run_implementation = parity.run_implementation
+
+    def stopped_at_the_second(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run_implementation(*args, **kwargs)
+
+    monkeypatch.setattr(parity, "run_implementation", stopped_at_the_second)
+    cases = [("cut", gpu_parity.TINY, "float32", 5, 4, ("torch:eager", "jax:step"))]
+    with pytest.raises(KeyboardInterrupt):
+        gpu_parity.main(tmp_path, cases)
+    records = json.loads((tmp_path / "gpu_parity.json").read_text())
+    assert [(r["case"], r["cache"], r["name"], r["partial"]) for r in records] == [
+        ("cut", "static", "transformers (floor)", True), ("cut", "static", "torch:eager", True)], records
+    assert records[0]["seconds"] <= records[1]["seconds"] and not records[1]["failed"]
 
 
 def test_gpu_parity_holds_the_weights_once_in_the_dtype_and_once_in_float64():

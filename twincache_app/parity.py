@@ -420,11 +420,12 @@ def direct_distance(first: Run, second: Run, decisive: np.ndarray, lengths: list
 
 def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, dtype: str, caches: Sequence[str],
                   impls: Sequence[str] = IMPLEMENTATIONS, reference: Reference | None = None,
-                  single: Models | None = None) -> ParityReport:
+                  single: Models | None = None, on_row: Callable[[Row], None] | None = None) -> ParityReport:
     """The table: the floor, then each implementation and each direct torch-vs-JAX pair, per cache kind.
     `reference` may be given (computed once for several dtypes); else the float64 model computes it. With `single`
     (the same implementations on one device, when `models` is split over a mesh), each implementation also gets a
-    direct row against itself on one device, judged like the torch-vs-JAX rows."""
+    direct row against itself on one device, judged like the torch-vs-JAX rows. `on_row` sees each row as it is
+    judged (a run that may be cut short can report what it finished)."""
     if steps < 1:
         raise InputError(f"max_new_tokens={steps} must be >= 1 for a parity run")
     config = next(iter(models.towers.values())).config
@@ -436,12 +437,18 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
     window = config.sliding_window
     decisive = parity_metrics.decisive_steps(reference.logits, floor.logits, dtype)  # [B, N]
     floor_logits = parity_metrics.distance(reference.logits, floor.logits, decisive)
-    rows = []
+    rows: list[Row] = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
     for cache in caches:
         floor_distance = dataclasses.replace(floor_logits, max_abs_kv_diff=oracle_kv_distance(reference, floor, cache,
                                                                                               window))
-        rows.append(Row(cache, f"{floor.source.split()[0]} (floor)",
-                        "floor", floor_distance, [], parity_metrics.ratios(floor_distance, floor_distance)))
+        add(Row(cache, f"{floor.source.split()[0]} (floor)", "floor", floor_distance, [],
+                parity_metrics.ratios(floor_distance, floor_distance)))
         runs = {}
         for impl in impls:
             runs[impl] = run_implementation(impl, models, prompts, reference.tokens, cache)
@@ -449,36 +456,39 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
             found = dataclasses.replace(parity_metrics.distance(reference.logits, runs[impl].logits, decisive),
                                         max_abs_kv_diff=kv_distance(reference, runs[impl], cache, window) if whole
                                         else None)
-            rows.append(judged_row(cache, models.label(impl), "implementation", found, floor_distance, dtype))
+            add(judged_row(cache, models.label(impl), "implementation", found, floor_distance, dtype))
             if single is not None:
                 alone = run_implementation(impl, single, prompts, reference.tokens, cache)
                 found = direct_distance(runs[impl], alone, decisive, lengths, cache, window, whole)
-                rows.append(judged_row(cache, f"{models.label(impl)} vs {impl}", "direct", found, floor_distance,
-                                       dtype))
+                add(judged_row(cache, f"{models.label(impl)} vs {impl}", "direct", found, floor_distance, dtype))
         for first, second in direct_pairs(list(runs)):
             whole = models.holds_whole_cache(first) and models.holds_whole_cache(second)
             found = direct_distance(runs[first], runs[second], decisive, lengths, cache, window, whole)
-            rows.append(judged_row(cache, f"{models.label(first)} vs {models.label(second)}", "direct", found,
-                                   floor_distance, dtype))
+            add(judged_row(cache, f"{models.label(first)} vs {models.label(second)}", "direct", found,
+                           floor_distance, dtype))
     return ParityReport(dtype, reference.source, floor.source, [len(p) for p in prompts], steps,
                         reference.self_disagreements, int(decisive.sum()), rows)
 
 
 def report_json(report: ParityReport, model: str) -> dict[str, Any]:
     """The report as `--json` prints it (non-finite values become null); `format_table` renders this."""
-    def clean(value: float) -> float | None:  # JSON has no inf
-        return value if np.isfinite(value) else None
-
     return {"model": model, "dtype": report.dtype, "reference": report.reference_source, "floor": report.floor_source,
             "prompt_lens": report.prompt_lens, "steps": report.steps,
             "reference_self_disagreements": report.reference_self_disagreements, "passed": report.passed,
             "decisive_steps": report.decisive_steps, "factors": parity_metrics.FACTORS,
             "absolute": parity_metrics.ABSOLUTE.get(report.dtype, {}),
-            "rows": [{"cache": row.cache, "name": row.name, "kind": row.kind,
-                      "metrics": {k: (clean(v) if isinstance(v, float) else v)
-                                  for k, v in dataclasses.asdict(row.distance).items()},
-                      "ratios": {k: clean(v) for k, v in row.ratios.items()}, "failed": row.failed}
-                     for row in report.rows]}
+            "rows": [row_json(row) for row in report.rows]}
+
+
+def row_json(row: Row) -> dict[str, Any]:
+    """One row of the report as `--json` prints it (non-finite values become null)."""
+    def clean(value: float) -> float | None:  # JSON has no inf
+        return value if np.isfinite(value) else None
+
+    return {"cache": row.cache, "name": row.name, "kind": row.kind,
+            "metrics": {k: (clean(v) if isinstance(v, float) else v)
+                        for k, v in dataclasses.asdict(row.distance).items()},
+            "ratios": {k: clean(v) for k, v in row.ratios.items()}, "failed": row.failed}
 
 
 def window_text(data: dict[str, Any]) -> str:
