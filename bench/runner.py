@@ -114,6 +114,12 @@ class _Results:
         report.write_report(self.records, self.out)
 
 
+def _warm_up_text(run: Run, info: dict[str, Any]) -> str:
+    """A warm-up's figures in one line: its wall time, compile time and (untimed) decode rate."""
+    rate = f", decode {run.decode_tok_s:.1f} tok/s untimed" if run.decode_tok_s is not None else ""
+    return f"{run.wall_s:.2f} s, compile {info['compile_s']:.2f} s, first step {run.first_step_s:.2f} s{rate}"
+
+
 def _round_label(round_number: int) -> str:
     """The `when` of the bandwidth probe taken at the start of a decode-table round."""
     return f"round {round_number}"
@@ -262,19 +268,27 @@ class Bench:
         warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]] = {}
         # In the order given (a deadline cuts the last), but the first impl that must warm up first goes first.
         first = next((name for name, _ in cells if self.impls[name].warm_up_first), None)
-        for cell in sorted(cells, key=lambda cell: cell[0] != first):  # stable
-            name, cache = cell
-            self._tick(f"{name}/{cache} warm-up")
-            if self._past_deadline():  # its compile would not fit: the cells warmed up so far still get timed
-                self.results.add("decode", impl=name, cache=cache, prompt_len=p.prompt_len, new_tokens=p.new_tokens,
-                                 batch=1, max_cache_len=max_cache_len, status="skipped", note="deadline: not warmed up")
-                continue
-            measured, error = self._guarded(f"{name} {cache} warm-up", self._measure, self.impls[name], prompts,
-                                            p.new_tokens, cache, max_cache_len, track_rss=True)
-            if error:
-                self.results.add("decode", impl=name, cache=cache, status="error", note=error)
-            else:
-                warm[cell] = measured
+        try:
+            for cell in sorted(cells, key=lambda cell: cell[0] != first):  # stable
+                name, cache = cell
+                self._tick(f"{name}/{cache} warm-up")
+                if self._past_deadline():  # its compile would not fit: the cells warmed up so far still get timed
+                    self.results.add("decode", impl=name, cache=cache, prompt_len=p.prompt_len,
+                                     new_tokens=p.new_tokens, batch=1, max_cache_len=max_cache_len, status="skipped",
+                                     note="deadline: not warmed up")
+                    continue
+                measured, error = self._guarded(f"{name} {cache} warm-up", self._measure, self.impls[name], prompts,
+                                                p.new_tokens, cache, max_cache_len, track_rss=True)
+                if error:
+                    self.results.add("decode", impl=name, cache=cache, status="error", note=error)
+                else:
+                    warm[cell] = measured
+                    if not self.opts.progress:  # no bar (gpu_7b.sh): a line per warm-up, for its log
+                        print(f"bench: {name}/{cache} warmed up: {_warm_up_text(*measured)}", flush=True)
+        except KeyboardInterrupt:  # a hard stop during the warm-ups: what each warm-up measured is still a row
+            for cell, measured in warm.items():
+                self._table_record(cell, measured, [], None, max_cache_len)
+            raise
         live = [cell for cell in cells if cell in warm]
         timed: dict[tuple[str, str], list[tuple[Run, dict[str, Any]]]] = {cell: [] for cell in live}
         failed: dict[tuple[str, str], str] = {}
@@ -312,8 +326,14 @@ class Bench:
         runs = [run for run, _ in timed]
         if not error and any(run.decode_tok_s is None for run in runs):
             error = f"no decode step after the first was timed ({p.new_tokens} new tokens, or an early EOS)"
-        if error or not timed:
-            self.results.add("decode", status="error", **{**common, "note": error or "no timed run"})
+        if error:
+            self.results.add("decode", status="error", **{**common, "note": error})
+            return
+        if not timed:  # a hard stop came before its timed rounds: the warm-up's figures, which include its compile
+            self.results.add("decode", status="untimed", **{**common, "note": f"stopped before its timed rounds; "
+                                                                           f"warm-up {_warm_up_text(*warm)}"},
+                             compile_s=warm[1]["compile_s"], warmup_first_step_s=warm[0].first_step_s,
+                             warmup_wall_s=warm[0].wall_s, warmup_decode_tok_s=warm[0].decode_tok_s)
             return
         # Each run against the best probe of its own round: the fraction of the bandwidth available at the time.
         tok_s = [run.decode_tok_s for run in runs if run.decode_tok_s is not None]  # every run's: checked above

@@ -208,6 +208,65 @@ def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(
     assert (out / "results.md").is_file()
 
 
+_STOPPED_IN_THE_WARM_UPS = """
+import dataclasses, sys
+from pathlib import Path
+from bench.presets import PRESETS
+from bench.runner import Options, run_bench
+from bench import runner
+preset = dataclasses.replace(PRESETS["tiny"], impls=("torch_eager", "transformers_eager", "jax_step"), repeats=2)
+measure = runner.Bench._measure
+warm_ups = []
+def measure_then_stop(self, impl, *args, track_rss):  # a hard stop (timeout's SIGINT) in the 5th warm-up
+    if track_rss:
+        warm_ups.append(1)
+        if len(warm_ups) == 5:
+            raise KeyboardInterrupt
+    return measure(self, impl, *args, track_rss=track_rss)
+runner.Bench._measure = measure_then_stop
+try:
+    run_bench(Options(preset=preset, out=Path(sys.argv[1]), impls=list(preset.impls), progress=False))
+except KeyboardInterrupt:
+    print("stopped in the warm-ups")
+"""
+
+
+@background.job
+def stopped_in_the_warm_ups(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, subprocess.CompletedProcess]]:
+    root = request.getfixturevalue("tmp_path_factory").mktemp("warm_ups")
+    env = {**os.environ, "TWINCACHE_HOME": str(root / "home"), "PYTHONPATH": str(REPO)}
+
+    def run() -> tuple[Path, subprocess.CompletedProcess]:
+        return root, subprocess.run([sys.executable, "-c", _STOPPED_IN_THE_WARM_UPS, str(root / "out")], cwd=REPO,
+                                    env=env, capture_output=True, text=True, timeout=300)
+
+    return run
+
+
+def test_a_bench_stopped_during_its_warm_ups_keeps_what_each_warm_up_measured(
+        stopped_in_the_warm_ups: tuple[Path, subprocess.CompletedProcess]):
+    """On a GPU the table's warm-ups are its compiles, minutes of a lease that has never been timed: a hard stop
+    (gpu_7b.sh's timeout) can come before any timed round. Each cell warmed up by then is still a row, `untimed`,
+    with its warm-up's compile time, first step and wall time; and with no progress bar (gpu_7b.sh) each warm-up
+    prints a line as it ends, so the device call's output tail shows them even if results.json is lost."""
+    root, proc = stopped_in_the_warm_ups
+    assert proc.returncode == 0 and "stopped in the warm-ups" in proc.stdout, proc.stderr[-3000:]
+    # in the order they warm up: a transformers impl first (test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape)
+    warmed = [(impl, cache) for impl in ("transformers_eager", "torch_eager") for cache in ("static", "sliding_window")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("bench: ")]
+    assert [line.split(" warmed up: ")[0] for line in lines] == [f"bench: {i}/{c}" for i, c in warmed], proc.stdout
+    assert all(re.search(r"warmed up: [\d.]+ s, compile [\d.]+ s, first step [\d.]+ s", line) for line in lines)
+    records = json.loads((root / "out" / "results.json").read_text())
+    decode = {(r["impl"], r["cache"]): r for r in records if r["kind"] == "decode"}
+    assert sorted(decode) == sorted(warmed), sorted(decode)
+    for cell in warmed:
+        record = decode[cell]
+        assert record["status"] == "untimed" and "stopped before its timed rounds" in record["note"], record
+        assert record["warmup_wall_s"] >= record["warmup_first_step_s"] > 0 and record["compile_s"] >= 0, record
+    table = (root / "out" / "results.md").read_text()
+    assert "| torch_eager | static | untimed: stopped before its timed rounds; warm-up " in table
+
+
 def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
     """Each script parses, and runs Python as ${PYTHON:-python3}: the GPU image's python3 holds torch, and a bare
     `python` may not exist there."""
