@@ -169,16 +169,24 @@ except KeyboardInterrupt:
 """
 
 
-@background.job
-def seven_b_at_a_tiny_shape(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, subprocess.CompletedProcess]]:
-    root = request.getfixturevalue("tmp_path_factory").mktemp("seven_b")
+ScriptRun = Callable[[], tuple[Path, subprocess.CompletedProcess]]
+
+
+def _bench_script(request: pytest.FixtureRequest, script: str) -> ScriptRun:
+    """A job running `script` in a fresh Python with its own TWINCACHE_HOME; its output folder is ROOT/out."""
+    root = request.getfixturevalue("tmp_path_factory").mktemp("bench_script")
     env = {**os.environ, "TWINCACHE_HOME": str(root / "home"), "PYTHONPATH": str(REPO)}
 
     def run() -> tuple[Path, subprocess.CompletedProcess]:
-        return root, subprocess.run([sys.executable, "-c", _SEVEN_B_AT_A_TINY_SHAPE, str(root / "out")], cwd=REPO,
-                                    env=env, capture_output=True, text=True, timeout=300)
+        return root, subprocess.run([sys.executable, "-c", script, str(root / "out")], cwd=REPO, env=env,
+                                    capture_output=True, text=True, timeout=300)
 
     return run
+
+
+@background.job
+def seven_b_at_a_tiny_shape(request: pytest.FixtureRequest) -> ScriptRun:
+    return _bench_script(request, _SEVEN_B_AT_A_TINY_SHAPE)
 
 
 def test_the_7b_preset_runs_its_pipeline_on_cpu_at_a_tiny_shape(
@@ -232,15 +240,8 @@ except KeyboardInterrupt:
 
 
 @background.job
-def stopped_in_the_warm_ups(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, subprocess.CompletedProcess]]:
-    root = request.getfixturevalue("tmp_path_factory").mktemp("warm_ups")
-    env = {**os.environ, "TWINCACHE_HOME": str(root / "home"), "PYTHONPATH": str(REPO)}
-
-    def run() -> tuple[Path, subprocess.CompletedProcess]:
-        return root, subprocess.run([sys.executable, "-c", _STOPPED_IN_THE_WARM_UPS, str(root / "out")], cwd=REPO,
-                                    env=env, capture_output=True, text=True, timeout=300)
-
-    return run
+def stopped_in_the_warm_ups(request: pytest.FixtureRequest) -> ScriptRun:
+    return _bench_script(request, _STOPPED_IN_THE_WARM_UPS)
 
 
 def test_a_bench_stopped_during_its_warm_ups_keeps_what_each_warm_up_measured(
