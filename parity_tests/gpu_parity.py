@@ -95,8 +95,7 @@ def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, step
         seconds = time.perf_counter() - start
         judged_so_far.append(dict(parity.row_json(row), case=name, seconds=seconds, partial=True))
         (out / "gpu_parity.json").write_text(json.dumps([*finished, *judged_so_far], indent=1))
-        verdict = "floor" if row.kind == "floor" else "FAIL " + ", ".join(row.failed) if row.failed else "ok"
-        print(f"{name}: {row.cache} {row.name}: {verdict} ({seconds:.0f} s)", flush=True)
+        print(f"{name}: {row.cache} {row.name}: {parity.row_verdict(judged_so_far[-1])} ({seconds:.0f} s)", flush=True)
 
     report = parity.parity_report(models, [prompt], steps, dtype, ["static", "sliding_window"], impls,
                                   on_row=on_row)

@@ -56,7 +56,8 @@ def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path, capsys):
     assert all("partial" not in r for r in records)  # a finished case's rows replace its partial ones
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny-fp32: ")]
     assert re.fullmatch(r"tiny-fp32: models built \(\d+ s\)", progress[0]), progress
-    assert [re.sub(r" \(\d+ s\)$", "", line) for line in progress[1:]] == [
+    # each row's verdict as the table gives it
+    assert [re.sub(r" \(worst [\d.]+x the floor\) \(\d+ s\)$| \(\d+ s\)$", "", line) for line in progress[1:]] == [
         f"tiny-fp32: {cache} {name}: {'floor' if name.endswith('(floor)') else 'ok'}"
         for cache in ("static", "sliding_window")
         for name in ("transformers (floor)", "torch:eager", "jax:fused", "torch:eager vs jax:fused")], progress

@@ -491,6 +491,22 @@ def row_json(row: Row) -> dict[str, Any]:
             "ratios": {k: clean(v) for k, v in row.ratios.items()}, "failed": row.failed}
 
 
+def _number(value: float | None, spec: str) -> str:
+    """A metric of `report_json` as the table prints it (null, from inf or nan, as "inf/nan")."""
+    return "inf/nan" if value is None else format(value, spec)
+
+
+def row_verdict(row: dict[str, Any]) -> str:
+    """A row's verdict (a row of `report_json`) as the table gives it: "floor", "ok (worst 1.2x the floor)" or
+    "OUT OF BOUNDS: " and each failed metric's ratio to the floor."""
+    ratios = row["ratios"]
+    if row["kind"] == "floor":
+        return "floor"
+    if row["failed"]:
+        return "OUT OF BOUNDS: " + ", ".join(f"{name} {_number(ratios.get(name), '.1f')}x" for name in row["failed"])
+    return f"ok (worst {max((v for v in ratios.values() if v is not None), default=0.0):.1f}x the floor)"
+
+
 def window_text(data: dict[str, Any]) -> str:
     """The model's window as the table's heading gives it: nothing where the report does not record it."""
     if "sliding_window" not in data:
@@ -500,9 +516,6 @@ def window_text(data: dict[str, Any]) -> str:
 
 def format_table(data: dict[str, Any]) -> str:
     """The table `twincache parity` prints, from `report_json`'s object (so a saved --json renders the same)."""
-    def number(value: float | None, spec: str) -> str:
-        return "inf/nan" if value is None else format(value, spec)
-
     width = max([27] + [len(row["name"]) for row in data["rows"]])
     header = (f"{'cache':<15} {'implementation':<{width}} {'max|Δlogit|':>11} {'rel':>8} {'mean KL':>8} {'max KL':>8} "
               f"{'top-1':>7} {'diverges':>8} {'max|ΔKV|':>9}  verdict")
@@ -515,19 +528,12 @@ def format_table(data: dict[str, Any]) -> str:
     for row in data["rows"]:
         d, ratios = row["metrics"], row["ratios"]
         diverges = "-" if d["first_greedy_divergence"] is None else str(d["first_greedy_divergence"])
-        if row["kind"] == "floor":
-            verdict = "floor"
-        elif row["failed"]:
-            verdict = "OUT OF BOUNDS: " + ", ".join(f"{name} {number(ratios.get(name), '.1f')}x"
-                                                    for name in row["failed"])
-        else:
-            verdict = f"ok (worst {max((v for v in ratios.values() if v is not None), default=0.0):.1f}x the floor)"
         kv = ("n/a" if d["max_abs_kv_diff"] is None and "max_abs_kv_diff" not in ratios  # not measured
-              else number(d["max_abs_kv_diff"], ">9.2e"))
-        lines.append(f"{row['cache']:<15} {row['name']:<{width}} {number(d['max_abs_logit_diff'], '>11.2e')} "
-                     f"{number(d['rel_max_abs_logit_diff'], '>8.1e')} {number(d['mean_kl'], '>8.1e')} "
-                     f"{number(d['max_kl'], '>8.1e')} {d['top1_agreement']:>7.1%} {diverges:>8} "
-                     f"{kv:>9}  {verdict}")
+              else _number(d["max_abs_kv_diff"], ">9.2e"))
+        lines.append(f"{row['cache']:<15} {row['name']:<{width}} {_number(d['max_abs_logit_diff'], '>11.2e')} "
+                     f"{_number(d['rel_max_abs_logit_diff'], '>8.1e')} {_number(d['mean_kl'], '>8.1e')} "
+                     f"{_number(d['max_kl'], '>8.1e')} {d['top1_agreement']:>7.1%} {diverges:>8} "
+                     f"{kv:>9}  {row_verdict(row)}")
     factors = ", ".join(f"{name} {factor:g}x" for name, factor in data["factors"].items())
     lines.append(f"bounds: each metric within its factor of the floor ({factors}); no greedy divergence at a decisive "
                  "step (float64 top-1 margin > 2 x the max|Δlogit| bound at that step)"
