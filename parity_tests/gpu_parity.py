@@ -166,7 +166,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help="one tiny bf16 case whose ring wraps, instead of the GPU cases: runs on CPU in seconds "
                              "(bench/gpu_lease.sh's smoke mode)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        parser.error(f"OUT_DIR {args.out_dir} is a file; give a directory (made if missing) for gpu_parity.md/json")
+    return args
 
 
 if __name__ == "__main__":

@@ -134,6 +134,17 @@ def test_a_gpu_parity_case_frees_its_models_before_the_next_one_builds(tmp_path,
     assert len(built) == 4 and alive == [], alive
 
 
+def test_gpu_parity_refuses_a_file_as_its_output_folder_in_one_line(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as refused:
+        gpu_parity._parse_args([str(tmp_path / "a_file"), "--smoke"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"python -m parity_tests.gpu_parity: error: OUT_DIR {tmp_path / 'a_file'} is a file; give a directory (made "
+        "if missing) for gpu_parity.md/json")
+    assert gpu_parity._parse_args([str(tmp_path / "new")]).out_dir == str(tmp_path / "new")
+
+
 def test_gpu_parity_with_every_case_skipped_is_not_a_pass(tmp_path):
     assert gpu_parity.main(tmp_path, gpu_parity.SMOKE_CASES, deadline_s=-1.0) == 1
     assert "FAIL: 0/0 rows" in (tmp_path / "gpu_parity.md").read_text()
