@@ -91,6 +91,54 @@ def test_overlapped_steps_give_what_one_step_at_a_time_gives(models, kind, endin
     assert torch.equal(after[0].step_logits, after[1].step_logits)
 
 
+def replaying_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make every decode step behave as a CUDA graph's replay (reduce-overhead on a GPU): it returns the same output
+    tensors each time, overwritten by the next step, and the loop knows it (`_outputs_replayed`). A step refuses an
+    input in those buffers: CUDA graph trees would record the graph again for such an input, or find it freed. Returns
+    the number of steps run, as a one-element list."""
+    from torch_cache import generate as torch_generate
+
+    decode_one_fn, steps = torch_generate._decode_one_fn, [0]
+
+    def replaying(model: Mistral, compile: bool) -> object:
+        eager = decode_one_fn(model, compile=False)
+        static: dict[str, list[torch.Tensor]] = {}  # per graph (sampling kind): its output buffers
+
+        def step(*args: object) -> tuple[torch.Tensor, ...]:
+            replayed = {t.untyped_storage().data_ptr() for buffers in static.values() for t in buffers}
+            fed_back = [i for i, arg in enumerate(args)
+                        if isinstance(arg, torch.Tensor) and arg.untyped_storage().data_ptr() in replayed]
+            assert not fed_back, f"step arguments {fed_back} are a replayed step's output buffers: clone them first"
+            outputs = eager.step(*args)
+            buffers = static.setdefault(str(args[-1]), [torch.empty_like(t) for t in outputs])
+            for buffer, output in zip(buffers, outputs, strict=True):
+                buffer.copy_(output)
+            steps[0] += 1
+            return tuple(buffers)
+
+        return torch_generate._DecodeSteps(step, eager.settings, compiled=False)
+
+    monkeypatch.setattr(torch_generate, "_decode_one_fn", replaying)
+    monkeypatch.setattr(torch_generate, "_outputs_replayed", lambda compile, device: True)
+    return steps
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding_window"])
+@pytest.mark.parametrize("ending", ["budget", "eos", "sampled"])
+def test_steps_replayed_into_the_same_buffers_give_what_fresh_outputs_give(models, kind, ending, monkeypatch):
+    """A GPU's compiled loop (two steps in flight, CUDA graph outputs overwritten by the next replay, docs/design.md
+    §7.31), run on CPU: what the host reads after launching the next step (tokens, logits) is copied out first."""
+    model = models["eos" if ending == "eos" else "plain"]
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=5) if ending == "sampled" else None
+    plain, plain_cache, plain_streamed = run(model, kind, "0", monkeypatch, sampling=sampling)
+    steps = replaying_steps(monkeypatch)
+    replayed, replayed_cache, replayed_streamed = run(model, kind, "1", monkeypatch, sampling=sampling)
+    assert steps[0] >= replayed.decode_steps > 0, "the replaying steps ran"
+    assert replayed.token_ids == plain.token_ids and replayed_streamed == plain_streamed
+    assert torch.equal(replayed.step_logits, plain.step_logits)
+    assert_same_cache(replayed_cache, plain_cache)
+
+
 @pytest.mark.parametrize("kind", ["static", "sliding_window"])
 def test_an_exception_in_on_token_rolls_back_the_step_in_flight(models, kind, monkeypatch):
     model, stop_after = models["plain"], 6

@@ -405,20 +405,31 @@ class _InFlight:
     logits: torch.Tensor | None
 
 
-class _HostCopies:
-    """A step's [B + 1] int64 for_host, copied to the host in stream order: into one of two pinned buffers on CUDA
-    (with an event to wait on; the other buffer may hold the step before it), a plain copy elsewhere."""
+def _outputs_replayed(compile: bool, device: torch.device) -> bool:
+    """Whether each step returns the same output buffers, overwritten by the next step: a compiled step on a GPU,
+    where reduce-overhead replays a CUDA graph. What the loop reads after launching the next step is copied out."""
+    return compile and device.type == "cuda"
 
-    def __init__(self, size: int, device: torch.device) -> None:
+
+class _HostCopies:
+    """A step's [B + 1] int64 for_host, copied to the host in stream order: into one of two buffers (pinned, with an
+    event to wait on, on CUDA; the other buffer may hold the step before it) where the step's output is on a GPU or
+    is overwritten by the next step (`replayed`); elsewhere the step's own output."""
+
+    def __init__(self, size: int, device: torch.device, replayed: bool) -> None:
         self.cuda = device.type == "cuda"
-        self.buffers = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)] if self.cuda else []
+        self.copies = self.cuda or replayed
+        self.buffers = [torch.empty(size, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)] \
+            if self.copies else []
         self.turn = 0
 
     def start(self, for_host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if not self.cuda:  # the step has run: its output is on the host (a fresh one per call)
+        if not self.copies:  # the step has run: its output is on the host (a fresh one per call)
             return for_host, None
         buffer, self.turn = self.buffers[self.turn], 1 - self.turn
-        buffer.copy_(for_host, non_blocking=True)
+        buffer.copy_(for_host, non_blocking=self.cuda)
+        if not self.cuda:
+            return buffer, None
         ready = torch.cuda.Event()
         ready.record()
         return buffer, ready
@@ -607,7 +618,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     knobs = _knobs(sampling, device)
     stepper = _decode_one_fn(model, compile)
     depth = 2 if overlap else 1  # steps in flight at once
-    replayed = compile and device.type == "cuda"  # reduce-overhead replays CUDA graphs into the same output buffers
+    replayed = _outputs_replayed(compile, device)  # reduce-overhead replays CUDA graphs into the same output buffers
     if compile:  # batched CPU steps read packed weights (torch_cache/projection.py): made or checked once per call
         pack_projections(model, len(last_tokens))
     tokens: list[list[int]] = [[] for _ in last_tokens]
@@ -617,7 +628,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     length, bucket = int(cache.length), None  # the host's copy of the cache length picks each step's bucket
     all_done = eos is not None and all(t == eos for t in last_tokens)
     in_flight: collections.deque[_InFlight] = collections.deque()  # launched steps whose tokens are not read yet
-    host_copies = _HostCopies(len(last_tokens) + 1, device)
+    host_copies = _HostCopies(len(last_tokens) + 1, device, replayed)
     phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call
     stamp = time.perf_counter()
     with stepper.session(skip_guards) as decode_one, _rolled_back_if_unread(cache, in_flight):
