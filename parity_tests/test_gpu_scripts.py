@@ -291,11 +291,13 @@ def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
         assert not [line for line in code if re.search(r"(^|[\s;|&(])python\s", line)], script.name
     # The commands a real lease runs, with an `echo` for Python: the 7b preset with the deadline its share leaves
     # (360 s: 178 s hard stop, warm-ups until 108 s), then the GPU cases with theirs; no smoke arguments. The bench's
-    # stand-in logs inductor's warning for a step left out of CUDA graphs, which the reply's tail repeats.
+    # stand-in logs the warnings of a slow run (inductor's for a step left out of CUDA graphs, JAX's for a donation
+    # XLA could not use), which the reply's tail repeats.
+    cudagraphs = "W1206 cudagraph_utils.py:210] skipping cudagraphs due to cpu device (arg7_1)"
+    donation = "UserWarning: Some donated buffers were not usable: bf16[1,8,630,128]"
     python = tmp_path / "python"
-    python.write_text('#!/usr/bin/env bash\necho "$@"\n[[ "$*" == "-m bench "* ]] && '
-                      'echo "W1206 cudagraph_utils.py:210] skipping cudagraphs due to cpu device (arg7_1)" >&2\n'
-                      'exit 0\n')
+    python.write_text(f'#!/usr/bin/env bash\necho "$@"\n[[ "$*" == "-m bench "* ]] && '
+                      f'echo "{cudagraphs}" >&2 && echo "{donation}" >&2\nexit 0\n')
     python.chmod(0o755)
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), "360"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHON": str(python), "OUT": str(tmp_path)}, cwd=REPO)
@@ -303,7 +305,7 @@ def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
     assert calls[0] == f"-m bench --preset 7b --out {tmp_path}/bench_7b --deadline 108 --no-progress", proc.stdout
     assert re.fullmatch(rf"-m parity_tests\.gpu_parity {tmp_path}/parity --deadline \d+", calls[1]), proc.stdout
     tail = proc.stdout.split("== gpu_lease.sh:")[-1].splitlines()
-    assert "W1206 cudagraph_utils.py:210] skipping cudagraphs due to cpu device (arg7_1)" in tail, proc.stdout
+    assert cudagraphs in tail and donation in tail, proc.stdout
     for seconds in ("abc", "60"):  # not a number; too short to split (a timeout of 0 would mean none at all)
         proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), seconds], capture_output=True, text=True,
                               timeout=60)
