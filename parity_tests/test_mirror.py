@@ -1,6 +1,7 @@
 """The two towers mirror each other (docs/design.md §1): the same modules, public names, classes and methods, and the
-same parameter names in the same order. Every difference a framework forces is listed below with its reason; any
-other drift fails here, and so does a listed difference that no longer exists. Only names and signatures are read.
+same parameter names in the same order, each optional in both or in neither. Every difference a framework forces is
+listed below with its reason; any other drift fails here, and so does a listed difference that no longer exists. Only
+names and signatures are read.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ TORCH_ONLY_PARAMS = {
     "generate.generate": ("compile",),  # the tower's own decode knob; backend.generate(mode=...) is the neutral one
     "generate.continue_generation": ("compile",),
     "projection.project": ("packed",),  # the weight's oneDNN copy (pack_projections), where one is made
+    "generate._check_outputs_fit": ("device",),  # the memory it measures; JAX's is its default device's
 }
 JAX_ONLY_PARAMS = {
     # NNX creates parameters at construction, in a dtype; torch modules are built first and converted afterwards.
@@ -138,10 +140,12 @@ def members(cls: type) -> dict[str, object]:
             if not name.startswith("__") or name in ("__init__", "__call__")}
 
 
-def parameters(fn: object) -> list[tuple[str, str]]:
-    """(name, kind) of each parameter."""
+def parameters(fn: object) -> list[tuple[str, str, bool]]:
+    """(name, kind, whether it has a default) of each parameter: a default's value may name a framework type, but
+    whether a caller may leave the argument out is the same in both towers."""
     function = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
-    return [(p.name, p.kind.name) for p in inspect.signature(inspect.unwrap(function)).parameters.values()]
+    return [(p.name, p.kind.name, p.default is not p.empty)
+            for p in inspect.signature(inspect.unwrap(function)).parameters.values()]
 
 
 def public_surface(tower: str, module_name: str) -> dict[str, object]:
@@ -205,9 +209,10 @@ def test_mirror_signatures_name_the_same_parameters_in_the_same_order(module_nam
             assert ours == theirs, f"{name}: class constant {ours!r} (torch) != {theirs!r} (jax)"
         if not (inspect.isfunction(ours) or isinstance(ours, (classmethod, staticmethod))):
             continue  # properties and constants by name; classes member by member; type aliases name framework types
-        torch_params = [(RENAMED_PARAMS.get(p, p), kind) for p, kind in parameters(ours)
+        torch_params = [(RENAMED_PARAMS.get(p, p), kind, default) for p, kind, default in parameters(ours)
                         if p not in TORCH_ONLY_PARAMS.get(name, ())]
-        jax_params = [(p, kind) for p, kind in parameters(theirs) if p not in JAX_ONLY_PARAMS.get(name, ())]
+        jax_params = [(p, kind, default) for p, kind, default in parameters(theirs)
+                      if p not in JAX_ONLY_PARAMS.get(name, ())]
         assert torch_params == jax_params, f"{name}: torch_cache {torch_params} != jax_cache {jax_params}"
         compared += 1
     if module_name in ("cache", "model", "generate", "backend"):
@@ -223,7 +228,7 @@ def test_mirror_listed_parameter_differences_exist():
     for own, other, listed in (("torch_cache", "jax_cache", TORCH_ONLY_PARAMS),
                                ("jax_cache", "torch_cache", JAX_ONLY_PARAMS)):
         for name, params in listed.items():
-            own_params = [p for p, _ in parameters(surfaces[own][name])]
-            other_params = [p for p, _ in parameters(surfaces[other][name])]
+            own_params = [p for p, _, _ in parameters(surfaces[own][name])]
+            other_params = [p for p, _, _ in parameters(surfaces[other][name])]
             for param in params:
                 assert param in own_params and param not in other_params, f"{name}({param}) is no longer {own} only"

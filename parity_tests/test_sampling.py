@@ -173,7 +173,7 @@ def test_torch_draw_frequencies_follow_the_probabilities():
     probs = np.array([0.4, 0.3, 0.2, 0.1])
     rows = torch.from_numpy(np.tile(np.log(probs, dtype=np.float32), (20_000, 1)))
     for seed in (0, 1):
-        counts = np.bincount(tg.sample(rows, SamplingParams(1.0, seed=seed)).numpy(), minlength=4)
+        counts = np.bincount(tg.sample(rows, SamplingParams(1.0, seed=seed), torch.tensor(seed)).numpy(), minlength=4)
         sigma = np.sqrt(20_000 * probs * (1 - probs))
         assert np.all(np.abs(counts - 20_000 * probs) < 4.5 * sigma), f"seed {seed}: counts {counts.tolist()}"
 

@@ -171,15 +171,14 @@ def _gumbel(key: torch.Tensor, index_bits: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
-def sample(logits: torch.Tensor, sampling: SamplingParams, key: torch.Tensor | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, sampling: SamplingParams, key: torch.Tensor) -> torch.Tensor:
     """Next token per row from fp32 logits [B, V]: greedy, or a draw from softmax(filter_logits(logits)) by
-    Gumbel-max with `key`'s noise ([] int64 in [0, 2^32): a seed, or a seed with a step folded in; None: the
-    sampling's seed). [B] int64
+    Gumbel-max with `key`'s noise ([] int64 in [0, 2^32): a seed, or a seed with a step folded in; greedy reads
+    none). [B] int64
 
     jax_cache draws the same way (jax.random.categorical is Gumbel-max), from its own generator."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    key = torch.tensor(sampling.seed, device=logits.device) if key is None else key
     return _draw(filter_logits(logits, sampling), key, _index_bits(*logits.shape, logits.device))
 
 
@@ -538,8 +537,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
     eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
     device, dtype = model.device, model.dtype
-    if return_logits:
-        _check_logits_fit(batch, max_new_tokens, config.vocab_size, device)
+    _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits, device)
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
@@ -598,8 +596,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
     positions = cache.next_positions()[:, None]  # [B, 1], the positions of last_tokens
     check_positions(config, int(positions.max()) + 1, max_new_tokens, int(cache.length) + max_new_tokens)
-    if return_logits:
-        _check_logits_fit(len(last_tokens), max_new_tokens, config.vocab_size, device)
+    _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, return_logits, device)
     forced = None
     if forced_tokens is not None:
         forced_np = validate_forced_tokens(forced_tokens, len(last_tokens), max_new_tokens, config)
@@ -656,7 +653,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             step = in_flight.popleft()
             *row_ids, non_finite = host_copies.read(step.host)  # the step's one host copy: its tokens and NaN flag
             decode_steps += 1
-            _raise_if_non_finite(non_finite, decode_steps, logits.dtype)
+            _raise_if_non_finite(non_finite != 0, decode_steps, logits.dtype)
             if step.logits is not None:
                 step_logits.append(step.logits)
             all_done = eos is not None and all(token == eos for token in row_ids)
@@ -679,8 +676,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                             decode_s, decode_steps, timed_steps, logits_out, cache, "compiled" if compile else "eager")
 
 
-def _check_logits_fit(batch: int, steps: int, vocab_size: int, device: torch.device) -> None:
+def _check_outputs_fit(batch: int, steps: int, vocab_size: int, return_logits: bool, device: torch.device) -> None:
     """return_logits keeps [batch, steps, vocab] fp32 logits (twice, while they are stacked): refuse it up front."""
+    if not return_logits:
+        return
     cache_checks.check_fits(f"return_logits over {steps} steps (2 x [{batch}, {steps}, {vocab_size}] float32)",
                             2 * batch * steps * vocab_size * 4, available_memory(device), memory_label(device),
                             "generate fewer tokens or pass return_logits=False")
@@ -714,11 +713,11 @@ def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | Non
     _, _, for_host = _choose(logits, torch.zeros(batch, dtype=torch.bool, device=device), eos_id, forced, forcing,
                              _StepKey(sampling.seed, device).at(0), index_bits, *_knobs(sampling, device), kind)
     *row_ids, non_finite = for_host.tolist()
-    _raise_if_non_finite(non_finite, 0, logits.dtype)
+    _raise_if_non_finite(non_finite != 0, 0, logits.dtype)
     return row_ids
 
 
-def _raise_if_non_finite(non_finite: int, step: int, dtype: torch.dtype) -> None:
+def _raise_if_non_finite(non_finite: bool, step: int, dtype: torch.dtype) -> None:
     if non_finite:
         raise NonFiniteLogitsError(f"the model produced NaN or Inf logits at generated token {step}; the weights "
                                    f"or dtype ({dtype}) are not usable for this input")
