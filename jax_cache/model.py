@@ -23,9 +23,9 @@ from safetensors import safe_open
 from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers
 from jax_cache.projection import matmul_precision, project, stored_dtype
-from twincache.checkpoint import expected_tensor_shapes, fill_weights, open_checkpoint
+from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
 from twincache.config import MistralConfig
-from twincache.errors import CheckpointError, InputError
+from twincache.errors import InputError
 from twincache.generation import INT32_MAX
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
@@ -301,11 +301,13 @@ class Mistral(nnx.Module):
         if free is not None and sum(2 * weights[name].nbytes for name in widened) > free:
             # The float32 copies would crowd the host: the weights stay as they are (slower, the same sums).
             stored = {name: array.dtype for name, array in weights.items()}
+        flat_state = [(".".join(map(str, path)), path, variable)
+                      for path, variable in nnx.to_flat_state(abstract_state)]
+        missing = [name for name, _, _ in flat_state if name not in weights]
+        if missing:
+            raise missing_tensors_error(config, missing)
         flat = []
-        for path, variable in nnx.to_flat_state(abstract_state):
-            name = ".".join(map(str, path))
-            if name not in weights:
-                raise CheckpointError(f"weights lack tensor {name}")
+        for name, path, variable in flat_state:
             array = weights[name]
             flat.append((path, variable.replace(array.astype(stored[name]))))
         model = nnx.merge(graphdef, nnx.from_flat_state(flat))

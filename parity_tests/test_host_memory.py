@@ -169,7 +169,7 @@ def test_reading_into_the_arena_refuses_a_wrong_shape_an_unknown_tensor_and_a_mi
     assert len(read(config, _Arrays(full), {}, dtype)) == len(full)  # the stand-in is a valid checkpoint
     name, array = full[0]
     cases = {"has shape": [(name, array[:1]), *full[1:]], "has no place for": [*full, ("extra.weight", array)],
-             "lack tensor": full[1:]}
+             "lack 1 of the": full[1:]}
     for message, pairs in cases.items():
         with pytest.raises(CheckpointError, match=message):
             read(config, _Arrays(pairs), {}, dtype)

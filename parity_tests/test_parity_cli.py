@@ -167,3 +167,10 @@ def test_bf16_on_a_tiny_model_within_bounds_of_its_floor(checkpoints):
     assert len(judged) == 6 and report.passed, parity.format_table(parity.report_json(report, ""))
     floor = report.rows[0].distance
     assert floor.max_abs_logit_diff > 1e-3, "a bf16 floor far from 0, else this judges nothing"
+
+
+def test_a_run_that_ignores_its_forced_tokens_is_named_where_it_strays():
+    """The parity numbers rest on forcing; a broken forcing says the row, the step and both tokens."""
+    assert parity._first_difference([[4, 5, 6], [7, 8]], [[4, 5, 6], [7, 9]]) == "row 1, step 1: 8 where 9 was forced"
+    assert parity._first_difference([[4, 5]], [[4, 5, 6]]) == "row 0, step 2: nothing where 6 was forced"
+    assert parity._first_difference([[4]], [[4], [5]]) == "1 rows, not 2"

@@ -548,6 +548,22 @@ def test_item7_the_figure_is_compared_with_what_is_available(side, monkeypatch):
         side.generate([PROMPT] * 3, 400, cache="sliding_window", return_logits=True)  # 2 x 3 x 400 x 128 x 4 B
 
 
+@pytest.mark.parametrize("backend", list(SIDES))
+def test_item4_weights_handed_over_without_some_tensors_are_refused_with_the_count(checkpoints, backend):
+    """from_weights (the handoff's and the default model's loader) names how many tensors are missing, the first with
+    its shape, and what to pass, before anything is built."""
+    from safetensors.numpy import load_file
+
+    arrays = load_file(str(checkpoints["gqa"] / "model.safetensors"))
+    config = MistralConfig.from_json(checkpoints["gqa"] / "config.json")
+    as_backend = torch.from_numpy if backend == "torch" else jnp.asarray
+    dropped = ("model.layers.1.mlp.up_proj.weight", "model.norm.weight")
+    weights = {name: as_backend(array) for name, array in arrays.items() if name not in dropped}
+    with refused(CheckpointError, f"weights lack 2 of the {len(arrays)} tensors", "first model.layers.1.mlp.up_proj",
+                 f"[{config.intermediate_size}, {config.hidden_size}]", "pass every tensor"):
+        SIDES[backend][1].from_weights(config, weights)
+
+
 # --- 9. absurd configs are refused before anything large is built -----------------------------------------------------
 
 

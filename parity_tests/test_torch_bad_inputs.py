@@ -268,6 +268,8 @@ def test_11_attention_mask_shape_and_right_padding(model, kind):
         prefill(model, input_ids, torch.tensor([[1, 1, 1], [1, 1, 0]]), cache)
     with refused(InputError, "row 0", "left padding", cache=cache):
         prefill(model, input_ids, torch.tensor([[0, 1, 0], [1, 1, 1]]), cache)  # a gap is not left padding
+    with refused(InputError, "row 1 holds 2 at column 0", "only 0 (padding) and 1", cache=cache):
+        prefill(model, input_ids, torch.tensor([[1, 1, 1], [2, 1, 1]]), cache)  # not a 0/1 mask
 
 
 def test_12_sliding_window_cache_on_config_without_window(no_window_model):

@@ -201,7 +201,8 @@ class StaticCache(BufferSizes):
             cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype,
                                       tuple(self.keys[0].shape))
             if states.device != self.device:
-                raise CacheError(f"{name} is on {states.device} but the cache is on {self.device}")
+                raise CacheError(f"{name} is on {states.device} but the cache is on {self.device}; move the states to "
+                                 "the cache's device, or build the cache on the model's")
         self._check_write_range(key_states.shape[2])
 
 

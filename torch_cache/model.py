@@ -22,9 +22,9 @@ from torch.torch_version import TorchVersion
 from torch_cache import sharding
 from torch_cache.cache import StaticCache, host_buffers
 from torch_cache.projection import project, project_stacked
-from twincache.checkpoint import expected_tensor_shapes, fill_weights, open_checkpoint
+from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
 from twincache.config import MistralConfig
-from twincache.errors import CacheError, CheckpointError, InputError
+from twincache.errors import CacheError, InputError
 from twincache.generation import INT32_MAX
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
@@ -297,7 +297,7 @@ class Mistral(nn.Module):
         tensors are whole and this rank keeps copies of its slices of them."""
         missing = [name for name in expected_tensor_shapes(config) if name not in weights]
         if missing:
-            raise CheckpointError(f"weights lack tensor {missing[0]}")
+            raise missing_tensors_error(config, missing)
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
         return cls._assemble(config, weights, mesh)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from twincache.checkpoint import missing_tensors_error
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, MeshError
 from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, plan_shards
@@ -170,9 +171,13 @@ def parallelize(model: Mistral, mesh: DeviceMesh, weights: dict[str, torch.Tenso
     rank's slices, shard_weights), its attention modules take the local head counts, and every forward calls the
     mesh's collectives."""
     parameters = dict(model.named_parameters())
-    if set(weights) != set(parameters):
-        name = sorted(set(weights) ^ set(parameters))[0]
-        raise CheckpointError(f"weights {'lack' if name in parameters else 'hold an extra'} tensor {name}")
+    missing = sorted(set(parameters) - set(weights))
+    if missing:
+        raise missing_tensors_error(model.config, missing)
+    extra = sorted(set(weights) - set(parameters))
+    if extra:
+        raise CheckpointError(f"weights hold {len(extra)} tensor(s) a {model.config.num_hidden_layers}-layer Mistral "
+                              f"of this config has no place for, first {extra[0]}; pass only its checkpoint's tensors")
     for name, tensor in weights.items():
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(tensor, requires_grad=False))

@@ -153,4 +153,5 @@ def check_states(cache: Any, layer_idx: int, name: str, shape: tuple[int, ...], 
         raise CacheError(f"{name} has shape {list(shape)}; this cache needs [{rows}, {kv_heads}, seq_len, "
                          f"{head_dim}]")
     if dtype != cache.dtype:
-        raise CacheError(f"{name} dtype {dtype} differs from cache dtype {cache.dtype}")
+        raise CacheError(f"{name} dtype {dtype} differs from cache dtype {cache.dtype}; cast the states to the "
+                         "cache's dtype, or build the cache in the model's")

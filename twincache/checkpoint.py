@@ -111,6 +111,17 @@ def expected_shape(config: MistralConfig, name: str) -> tuple[int, ...] | None:
     return _layer_shapes(config).get(match[2])
 
 
+def missing_tensors_error(config: MistralConfig, missing: list[str]) -> CheckpointError:
+    """The error for weights that lack tensors `config` needs: how many, the first with its expected shape, and what
+    to pass instead."""
+    first = missing[0]
+    shape = expected_shape(config, first)
+    return CheckpointError(f"weights lack {len(missing)} of the {len(expected_tensor_shapes(config))} tensors a "
+                           f"{config.num_hidden_layers}-layer Mistral of this config needs, first {first}"
+                           + (f" (checkpoint shape {list(shape)})" if shape is not None else "")
+                           + "; pass every tensor of a checkpoint saved for this config")
+
+
 def fill_weights(config: MistralConfig, shapes: dict[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],
                  write: Callable[[str, Any], object]) -> None:
     """Hand each (name, tensor) a loader reads to `write`, which copies it into the place allocated for it, once the
@@ -129,7 +140,7 @@ def fill_weights(config: MistralConfig, shapes: dict[str, tuple[int, ...]], tens
         filled.add(name)
     missing = [name for name in shapes if name not in filled]
     if missing:
-        raise CheckpointError(f"weights lack tensor {missing[0]}")
+        raise missing_tensors_error(config, missing)
 
 
 def is_ignorable_tensor(name: str) -> bool:

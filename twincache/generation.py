@@ -219,8 +219,12 @@ def validate_attention_mask(attention_mask: np.ndarray, input_shape: tuple[int, 
     if tuple(attention_mask.shape) != tuple(input_shape):
         raise InputError(f"attention_mask has shape {list(attention_mask.shape)} but input_ids has "
                          f"{list(input_shape)}; they must match")
-    if not np.isin(attention_mask, (0, 1)).all():
-        raise InputError("attention_mask must hold only 0 (padding) and 1 (token)")
+    outside = ~np.isin(attention_mask, (0, 1))
+    if outside.any():
+        row, column = (int(i) for i in np.argwhere(outside)[0])
+        value = attention_mask[row, column].item()
+        raise InputError(f"attention_mask row {row} holds {value!r} at column {column}; it must hold only 0 (padding) "
+                         "and 1 (token)")
     for row, mask_row in enumerate(attention_mask):
         if not mask_row.any():
             raise InputError(f"attention_mask row {row} is all padding; every row needs at least one token")

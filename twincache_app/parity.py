@@ -247,6 +247,19 @@ def host(x: Any) -> np.ndarray:
     return array.astype(np.float32) if array.dtype.name == "bfloat16" else array
 
 
+def _first_difference(emitted: list[list[int]], forced: list[list[int]]) -> str:
+    """Where two token lists first differ, in words."""
+    if len(emitted) != len(forced):
+        return f"{len(emitted)} rows, not {len(forced)}"
+    for row, (got, want) in enumerate(zip(emitted, forced)):
+        for step in range(max(len(got), len(want))):
+            if step >= len(got) or step >= len(want) or got[step] != want[step]:
+                seen = got[step] if step < len(got) else "nothing"
+                wanted = want[step] if step < len(want) else "nothing"
+                return f"row {row}, step {step}: {seen} where {wanted} was forced"
+    return "the same tokens"
+
+
 def run_implementation(impl: str, models: Models, prompts: list[list[int]], tokens: list[list[int]],
                        cache: str) -> Run:
     """The backend's `generate` in the implementation's mode, fed `tokens` (forced_tokens), every step's logits."""
@@ -256,7 +269,8 @@ def run_implementation(impl: str, models: Models, prompts: list[list[int]], toke
     result = BACKENDS[name].module().generate(models.towers[name], prompts, len(tokens[0]), mode=mode, cache=cache,
                                               return_logits=True, forced_tokens=tokens)
     if result.token_ids != tokens:  # forcing is the premise of every number below
-        raise RuntimeError(f"{impl} emitted other tokens than the forced ones")
+        where = _first_difference(result.token_ids, tokens)
+        raise RuntimeError(f"{impl} emitted other tokens than the forced ones ({where}): a forced_tokens bug")
     return Run.from_result(result)
 
 
