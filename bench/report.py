@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -284,8 +283,3 @@ def write_report(records: list[dict[str, Any]], out: Path) -> None:
     plot_latency(records, out / PLOTS["latency"])
     plot_impls(records, out / PLOTS["impls"])
     plot_batch(records, out / PLOTS["batch"])
-
-
-def main_report(out: Path) -> None:
-    """Rebuild results.md and the plots from an existing results.json."""
-    write_report(json.loads((Path(out) / "results.json").read_text()), Path(out))

@@ -23,7 +23,8 @@ import pytest
 
 from parity_tests.conftest import save_hf_checkpoint
 from parity_tests.test_cli_bad_inputs import REPO, _entry_point
-from twincache.phases import ENV
+from twincache import phases
+from twincache.phases import ENV, PHASES
 
 # (backend, mode, phase). torch's decode phase runs eagerly: a compiled one would first spend a whole compile.
 PHASE_CASES = [("torch", "compiled", "load"), ("torch", "eager", "prefill"), ("torch", "compiled", "compile"),
@@ -68,6 +69,14 @@ def assert_interrupted(label: str, returncode: int, stderr: str) -> None:
     assert last == "twincache: interrupted", f"{label}: the last stderr line is {last!r}"
     assert all(line.startswith("twincache: ") and "interrupt" not in line for line in notices), \
         f"{label}: more than the one line: {stderr!r}"
+
+
+def test_the_cases_cover_every_phase_of_both_backends():
+    """PHASE_CASES cover every phase a decode enters, in both backends; "exit" has its own test below."""
+    for backend in ("torch", "jax"):
+        assert {phase for name, _, phase in PHASE_CASES if name == backend} | {"exit"} == set(PHASES), backend
+    with pytest.raises(ValueError, match="unknown phase 'decoding'"):
+        phases.enter("decoding")
 
 
 def test_sigint_in_every_phase_exits_130_with_one_line(long_model):

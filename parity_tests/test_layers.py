@@ -26,15 +26,32 @@ FORBIDDEN = {
 }
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Top-level names of every module the file imports, anywhere in it."""
+def imported_modules(path: Path, source: str | None = None) -> set[str]:
+    """Top-level names of every module the file (or `source`, read as that file) imports, anywhere in it: `import`,
+    `from` (a relative one resolved against the file's own package) and `importlib.import_module` / `__import__` of
+    a literal name."""
+    package = path.relative_to(REPO).parent.parts  # ("torch_cache",) for torch_cache/model.py
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if source is None else source)):
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else ()
+            named = (*base, *(node.module.split(".") if node.module else ()))
+            found.update([named[0]] if named else [alias.name for alias in node.names])
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and ast.unparse(node.func) in ("importlib.import_module",
+                                                                                    "import_module", "__import__")):
+            found.add(node.args[0].value.split(".")[0])
     return found
+
+
+def test_imports_are_resolved_relative_and_dynamic_ones_included():
+    """The reader above must see a tower reaching the other by a relative or a dynamic import."""
+    source = ("from ..jax_cache import cache\nfrom . import model\nfrom .generate import sample\n"
+              "import importlib\nimportlib.import_module('flax.nnx')\n__import__('jax')\n")
+    found = imported_modules(REPO / "torch_cache" / "example.py", source)
+    assert found == {"jax_cache", "torch_cache", "importlib", "flax", "jax"}
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))

@@ -3,7 +3,7 @@
 
 Their one use is a test hook: with TWINCACHE_INTERRUPT_AT=<phase> in the environment, the process sends itself
 SIGINT when it enters that phase, so that tests can interrupt each phase deterministically
-(parity_tests/test_interrupts.py). Unset, `enter` is one dictionary lookup.
+(parity_tests/test_interrupts.py). Unset, `enter` is a membership test and one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ ENV = "TWINCACHE_INTERRUPT_AT"
 
 
 def enter(phase: str) -> None:
-    """Mark the start of `phase` (one of PHASES)."""
+    """Mark the start of `phase` (one of PHASES: a misspelt one would never be interrupted, so it raises)."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; the phases are {', '.join(PHASES)}")
     if os.environ.get(ENV) == phase:
         os.kill(os.getpid(), signal.SIGINT)
 
