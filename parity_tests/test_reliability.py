@@ -677,6 +677,22 @@ def test_item12_a_tensor_stored_in_two_shards_is_refused(checkpoints, tmp_path):
         TorchMistral.from_pretrained(directory)
 
 
+def test_item12_a_directory_with_one_file_and_shards_loads_what_transformers_loads(checkpoints, tmp_path):
+    """Beside an index and its shards, a model.safetensors is what transformers' from_pretrained reads; both towers
+    read it too, or parity would compare two different models (the shards here hold another seed's weights)."""
+    from safetensors.numpy import load_file
+    from transformers import MistralForCausalLM
+
+    directory = copy_checkpoint(checkpoints["sharded"], tmp_path / "both")
+    shutil.copy(checkpoints["gqa"] / "model.safetensors", directory / "model.safetensors")
+    single = load_file(str(checkpoints["gqa"] / "model.safetensors"))["model.embed_tokens.weight"]
+    reference = MistralForCausalLM.from_pretrained(directory).model.embed_tokens.weight.detach().numpy()
+    np.testing.assert_array_equal(reference, single, err_msg="transformers no longer prefers the single file")
+    np.testing.assert_array_equal(TorchMistral.from_pretrained(directory).model.embed_tokens.weight.numpy(), single)
+    np.testing.assert_array_equal(np.asarray(JaxMistral.from_pretrained(directory).model.embed_tokens.weight[...]),
+                                  single)
+
+
 def _unwritable(tmp_path: Path) -> Path:
     """A directory this process cannot create files in: chmod for a normal user, /sys for root (chmod binds no root)."""
     directory = tmp_path / "read_only"

@@ -184,17 +184,18 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 
 
 def tensor_files(model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
-    """Each tensor's validated safetensors file and stored shape (one file, or shards with an index)."""
+    """Each tensor's validated safetensors file and stored shape (one file, or shards with an index). A directory
+    holding both reads the single file, as transformers' from_pretrained does, so that both load the same weights."""
     model_dir = Path(model_dir)
     index_path, single_path = model_dir / INDEX_FILE, model_dir / SINGLE_FILE
-    if index_path.is_file():
+    if single_path.is_file():
+        shard_names = [SINGLE_FILE]
+    elif index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_bytes().decode("utf-8"))["weight_map"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
             raise CheckpointError(f"{index_path} is not a valid safetensors index (no 'weight_map')") from None
         shard_names = _shard_names(weight_map, index_path)
-    elif single_path.is_file():
-        shard_names = [SINGLE_FILE]
     else:
         pickled = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         if pickled:
