@@ -227,6 +227,65 @@ def test_build_killed_without_cleanup_is_never_trusted(tmp_path, monkeypatch, re
     assert not stale.exists() and recent.exists()
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has ended (reaped, so nothing answers to it until the pid is reused)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftover_builds_of_ended_processes_are_removed_even_once_the_model_exists(tmp_path, monkeypatch):
+    """A staging directory records its builder's host and pid: one whose builder has ended goes at the next run, new
+    or not, and whether or not a build runs then; a live builder's, or another host's, stays (it may be building)."""
+    import socket
+
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    built = default_model.tiny_model_dir()
+    host, dead = socket.gethostname(), _dead_pid()
+    ended = tmp_path / f".building-{host}-{dead}-abc123_x"
+    running = tmp_path / f".building-{host}-{os.getpid()}-def456_y"
+    elsewhere = tmp_path / f".building-another-host-{dead}-ghi789_z"
+    for leftover in (ended, running, elsewhere):
+        leftover.mkdir()
+        (leftover / "model.safetensors").write_bytes(b"x" * 1024)
+    assert default_model.tiny_model_dir() == built  # complete already: no build runs
+    assert not ended.exists(), "an ended build's staging directory was kept"
+    assert running.exists() and elsewhere.exists(), "a build that may be in progress was removed"
+
+
+INTERRUPTED_BUILD = """
+import os, signal, sys, time
+from pathlib import Path
+from twincache import default_model
+from twincache_app import interrupts
+
+def write(staging: Path) -> None:
+    (staging / "model.safetensors").write_bytes(b"x" * 1_000_000)
+    print(staging, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C halfway through the build
+    time.sleep(60)
+
+with interrupts.exit_on_interrupt():  # as the CLI runs every command
+    default_model.build_aside(Path(sys.argv[1]) / "model", write, "stamp")
+"""
+
+
+def test_ctrl_c_during_a_build_removes_its_staging_directory(tmp_path):
+    """Ctrl-C exits by os._exit, which skips build_aside's `finally`; the half-built model must not stay behind."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_BUILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 130 and proc.stderr.endswith("twincache: interrupted\n"), proc.stderr
+    staging = Path(proc.stdout.strip())
+    assert staging.parent == tmp_path and staging.name.startswith(".building-"), staging
+    assert not staging.exists() and not (tmp_path / "model").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("contents", ["empty", "half_written", "other_model"])
 def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpoints, reference_build,
                                                  contents: str):

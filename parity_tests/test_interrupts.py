@@ -186,7 +186,8 @@ LAUNCHER = """
 import sys
 from twincache_app import interrupts, launch
 
-with interrupts.exit_on_interrupt():  # as the CLI runs a --mesh command that starts its ranks
+with interrupts.exit_on_interrupt(), launch.rank_folder() as folder:  # as the CLI runs a --mesh command
+    print(folder, flush=True)
     launch.run_ranks(["-n", "1", "-r", "1", "import time; time.sleep(120)"], 2, module="timeit")
 print("finished", flush=True)
 """
@@ -199,7 +200,8 @@ def _children(pid: int) -> list[int]:
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc and signals as on Linux")
 def test_sigint_to_a_mesh_launcher_alone_stops_the_ranks_it_started():
     """`kill -INT` (or a timeout's SIGINT) reaches the launcher of a torch --mesh run, not its ranks: its exit 130
-    stops them first, or they would wait in a collective for half an hour. The ranks here sleep (python -m timeit)."""
+    stops them first, or they would wait in a collective for half an hour, and removes the folder they shared (the
+    exit skips its `with`). The ranks here sleep (python -m timeit)."""
     with children_start_with_sigint():
         proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=REPO)
@@ -213,8 +215,10 @@ def test_sigint_to_a_mesh_launcher_alone_stops_the_ranks_it_started():
         time.sleep(1.0)  # the ranks are running their sleep
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
-        assert stdout == "" and "finished" not in stdout
+        folder, *rest = stdout.splitlines()
+        assert rest == [], f"the launcher went on after the ranks: {rest}"
         assert_interrupted("a mesh launcher", proc.returncode, stderr)
+        assert "twincache-ranks-" in folder and not Path(folder).exists(), f"{folder} outlived its run"
         alive = [rank for rank in ranks if Path(f"/proc/{rank}").exists()]
         assert alive == [], f"ranks {alive} outlived their launcher"
     finally:

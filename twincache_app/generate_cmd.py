@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,8 +94,8 @@ def start_mesh(args: argparse.Namespace, config: MistralConfig, backends: list[B
     if any(b.mesh_processes for b in backends):
         if not launch.in_world():
             launch.check_torch_devices(args.mesh)
-            with tempfile.TemporaryDirectory(prefix="twincache-ranks-") as folder:
-                return launch.run_ranks(_rank_argv(args.argv, Path(folder)), args.mesh.devices)
+            with launch.rank_folder() as folder:
+                return launch.run_ranks(_rank_argv(args.argv, folder), args.mesh.devices)
         launch.init_rank()
     return None
 

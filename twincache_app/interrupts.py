@@ -19,36 +19,25 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+
+from twincache import exit_cleanup
 
 EXIT_CODE = 128 + signal.SIGINT  # 130, as a shell reports a program ended by SIGINT
 MESSAGE = b"twincache: interrupted\n"
 _exiting = threading.Lock()
-_before_exit: list[Callable[[], None]] = []  # run by exit_interrupted, newest first (see before_interrupt_exit)
 
 
 def exit_interrupted(*_: object) -> None:
-    """Write the one line and end the process now. The first caller exits; a second one waits here for that."""
+    """Write the one line and end the process now, after the cleanups registered with
+    twincache.exit_cleanup.on_abrupt_exit (nothing else is unwound). The first caller exits; a second one waits here
+    for that."""
     _exiting.acquire()
     try:
         os.write(2, MESSAGE)
-        for cleanup in reversed(_before_exit):
-            with contextlib.suppress(BaseException):
-                cleanup()
+        exit_cleanup.run_cleanups()
     finally:
         os._exit(EXIT_CODE)
-
-
-@contextlib.contextmanager
-def before_interrupt_exit(cleanup: Callable[[], None]) -> Iterator[None]:
-    """Within the block, an interrupt's exit calls `cleanup` first (nothing else is unwound): for what must not
-    outlive the process, such as the ranks a `--mesh` launcher started, which a SIGINT sent to the launcher alone
-    would leave waiting in a collective."""
-    _before_exit.append(cleanup)
-    try:
-        yield
-    finally:
-        _before_exit.remove(cleanup)
 
 
 def _watch(read_fd: int) -> None:
@@ -109,4 +98,4 @@ def exit_on_interrupt() -> Iterator[ExitOnInterrupt]:
         guard.restore()
 
 
-__all__ = ["EXIT_CODE", "MESSAGE", "exit_interrupted", "before_interrupt_exit", "ExitOnInterrupt", "exit_on_interrupt"]
+__all__ = ["EXIT_CODE", "MESSAGE", "exit_interrupted", "ExitOnInterrupt", "exit_on_interrupt"]

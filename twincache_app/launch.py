@@ -11,18 +11,21 @@ before it starts (`simulate_cpu_devices`); on GPU hosts that flag is ignored and
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from twincache import exit_cleanup
 from twincache.xla_flags import add_xla_flag
-from twincache_app import interrupts
 
 if TYPE_CHECKING:  # twincache.mesh imports numpy: the CLI imports this module before it handles Ctrl-C
     from twincache.mesh import MeshShape
@@ -54,6 +57,15 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@contextlib.contextmanager
+def rank_folder() -> Iterator[Path]:
+    """A private folder for what the ranks of one run share (a prompt read from stdin), removed when the run ends,
+    by Ctrl-C's exit too (which skips the `with` block's own cleanup)."""
+    with tempfile.TemporaryDirectory(prefix="twincache-ranks-") as folder:
+        with exit_cleanup.on_abrupt_exit(lambda: shutil.rmtree(folder, ignore_errors=True)):
+            yield Path(folder)
+
+
 def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app.cli") -> int:
     """Run `python -m <module> <argv>` (the twincache command by default) in `world_size` processes on this host,
     ranks 0..world_size-1; returns rank 0's exit code (or a failed rank's, when rank 0 had to be stopped because that
@@ -69,9 +81,10 @@ def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app
                               stdout=None if r == 0 else subprocess.DEVNULL, stderr=None if r == 0 else logs[r])
              for r in range(world_size)]
     try:
-        # Ctrl-C: the CLI's interrupt exit (twincache_app.interrupts) stops the ranks first; a KeyboardInterrupt
+        # Ctrl-C: the CLI's interrupt exit (twincache_app.interrupts) stops the ranks first (a SIGINT sent to the
+        # launcher alone would leave them waiting in a collective); a KeyboardInterrupt
         # (where that exit is not installed) does the same here. Either way none is left behind.
-        with interrupts.before_interrupt_exit(lambda: _stop(procs)):
+        with exit_cleanup.on_abrupt_exit(lambda: _stop(procs)):
             return _wait(procs, logs)
     except KeyboardInterrupt:
         _stop(procs)
