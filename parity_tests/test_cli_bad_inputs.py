@@ -205,9 +205,15 @@ CASES: dict[str, tuple[str, list[str], str]] = {
                              "max_cache_len=4"),
     "budget_beyond_static": ("good", ["--cache", "static", "--max-cache-len", "5", "--max-new-tokens", "4"],
                              "prompt (3 tokens) + max_new_tokens (4) = 7 exceeds the static cache capacity "
-                             "max_cache_len=5; raise --max-cache-len to at least 7"),
+                             "max_cache_len=5; raise max_cache_len (--max-cache-len) to at least 7, or"),
     "budget_beyond_short_ring": ("good", ["--cache", "sliding_window", "--max-cache-len", "5", "--max-new-tokens",
-                                          "4"], "= 7 exceeds the sliding_window cache capacity max_cache_len=5"),
+                                          "4"], "= 7 exceeds the sliding_window cache capacity max_cache_len=5; raise "
+                                                "max_cache_len (--max-cache-len) to at least 7, or"),
+    # a ring as long as the window (8) holds any generation: that is what it asks for, not prompt + new tokens
+    "budget_beyond_ring_shorter_than_window": ("good", ["--cache", "sliding_window", "--max-cache-len", "5",
+                                                        "--max-new-tokens", "30"],
+                                               "= 33 exceeds the sliding_window cache capacity max_cache_len=5; raise "
+                                               "max_cache_len (--max-cache-len) to at least 8 (the window"),
     "max_cache_len_zero": ("good", ["--cache", "static", "--max-cache-len", "0"], "max_cache_len=0 must be > 0"),
     # 10. sampling parameters
     "temperature_negative": ("good", ["--temperature", "-0.5"], "temperature=-0.5 must be >= 0"),

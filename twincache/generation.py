@@ -343,9 +343,12 @@ def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, m
     window_fits = (cache_kind == "sliding_window" and config.sliding_window is not None
                    and max_cache_len >= config.sliding_window)
     if not window_fits and total > max_cache_len:
+        # A ring as long as the window holds a generation of any length; a shorter one only what fits in it.
+        needed = total if cache_kind == "static" else min(total, config.sliding_window or total)
+        why = f" (the window: a ring of {needed} slots holds any length)" if needed < total else ""
         raise CacheError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
-                         f"{cache_kind} cache capacity max_cache_len={max_cache_len}; raise --max-cache-len to at "
-                         f"least {total} or generate fewer tokens")
+                         f"{cache_kind} cache capacity max_cache_len={max_cache_len}; raise max_cache_len "
+                         f"(--max-cache-len) to at least {needed}{why}, or generate fewer tokens")
     return cache_kind, max_cache_len
 
 
