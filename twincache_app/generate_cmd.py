@@ -126,8 +126,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Prefill, then decode token by token in the backend's --mode; streaming modes print the text "
                     "as it is decoded (docs/design.md §5).")
     parser.add_argument("--backend", choices=list(BACKENDS), default="torch")
-    parser.add_argument("--mode", help=f"decode mode, each backend's own ({modes_help()}); the fused mode prints the "
-                                       "text when it ends, the others stream it")
+    parser.add_argument("--mode", help=f"decode mode, each backend's own ({modes_help()}); every mode streams the "
+                                       "text, jax's fused mode a block of steps at a time")
     parser.add_argument("--cache", choices=CACHE_KINDS,
                         help="KV cache (default: sliding_window when the config has a window, else static)")
     add_model_arguments(parser)
