@@ -340,3 +340,17 @@ def test_the_executable_freezes_what_is_alive_before_it_exits(capsys, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=120, check=False)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "frozen True\n", "")
+
+
+def test_the_readme_mesh_examples_fit_the_default_model(trained_model_dir):
+    """Every `twincache generate|parity ... --mesh` line of the README that runs on the default model asks for a mesh
+    its heads split over: with 9 query heads, model=2 and model=4 were refused, so each example exited 2."""
+    from twincache.checkpoint import load_config
+    from twincache.mesh import parse_mesh, plan_shards
+
+    config = load_config(trained_model_dir)
+    readme = (REPO / "README.md").read_text()
+    examples = re.findall(r"^twincache (?:generate|parity) (?!.*--model).*--mesh (\S+)", readme, flags=re.MULTILINE)
+    assert len(examples) >= 3, examples
+    for mesh in examples:
+        plan_shards(config, parse_mesh(mesh))  # raises MeshError, naming the heads, for a mesh the model cannot use
