@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"preset {preset.name} needs a CUDA GPU; none is visible (use --preset small on CPU)")
     out = args.out if args.out is not None else Path("bench_out") / preset.name
     writable_directory(out, "--out", "pass --out a directory where results can be written")  # before hours of work
+    _check_cache_dir(args.cache_dir)
     if args.meshes:
         from bench.mesh import mesh_impls, run_mesh_bench
 
@@ -181,6 +182,13 @@ def run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_cache_dir(cache_dir: Path | None) -> None:
+    """--cache-dir as --out: a file there (or no write permission) is one line naming it, not a FileExistsError."""
+    if cache_dir is not None:
+        writable_directory(cache_dir, "--cache-dir", "pass --cache-dir a directory where the bench's random "
+                                                     "checkpoints can be built (or leave it out)")
+
+
 def _lengths(text: str) -> list[int]:
     try:
         lengths = [int(item) for item in text.split(",") if item.strip()]
@@ -203,6 +211,7 @@ def run_prefill_memory(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-memory --model {args.model} is not a checkpoint directory; the sweep runs on a "
                          "copy of its config.json (a GGUF file has none): give an HF checkpoint directory")
     preset = resolve(PRESETS[args.preset], args.model)
+    _check_cache_dir(args.cache_dir)
     model = preset_checkpoint(preset, args.cache_dir)
     if model is None:
         raise InputError(f"--prefill-memory measures a CPU process's RSS; preset {preset.name} builds its weights on "

@@ -146,6 +146,18 @@ def test_bench_out_that_is_a_file_is_named(tmp_path, capsys):
     assert_one_line_error(code, err, f"--out {out_file} is a file, not a directory")
 
 
+@pytest.mark.parametrize("extra", [[], ["--prefill-memory"]], ids=["decode", "prefill_memory"])
+def test_bench_cache_dir_that_is_a_file_is_named(tmp_path, capsys, extra):
+    """Before, a file at --cache-dir ended in "unexpected FileExistsError" from the checkpoint build."""
+    cache_file = tmp_path / "cache"
+    cache_file.write_text("a file")
+    code, out, err = run_in_process(["bench", "--preset", "tiny", *extra, "--cache-dir", str(cache_file),
+                                     "--out", str(tmp_path / "out"), "--no-progress"], capsys)
+    assert_one_line_error(code, err, f"--cache-dir {cache_file} is a file, not a directory; pass --cache-dir a "
+                                     "directory")
+    assert cache_file.read_text() == "a file"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_tiny_temperature_prints_the_greedy_tokens(broken, capsys, backend):
     """Today JAX printed token 0 repeatedly (logits / 1e-38 overflowed) and torch died with a RuntimeError."""
