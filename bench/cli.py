@@ -155,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
     records = run_bench(opts)
     failed = [r for r in records if r["kind"] == "decode" and r["status"] not in ("ok", "unavailable", "skipped")]
     skipped = [r for r in records if r["kind"] == "decode" and r["status"] == "skipped"]
-    print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'} and plots"
+    from bench.report import figures
+
+    plots = figures(records)
+    print(f"bench: wrote {out / 'results.json'}, {out / 'results.md'}"
+          + (f" and {', '.join(plots)}" if plots else " (no plots: nothing measured to draw)")
           + (f"; {len(failed)} cell(s) failed, see results.md" if failed else "")
           + (f"; {len(skipped)} cell(s) skipped at the deadline" if skipped else ""), file=sys.stderr)
     return 0

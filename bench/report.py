@@ -143,8 +143,20 @@ def markdown(records: list[dict[str, Any]]) -> str:
     if notes:
         lines += ["", "## What each cell measures", ""]
         lines += [f"- `{impl}` / `{cache}`: {note}" for (impl, cache), note in notes.items() if note]
-    lines += ["", "Figures: " + ", ".join(f"`{name}`" for name in PLOTS.values()), ""]
+    names = figures(records)
+    if names:
+        lines += ["", "Figures: " + ", ".join(f"`{name}`" for name in names)]
+    lines += [""]
     return "\n".join(lines)
+
+
+# Which records each plot draws: a plot none of them feeds (--no-curves, --no-batch, every cell failed) is not drawn.
+_PLOT_KINDS = {"latency": "latency_vs_context", "impls": "decode", "batch": "batch"}
+
+
+def figures(records: list[dict[str, Any]]) -> list[str]:
+    """The PNGs this run's records draw: those with at least one measured point."""
+    return [name for key, name in PLOTS.items() if _ok(records, _PLOT_KINDS[key])]
 
 
 def _curve_section(records: list[dict[str, Any]]) -> list[str]:
@@ -277,9 +289,14 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def write_report(records: list[dict[str, Any]], out: Path) -> None:
-    """results.md and the three PNGs next to results.json."""
+    """results.md and the PNGs with data next to results.json. A plot with no points is not drawn, and one an
+    earlier run left in `out` is removed: every figure there is this run's, as results.json is."""
     out = Path(out)
     (out / "results.md").write_text(markdown(records))
-    plot_latency(records, out / PLOTS["latency"])
-    plot_impls(records, out / PLOTS["impls"])
-    plot_batch(records, out / PLOTS["batch"])
+    drawn = figures(records)
+    for key, plot in (("latency", plot_latency), ("impls", plot_impls), ("batch", plot_batch)):
+        path = out / PLOTS[key]
+        if PLOTS[key] in drawn:
+            plot(records, path)
+        else:
+            path.unlink(missing_ok=True)

@@ -114,6 +114,29 @@ def test_markdown_and_plots(tiny_run):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+def _decode_record(impl: str, cache: str) -> dict:
+    machine = {"device": "cpu", "cpu_cores": 2}
+    return {"kind": "decode", "impl": impl, "cache": cache, "status": "ok", "machine": machine, "preset": "tiny",
+            "prompt_len": 8, "new_tokens": 4, "batch": 1, "repeats": 1, "decode_tok_s": 10.0, "decode_tok_s_min": 9.0,
+            "decode_tok_s_max": 11.0, "bytes_per_step": 1e6, "note": "a stand-in"}
+
+
+def test_a_plot_without_points_is_neither_drawn_nor_listed(tmp_path):
+    """`--no-curves --no-batch`: before, latency_vs_context.png and tok_s_vs_batch.png were drawn with empty axes and
+    listed under Figures; one an earlier run left in the directory must not be listed (nor left) either."""
+    from bench import report
+
+    (tmp_path / "tok_s_vs_batch.png").write_bytes(b"an earlier run's")
+    records = [_decode_record("torch_eager", "static"), _decode_record("torch_eager", "sliding_window")]
+    report.write_report(records, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["tok_s_by_impl.png"]
+    markdown = (tmp_path / "results.md").read_text()
+    assert "Figures: `tok_s_by_impl.png`\n" in markdown, markdown
+    assert "latency_vs_context.png" not in markdown and "tok_s_vs_batch.png" not in markdown
+    report.write_report([], tmp_path)  # nothing measured at all: no plot, no Figures line
+    assert not list(tmp_path.glob("*.png")) and "Figures" not in (tmp_path / "results.md").read_text()
+
+
 def test_cli_refuses_bad_arguments_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--impls", "torch_eager,nope"])
