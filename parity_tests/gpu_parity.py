@@ -95,7 +95,9 @@ def run_case(name: str, config: MistralConfig, dtype: str, prompt_len: int, step
         seconds = time.perf_counter() - start
         judged_so_far.append(dict(parity.row_json(row), case=name, seconds=seconds, partial=True))
         (out / "gpu_parity.json").write_text(json.dumps([*finished, *judged_so_far], indent=1))
-        print(f"{name}: {row.cache} {row.name}: {parity.row_verdict(judged_so_far[-1])} ({seconds:.0f} s)", flush=True)
+        floor = next((r for r in judged_so_far if r["kind"] == "floor" and r["cache"] == row.cache), None)
+        print(f"{name}: {row.cache} {row.name}: {parity.row_verdict(judged_so_far[-1], floor)} ({seconds:.0f} s)",
+              flush=True)
 
     report = parity.parity_report(models, [prompt], steps, dtype, ["static", "sliding_window"], impls,
                                   on_row=on_row)

@@ -133,6 +133,36 @@ def test_parity_exits_1_when_a_metric_is_out_of_bounds(checkpoints, capsys, monk
     assert code == 1 and "OUT OF BOUNDS: max_abs_logit_diff" in captured.out and "FAIL: 0/1" in captured.err
 
 
+def test_a_verdict_against_a_zero_or_non_finite_floor_gives_the_values_not_a_ratio():
+    """A checkpoint whose parity failed badly printed "first_decisive_divergence inf/nanx": a divergence is an event,
+    not a multiple of the floor, and a ratio to a zero or non-finite floor says nothing."""
+    def distance(**fields: object) -> parity_metrics.Distance:
+        base = dict(steps=4, rows=1, max_abs_logit_diff=1e-3, rel_max_abs_logit_diff=1e-4, mean_kl=1e-6, max_kl=1e-5,
+                    top1_agreement=1.0, first_greedy_divergence=None)
+        return parity_metrics.Distance(**{**base, **fields})
+
+    floor = distance(max_abs_logit_diff=0.0, mean_kl=float("nan"))
+    bad = distance(max_abs_logit_diff=2.5, mean_kl=0.3, max_kl=0.6, top1_agreement=0.5, first_greedy_divergence=2,
+                   first_decisive_divergence=2)
+    failed = parity_metrics.failures(bad, floor, "bfloat16")
+    assert {"max_abs_logit_diff", "max_kl", "first_decisive_divergence"} <= set(failed), failed
+    floor_row = parity.row_json(parity.Row("static", "transformers (floor)", "floor", floor, [], {}))
+    row = parity.row_json(parity.Row("static", "torch:eager", "implementation", bad, failed,
+                                     parity_metrics.ratios(bad, floor)))
+    verdict = parity.row_verdict(row, floor_row)
+    assert "inf/nan" not in verdict and "nanx" not in verdict and "infx" not in verdict, verdict
+    assert "first_decisive_divergence at step 2" in verdict
+    assert "max_abs_logit_diff 2.50e+00 vs floor 0.00e+00 (no ratio)" in verdict
+    assert "max_kl 60000.0x" in verdict  # a finite, non-zero ratio is still a ratio
+    assert "max_abs_logit_diff 2.50e+00 (no finite ratio to the floor)" in parity.row_verdict(row)  # floor unknown
+    nan_row = dict(row, failed=["mean_kl"], metrics=dict(row["metrics"], mean_kl=None))
+    assert parity.row_verdict(nan_row, floor_row) == "OUT OF BOUNDS: mean_kl non-finite vs floor non-finite (no ratio)"
+    table = parity.format_table({"reference": "r", "floor": "f", "prompt_lens": [3], "steps": 4, "dtype": "bfloat16",
+                                 "decisive_steps": 4, "factors": parity_metrics.FACTORS, "absolute": {},
+                                 "rows": [floor_row, row]})
+    assert verdict in table  # the table finds the row's floor by its cache
+
+
 @pytest.mark.parametrize("argv", [["--model", "/nonexistent/dir"], ["--max-new-tokens", "0"],
                                   ["--prompt-ids", "1,99999"]])
 def test_parity_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, argv):

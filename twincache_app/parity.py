@@ -510,14 +510,41 @@ def _number(value: float | None, spec: str) -> str:
     return "inf/nan" if value is None else format(value, spec)
 
 
-def row_verdict(row: dict[str, Any]) -> str:
+def _metric(metrics: dict[str, Any], name: str) -> float | None:
+    """A metric of `report_json`'s "metrics" by its FACTORS name (top-1 disagreement is stored as agreement)."""
+    if name == "top1_disagreement":
+        agreement = metrics.get("top1_agreement")
+        return None if agreement is None else 1.0 - agreement
+    value = metrics.get(name)
+    return None if value is None else float(value)
+
+
+def _failure(name: str, row: dict[str, Any], floor: dict[str, Any] | None) -> str:
+    """One failed metric of a row as its verdict names it: the ratio to the floor where that is a finite, non-zero
+    number; else the row's value beside the floor's (a ratio to a zero or non-finite floor says nothing)."""
+    if name == "first_decisive_divergence":  # an event, not a multiple of the floor's
+        return f"{name} at step {row['metrics'].get(name)}"
+    ratio = row["ratios"].get(name)
+    if ratio is not None and ratio > 0:
+        return f"{name} {ratio:.1f}x"
+    ours = _metric(row["metrics"], name)
+    text = f"{name} {'non-finite' if ours is None else format(ours, '.2e')}"
+    if floor is None:
+        return f"{text} (no finite ratio to the floor)"
+    theirs = _metric(floor["metrics"], name)
+    return f"{text} vs floor {'non-finite' if theirs is None else format(theirs, '.2e')} (no ratio)"
+
+
+def row_verdict(row: dict[str, Any], floor: dict[str, Any] | None = None) -> str:
     """A row's verdict (a row of `report_json`) as the table gives it: "floor", "ok (worst 1.2x the floor)" or
-    "OUT OF BOUNDS: " and each failed metric's ratio to the floor."""
+    "OUT OF BOUNDS: " and each failed metric: its ratio to the floor (`floor`, the floor row of `report_json` for
+    the row's cache), or both values where the floor's is zero or either is not finite, or the step of a decisive
+    greedy divergence."""
     ratios = row["ratios"]
     if row["kind"] == "floor":
         return "floor"
     if row["failed"]:
-        return "OUT OF BOUNDS: " + ", ".join(f"{name} {_number(ratios.get(name), '.1f')}x" for name in row["failed"])
+        return "OUT OF BOUNDS: " + ", ".join(_failure(name, row, floor) for name in row["failed"])
     return f"ok (worst {max((v for v in ratios.values() if v is not None), default=0.0):.1f}x the floor)"
 
 
@@ -539,6 +566,7 @@ def format_table(data: dict[str, Any]) -> str:
              f"{data['dtype']}{window_text(data)}; {data['decisive_steps']} of "
              f"{data['steps'] * len(data['prompt_lens'])} steps decisive "
              "(a greedy divergence there is out of bounds)", header, "-" * len(header)]
+    floors = {row["cache"]: row for row in data["rows"] if row["kind"] == "floor"}
     for row in data["rows"]:
         d, ratios = row["metrics"], row["ratios"]
         diverges = "-" if d["first_greedy_divergence"] is None else str(d["first_greedy_divergence"])
@@ -547,7 +575,7 @@ def format_table(data: dict[str, Any]) -> str:
         lines.append(f"{row['cache']:<15} {row['name']:<{width}} {_number(d['max_abs_logit_diff'], '>11.2e')} "
                      f"{_number(d['rel_max_abs_logit_diff'], '>8.1e')} {_number(d['mean_kl'], '>8.1e')} "
                      f"{_number(d['max_kl'], '>8.1e')} {d['top1_agreement']:>7.1%} {diverges:>8} "
-                     f"{kv:>9}  {row_verdict(row)}")
+                     f"{kv:>9}  {row_verdict(row, floors.get(row['cache']))}")
     factors = ", ".join(f"{name} {factor:g}x" for name, factor in data["factors"].items())
     lines.append(f"bounds: each metric within its factor of the floor ({factors}); no greedy divergence at a decisive "
                  "step (float64 top-1 margin > 2 x the max|Δlogit| bound at that step)"
