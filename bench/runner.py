@@ -143,7 +143,7 @@ class Bench:
         self.others = metrics.OthersCPU()  # the rest of the machine's CPU over the whole run
         self.compile_dir = _configure_frameworks(opts)
         self.results = _Results(opts.out, metrics.machine_description(self.device), self.preset)
-        self.workload = Workload(self.preset, self.device, opts.cache_dir)
+        self.workload = Workload(self.preset, self.device, opts.cache_dir, opts.progress)
         self.impls: dict[str, Impl] = {}
         self.bar: tqdm | None = None
 

@@ -90,8 +90,9 @@ class Workload:
     prompts; shared by every implementation adapter. The backends' models are built by twincache_app.bench_adapters
     and kept in `models`, one per backend, shared by its modes."""
 
-    def __init__(self, preset: Preset, device: str, cache_dir: Path | None = None) -> None:
+    def __init__(self, preset: Preset, device: str, cache_dir: Path | None = None, progress: bool = True) -> None:
         self.preset = preset
+        self.progress = progress  # transformers' loading bars (off with --no-progress)
         self.config = preset.model_config
         self.dtype_name = preset.dtype
         self.device = device
@@ -132,7 +133,8 @@ class Workload:
 
             config = hf_config(self.config, sliding)
             if self.model_dir is not None and not self._hf_models:
-                model = transformers_model(self.model_dir, self.torch_dtype, config).to(self.device)
+                model = transformers_model(self.model_dir, self.torch_dtype, config,
+                                           progress=self.progress).to(self.device)
             else:  # share the tensors already loaded (transformers' own or, for 7b, the device weights)
                 state = next(iter(self._hf_models.values())).state_dict() if self._hf_models else self.weights()
                 with torch.device(self.device):  # its random init is replaced (and freed) by the assign below

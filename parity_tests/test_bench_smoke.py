@@ -137,6 +137,34 @@ def test_a_plot_without_points_is_neither_drawn_nor_listed(tmp_path):
     assert not list(tmp_path.glob("*.png")) and "Figures" not in (tmp_path / "results.md").read_text()
 
 
+@pytest.fixture
+def transformers_bars_on():
+    """transformers' progress bars on for the test, as in a fresh process (a test that loaded before may have turned
+    them off process-wide), then as they were."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    yield
+    (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+
+
+def test_no_progress_silences_transformers_loading_bar(tmp_path, capfd, transformers_bars_on):
+    """`twincache bench --no-progress` printed transformers' "Loading weights" bar when its reference model loaded;
+    with progress on it still shows (and transformers' switch is back as it was after a quiet load)."""
+    from transformers.utils import logging as hf_logging
+
+    from bench.presets import resolve
+    from bench.workload import Workload
+
+    capfd.readouterr()
+    Workload(resolve(PRESETS["tiny"]), "cpu", tmp_path, progress=False).hf_model(sliding=False)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    Workload(resolve(PRESETS["tiny"]), "cpu", tmp_path).hf_model(sliding=False)
+    assert "Loading weights" in capfd.readouterr().err, "the bar this test looks for no longer exists"
+
+
 def test_cli_refuses_bad_arguments_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--impls", "torch_eager,nope"])

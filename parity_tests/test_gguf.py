@@ -589,6 +589,30 @@ def test_parity_on_a_gguf_compares_transformers_gguf_loading(tiny_ggufs, capsys)
     assert all(row["metrics"]["max_abs_logit_diff"] < 1e-4 for row in report["rows"]), out
 
 
+def test_parity_loads_a_gguf_without_transformers_bars(tiny_ggufs, capfd):
+    """`twincache parity --model x.gguf` printed transformers' "Converting and de-quantizing GGUF tensors" bars (a
+    plain tqdm that its disable_progress_bar does not reach) for the floor and the reference; a load with progress
+    on still shows it, and both switches are back as they were after a quiet load."""
+    from transformers import modeling_gguf_pytorch_utils
+    from transformers.utils import logging as hf_logging
+
+    from twincache_app import parity
+    from twincache_app.hf_loading import transformers_model
+
+    was_enabled, bar = hf_logging.is_progress_bar_enabled(), modeling_gguf_pytorch_utils.tqdm
+    hf_logging.enable_progress_bar()  # as in a fresh process (hf_from_gguf turns them off process-wide)
+    try:
+        capfd.readouterr()
+        parity.load_models(tiny_ggufs["Q8_0"], "float32", impls=["torch:eager"])
+        err = capfd.readouterr().err
+        assert "GGUF tensors" not in err and "Loading weights" not in err, err
+        assert hf_logging.is_progress_bar_enabled() and modeling_gguf_pytorch_utils.tqdm is bar
+        transformers_model(tiny_ggufs["Q8_0"], torch.float32)
+        assert "Converting and de-quantizing GGUF tensors" in capfd.readouterr().err, "the bar looked for is gone"
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+
+
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_soak_on_a_gguf_with_our_window(tiny_ggufs, capsys, backend):
     argv = ["soak", "--backend", backend, "--model", str(tiny_ggufs["F16"]), "--steps", "40", "--prompt-len", "4",

@@ -391,11 +391,9 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
     if with_transformers:
         try:  # the package itself: a submodule left in sys.modules would import without it
             import transformers  # noqa: F401
-            from transformers.utils import logging as hf_logging
         except ImportError:  # fall back to torch_cache's own float64 and dtype forwards, and say so
             why_not = NOT_INSTALLED
         else:
-            hf_logging.disable_progress_bar()
             hf_config = None  # the checkpoint's own
             if sliding_window is not None:
                 from transformers import MistralConfig as HFMistralConfig
@@ -405,8 +403,10 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
 
             def load(torch_dtype: torch.dtype) -> Any:
                 # sdpa computes attention in the model's dtype; transformers' "eager" one would round float64
-                # attention weights through fp32
-                hf = transformers_model(model_dir, torch_dtype, hf_config, attn_implementation="sdpa")
+                # attention weights through fp32. No transformers bars (loading, a GGUF's dequantization) in the
+                # parity table's output
+                hf = transformers_model(model_dir, torch_dtype, hf_config, attn_implementation="sdpa",
+                                        progress=False)
                 return hf.to(device).eval()
 
             return Models(towers, load(getattr(torch, dtype)), load(torch.float64))
