@@ -429,6 +429,21 @@ def test_item4_nullable_fields_take_their_defaults(checkpoints):
     assert MistralConfig.from_dict(_good_raw(checkpoints) | {"rope_theta": 10000}).rope_theta == 10000.0
 
 
+@pytest.mark.parametrize("rope", [{"rope_scaling": {"rope_type": "default"}}, {"rope_scaling": {"type": "default"}},
+                                  {"rope_scaling": {"rope_type": "default", "rope_theta": 10000.0}},
+                                  {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}],
+                         ids=["rope_type", "type", "with_theta", "rope_parameters"])
+def test_item4_plain_rope_spelt_out_is_plain_rope(checkpoints, rope):
+    """transformers 4.x writes rope_scaling {"rope_type": "default"} (or "type") for no scaling, 5.x rope_parameters:
+    each reads as the config without it; a theta given twice must agree."""
+    plain = MistralConfig.from_dict(_good_raw(checkpoints) | {"rope_theta": 10000.0})
+    assert MistralConfig.from_dict(_good_raw(checkpoints) | {"rope_theta": 10000.0} | rope) == plain
+    field = next(iter(rope))
+    disagreeing = {field: {"rope_type": "default", "rope_theta": 500.0}}
+    with refused(ConfigError, f"{field}.rope_theta=500.0", "disagree"):
+        MistralConfig.from_dict(_good_raw(checkpoints) | {"rope_theta": 10000.0} | disagreeing)
+
+
 # --- 5. positions past the model's limit or int32 ---------------------------------------------------------------------
 
 

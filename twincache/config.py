@@ -14,7 +14,6 @@ INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both 
 
 # Keys that change the computation in ways twincache does not implement. A non-default value is refused.
 _UNSUPPORTED_IF_SET: dict[str, Any] = {
-    "rope_scaling": None,
     "quantization_config": None,
     "attention_bias": False,
     "mlp_bias": False,
@@ -128,26 +127,30 @@ class MistralConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config field hidden_act={raw['hidden_act']!r} is not supported; only 'silu' is")
         rope_theta = raw.get("rope_theta")
-        rope_parameters = raw.get("rope_parameters")
-        if rope_parameters is not None:
-            if not isinstance(rope_parameters, dict):
-                raise ConfigError(f"config field rope_parameters={rope_parameters!r} must be an object or null, not "
-                                  f"{_type_name(rope_parameters)}")
-            extra = {k: v for k, v in rope_parameters.items() if k not in ("rope_theta", "rope_type")}
-            if rope_parameters.get("rope_type", "default") != "default" or extra:
-                raise ConfigError(f"config field rope_parameters={rope_parameters!r} is not supported; "
-                                  "only rope_type 'default' (plain RoPE, no scaling) is")
-            nested = rope_parameters.get("rope_theta")
+        # transformers 5 writes rope_parameters, 4.x rope_scaling (null, or {"rope_type"/"type": "default"}): plain
+        # RoPE either way; any scaling is refused.
+        for field in ("rope_parameters", "rope_scaling"):
+            rope = raw.get(field)
+            if rope is None:
+                continue
+            if not isinstance(rope, dict):
+                raise ConfigError(f"config field {field}={rope!r} must be an object or null, not {_type_name(rope)}")
+            extra = {k: v for k, v in rope.items() if k not in ("rope_theta", "rope_type", "type")}
+            if rope.get("rope_type", rope.get("type", "default")) != "default" or extra:
+                raise ConfigError(f"config field {field}={rope!r} is not supported; only rope_type 'default' (plain "
+                                  "RoPE, no scaling) is")
+            nested = rope.get("rope_theta")
             if nested is not None:
-                nested = _positive_number("rope_parameters.rope_theta", nested)
+                nested = _positive_number(f"{field}.rope_theta", nested)
                 if rope_theta is not None and _positive_number("rope_theta", rope_theta) != nested:
-                    raise ConfigError(f"config fields rope_theta={rope_theta!r} and rope_parameters.rope_theta="
-                                      f"{nested!r} disagree; keep one of them")
+                    raise ConfigError(f"config fields rope_theta={rope_theta!r} and {field}.rope_theta={nested!r} "
+                                      "disagree; keep one of them")
                 rope_theta = nested
         eos = raw.get("eos_token_id", 2)
         if isinstance(eos, list):
             if len(eos) != 1:
-                raise ConfigError(f"config field eos_token_id={eos!r} must be one id; twincache supports one")
+                raise ConfigError(f"config field eos_token_id={eos!r} lists {len(eos)} ids; twincache stops at one: "
+                                  "set eos_token_id in config.json to the id that ends a reply")
             eos = eos[0]
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if name not in raw:
