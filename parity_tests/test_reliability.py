@@ -564,6 +564,18 @@ def test_item7_the_figure_is_compared_with_what_is_available(side, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", list(SIDES))
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_])
+def test_item4_integer_weights_are_refused_not_cast(checkpoints, tmp_path, backend, dtype):
+    """A weight stored as integers (a quantized or damaged checkpoint) was cast to float without a word."""
+    directory = copy_checkpoint(checkpoints["gqa"], tmp_path / "int_weights")
+    rewrite_tensors(directory, lambda t: t.__setitem__("model.norm.weight", t["model.norm.weight"].astype(dtype)))
+    stored = {np.int32: "I32", np.int8: "I8", np.bool_: "BOOL"}[dtype]
+    with refused(CheckpointError, f"tensor model.norm.weight in model.safetensors is stored as {stored}",
+                 "floating-point weights", "dequantize or convert"):
+        SIDES[backend][1].from_pretrained(directory)
+
+
+@pytest.mark.parametrize("backend", list(SIDES))
 def test_item4_weights_handed_over_without_some_tensors_are_refused_with_the_count(checkpoints, backend):
     """from_weights (the handoff's and the default model's loader) names how many tensors are missing, the first with
     its shape, and what to pass, before anything is built."""

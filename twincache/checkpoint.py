@@ -183,6 +183,9 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; integer weights would be cast without a word
+
+
 def tensor_files(model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
     """Each tensor's validated safetensors file and stored shape (one file, or shards with an index). A directory
     holding both reads the single file, as transformers' from_pretrained does, so that both load the same weights."""
@@ -211,6 +214,10 @@ def tensor_files(model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tupl
         if not shard_path.is_file():
             raise CheckpointError(f"shard {shard} named in {INDEX_FILE} is missing from {model_dir}")
         for name, entry in read_safetensors_header(shard_path).items():
+            if entry.get("dtype") not in _FLOAT_DTYPES and not is_ignorable_tensor(name):
+                raise CheckpointError(f"tensor {name} in {shard} is stored as {entry.get('dtype')}; twincache reads "
+                                      f"floating-point weights ({', '.join(_FLOAT_DTYPES)}): dequantize or convert the "
+                                      "checkpoint first (transformers' from_pretrained, then save_pretrained)")
             if name in files:
                 raise CheckpointError(f"tensor {name} is stored twice, in {files[name].name} and {shard}; a "
                                       "checkpoint must hold each tensor once")
