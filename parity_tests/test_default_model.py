@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -150,6 +151,24 @@ def test_trained_default_is_built_once_and_atomically(tmp_path, monkeypatch):
     assert built.name == f"smollm2-135m-instruct-w{default_model.DEFAULT_WINDOW}-v{default_model.TRAINED_BUILD_VERSION}"
     assert default_model.default_model_dir() == built and len(calls) == 2, "a complete build is never redone"
     assert calls[0] == str(default_model.smollm2_gguf()), "built from the wheel's GGUF"
+
+
+def test_a_first_run_says_it_is_converting_the_default_model(tmp_path, monkeypatch, capsys):
+    """The first `twincache generate` spends seconds converting the GGUF before it prints anything: a notice says so
+    first (not with --json, and not once the model exists). The stand-in writer's model does not load: exit 2."""
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(default_model, "write_trained_model", _counting_writer([]))
+    notice = f"twincache: converting the default model from {default_model.SMOLLM2_GGUF} into"
+    assert cli.main(["generate", "--mode", "eager", "--json"]) == 2
+    assert notice not in capsys.readouterr().err, "--json prints no notices"
+    for path in tmp_path.iterdir():  # build it again, this time without --json
+        if path.is_dir():
+            shutil.rmtree(path)
+    assert cli.main(["generate", "--mode", "eager"]) == 2
+    first, *_ = capsys.readouterr().err.splitlines()
+    assert first.startswith(notice) and first.endswith("(first use only, ~5 s)..."), first
+    assert cli.main(["generate", "--mode", "eager"]) == 2
+    assert notice not in capsys.readouterr().err, "the model exists: nothing to convert"
 
 
 def test_concurrent_first_runs_build_the_trained_default_once(tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ from twincache import exit_cleanup
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError
+from twincache.generation import NOTICES
 from twincache.storage import writable_directory
 
 # The trained default: where its GGUF comes from, what it must hash to, and the window we give it.
@@ -91,16 +92,18 @@ def default_model_dir() -> Path:
     _check_home(final.parent)  # a home that cannot hold the model is named before the wheel is looked for
     gguf_path = smollm2_gguf()
     return _build_once(final, lambda staging: write_trained_model(staging, gguf_path),
-                       f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}")
+                       f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}",
+                       f"converting the default model from {SMOLLM2_GGUF} into {final} (first use only, ~5 s)...")
 
 
 def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
     """The tiny random checkpoint directory, built first if it is absent or incomplete."""
-    return _build_once(cache_root() / f"tiny-mistral-v{BUILD_VERSION}-seed{seed}",
-                       lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}")
+    final = cache_root() / f"tiny-mistral-v{BUILD_VERSION}-seed{seed}"
+    return _build_once(final, lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}",
+                       f"building the tiny model into {final} (first use only)...")
 
 
-def _build_once(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
+def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str) -> Path:
     _remove_stale_builds(final.parent)
     if is_complete(final):
         return final
@@ -111,6 +114,7 @@ def _build_once(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if is_complete(final):
             return final
+        NOTICES.info(notice)  # seconds of silence otherwise, before anything else is printed
         return build_aside(final, write, stamp)
 
 

@@ -246,7 +246,8 @@ def notices_on_stderr(enabled: bool) -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     backend = BACKENDS[args.backend]
     mode = backend.check_mode(args.mode)
-    model_path = args.model if args.model is not None else default_model_dir()
+    with notices_on_stderr(not args.json):  # a first run converts the default model: seconds, said before
+        model_path = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_path)
     eos = config.eos_token_id
     prompts, tokenizer = resolve_prompts(args, model_path)
