@@ -371,7 +371,12 @@ def expected_skips(steps: int) -> list[bool]:
     return [step > 0 and seen[step] == seen[step - 1] for step in range(steps)]
 
 
-@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
+def test_this_torch_lets_a_steady_step_skip_its_guards():
+    """The guard skipping below needs torch.compiler.set_stance's skip_guard_eval_unsafe (torch >= 2.6, the floor
+    pyproject.toml pins): asserted rather than skipped on, so that losing it fails instead of hiding its tests."""
+    assert tg._can_skip_guards(), torch.__version__
+
+
 def test_torch_compiled_decode_checks_every_guard_at_the_first_step_of_each_bucket(torch_bucket_runs, monkeypatch):
     model = torch_bucket_runs["model"]
     skipped = record_guard_skips(model, monkeypatch)
@@ -394,7 +399,6 @@ def count_graph_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
 def test_torch_compiled_steady_cpu_steps_call_the_entry_the_checked_step_ran(torch_bucket_runs, monkeypatch):
     """On CPU a steady step runs the code of the entry its bucket's first step chose, called directly (§7.34): the
     fixture's tokens across five buckets, whose graphs differ (a symbolic partial bucket and the whole cache), so a
@@ -420,7 +424,6 @@ def test_torch_compiled_steady_cpu_steps_call_the_entry_the_checked_step_ran(tor
     assert len(entries_read) == how.count("checked") == 5  # one read after each bucket's checked step
 
 
-@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
 @pytest.mark.parametrize("entries", ["unlisted", "first fails its guards", "force_eager"])
 def test_torch_compiled_steady_steps_keep_the_skip_stance_without_a_checked_entry(torch_bucket_runs, monkeypatch,
                                                                                  entries):
@@ -460,7 +463,6 @@ def greedy_with_switch(torch_bucket_runs, monkeypatch, variable: str, value: str
     return result, skipped
 
 
-@pytest.mark.skipif(not tg._can_skip_guards(), reason="this torch has no skip_guard_eval_unsafe stance")
 def test_torch_overlapped_compiled_steps_run_the_same_graphs_with_the_same_guard_checks(torch_bucket_runs,
                                                                                          monkeypatch):
     """Two steps in flight (TWINCACHE_OVERLAP_STEPS=1, on CPU for the test, docs/design.md §7.31): a step's bucket and

@@ -17,6 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -24,7 +25,6 @@ import torch
 from twincache.errors import CheckpointError, ConfigError, TwincacheError
 from twincache_app import cli
 
-gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 # --- writing GGUFs as llama.cpp's converter does ---------------------------------------------------------------------

@@ -178,8 +178,9 @@ def test_torch_draw_frequencies_follow_the_probabilities():
         assert np.all(np.abs(counts - 20_000 * probs) < 4.5 * sigma), f"seed {seed}: counts {counts.tolist()}"
 
 
-def test_gumbel_oracle_noise_is_the_step_folded_key():
-    """The oracle's step folding is what the noise of a step uses: steps and seeds give different noise."""
+def test_the_oracles_own_noise_differs_by_step_and_seed():
+    """A check of the oracle itself, not of twincache: its step-folded noise differs between steps and seeds (else
+    the oracle comparisons above could pass on a draw that ignores the step)."""
     first, second, other_seed = (gumbel_noise(seed, step, (2, 8)) for seed, step in ((3, 0), (3, 1), (4, 0)))
     assert not np.allclose(first, second) and not np.allclose(first, other_seed)
     assert np.isfinite(first).all()

@@ -146,7 +146,13 @@ def test_compiled_decode_attention_matches_float64_attention(dtype: torch.dtype,
 
 # --- batched CPU float32 steps read oneDNN-packed weights ---------------------------------------------------------
 
-packed_only = pytest.mark.skipif(not tp._PACKED_LINEAR, reason="needs torch.library.custom_op and oneDNN")
+packed_only = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="a torch built without oneDNN")
+
+
+def test_packed_weights_are_on_wherever_onednn_is():
+    """The packed tests skip only on a torch without oneDNN; where it is there, the feature must be on (a skip on the
+    feature's own flag would hide its loss)."""
+    assert tp._PACKED_LINEAR == torch.backends.mkldnn.is_available()
 
 
 def packed_calls(graph: torch.fx.GraphModule) -> int:
