@@ -27,7 +27,7 @@ from parity_tests.test_jax_generate import count_forward_traces
 from torch_cache.cache import make_cache as torch_make_cache
 from torch_cache.model import Mistral as TorchMistral
 from twincache.errors import CacheError
-from twincache.generation import left_pad, positions_from_mask, prefill_chunks
+from twincache.generation import prefill_chunks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -68,13 +68,14 @@ def run(tower: str, models, prompts: list[list[int]], cache: str, chunk: int) ->
 
 def transformers_logits(reference: MistralForCausalLM, prompts: list[list[int]],
                         generated: list[list[int]]) -> np.ndarray:
-    """One uncached transformers forward over the left-padded prompts + generated tokens: step logits [B, steps, V]."""
-    ids, mask = left_pad([p + g for p, g in zip(prompts, generated, strict=True)], 0)
-    positions = np.maximum(positions_from_mask(mask), 0)
+    """transformers' uncached forward over each row alone, unpadded, with its own positions (so the padding and
+    position rules under test never build the reference's inputs): step logits [B, steps, V]."""
+    rows = []
     with torch.inference_mode():
-        logits = reference(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
-                           position_ids=torch.from_numpy(positions).long()).logits
-    return logits[:, -len(generated[0]) - 1:-1].float().numpy()
+        for prompt, tokens in zip(prompts, generated, strict=True):
+            logits = reference(torch.tensor([prompt + tokens])).logits[0]  # [len, V]
+            rows.append(logits[len(prompt) - 1:-1].float().numpy())  # the logits that chose each generated token
+    return np.stack(rows)
 
 
 def assert_parity(label: str, reference: np.ndarray, candidate: np.ndarray, tokens: list[list[int]]) -> None:
