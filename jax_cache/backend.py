@@ -20,7 +20,15 @@ from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache.config import MistralConfig
-from twincache.generation import PREFILL_CHUNK, GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.generation import (
+    PREFILL_CHUNK,
+    GenerationResult,
+    SamplingParams,
+    TokenCallback,
+    check_dtype,
+    check_mode,
+    split_teacher_forced,
+)
 from twincache.mesh import MeshShape
 
 
@@ -64,9 +72,9 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
     forced_tokens, so the prompt goes through its (chunked) prefill and each later token through its decode path (the
     fused blocks or the streaming step). Row i predicts sequence[prompt_len + i]. On a mesh split over `data`,
     generate decodes a copy of the row on each data shard (twincache.mesh.pad_batch) and returns row 0's logits."""
-    sequence = [int(token) for token in sequence]
-    result = generate(model, [sequence[:prompt_len]], len(sequence) - prompt_len, mode=mode, cache=cache_kind,
-                      return_logits=True, forced_tokens=[sequence[prompt_len:]])
+    prompt, forced = split_teacher_forced(sequence, prompt_len, model.config)
+    result = generate(model, [prompt], len(forced), mode=mode, cache=cache_kind, return_logits=True,
+                      forced_tokens=[forced])
     return np.asarray(result.step_logits[0], np.float32)
 
 

@@ -135,6 +135,7 @@ class StaticCache(BufferSizes):
         """
         num_new = new_positions.shape[1]
         if not isinstance(new_positions, jax.core.Tracer):  # the first call of a forward: refuse before any write
+            self.check_live()
             self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if attend_len is not None and self._attends_in_place(num_new) and not isinstance(self.length, jax.core.Tracer):
@@ -177,6 +178,11 @@ class StaticCache(BufferSizes):
     def advance(self, new_positions: jax.Array) -> StaticCache:
         """Record the positions written by this forward ([B, S]) and move `length` past them; call once per forward."""
         num_new = new_positions.shape[1]
+        if not isinstance(new_positions, jax.core.Tracer) and not isinstance(self.length, jax.core.Tracer):
+            self.check_live()  # a direct call: nothing checked it (a jitted forward's inputs were)
+            integer = jnp.issubdtype(new_positions.dtype, jnp.integer)
+            cache_checks.check_new_positions(self, tuple(new_positions.shape), integer)
+            self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         slot_positions = self._write(self.slot_positions, new_positions[:, num_new - kept:].astype(jnp.int32), slots,
                                      axis=1)
@@ -222,6 +228,8 @@ class StaticCache(BufferSizes):
 
     def next_positions(self) -> jax.Array:
         """Position the next token of each row takes: one past the newest position held. [B] int32."""
+        if not isinstance(self.slot_positions, jax.core.Tracer):
+            self.check_live()
         return self.slot_positions.max(axis=1) + 1
 
     def _check_write_range(self, num_new: int) -> None:
@@ -229,6 +237,7 @@ class StaticCache(BufferSizes):
 
     def _check_states(self, layer_idx: int, key_states: jax.Array, value_states: jax.Array) -> None:
         self.check_live()
+        cache_checks.check_state_pair(tuple(key_states.shape), tuple(value_states.shape))
         for name, states in (("key_states", key_states), ("value_states", value_states)):
             cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype,
                                       tuple(self.keys[0].shape))

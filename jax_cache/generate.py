@@ -475,7 +475,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
-    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk, on_token)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
                                                                        config)  # [rows, N]
@@ -505,9 +505,10 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         # Without a given max_cache_len, the cache also holds the bucket's extra padding columns.
         cache_len = planned_len if max_cache_len else bucket + max_new_tokens
         cache = make_cache(kind, config, batch, cache_len, model.dtype, model.mesh)
-    if max_new_tokens == 0:
+    if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
+        no_logits = jnp.zeros((len(prompt_ids), 0, config.vocab_size), jnp.float32) if return_logits else None
         return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
-                                          0.0, 0, 0, None, cache, "fused" if fused else "step"), rows)
+                                          0.0, 0, 0, no_logits, cache, "fused" if fused else "step"), rows)
     extra = ((0, 0), (bucket - prompt_len, 0))  # the bucket's extra columns are padding too
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
@@ -545,7 +546,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     """
     config = model.config
     cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
-    last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens)
+    last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
+                                                                 on_token)
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
     # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap

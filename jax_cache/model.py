@@ -23,10 +23,11 @@ from safetensors import safe_open
 from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers
 from jax_cache.projection import matmul_precision, project, stored_dtype
+from twincache import cache_checks
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import InputError
-from twincache.generation import INT32_MAX
+from twincache.generation import INT32_MAX, validate_attention_mask
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
 _ModuleList = getattr(nnx, "List", list)
@@ -239,6 +240,8 @@ class Mistral(nnx.Module):
         the new cache."""
         embed, dtype = self.model.embed_tokens.weight[...], self.dtype
         if not isinstance(input_ids, jax.core.Tracer):
+            cache_checks.check_cache_type(cache, StaticCache, "jax_cache", "pass a jax_cache.cache StaticCache or "
+                                          "SlidingWindowCache (twincache_app.handoff.cache_from_torch copies one)")
             self.check_inputs(input_ids, positions, attention_mask)
             cache.check_forward(self.config, input_ids, dtype, self.device)
         query_valid = jnp.ones_like(input_ids, dtype=bool) if attention_mask is None else attention_mask.astype(bool)
@@ -259,10 +262,14 @@ class Mistral(nnx.Module):
     def check_inputs(self, input_ids: jax.Array | np.ndarray, positions: jax.Array | np.ndarray,
                      attention_mask: jax.Array | np.ndarray | None) -> None:
         """Checks of ids, positions and mask before dispatch (they read values, so they wait for the device)."""
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-            raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len >= 1]")
-        if input_ids.dtype not in (jnp.int32, jnp.int64):
-            raise InputError(f"input_ids dtype {input_ids.dtype} must be int32 or int64")
+        for name, array in (("input_ids", input_ids), ("positions", positions), ("attention_mask", attention_mask)):
+            if not isinstance(array, (jax.Array, np.ndarray)) and (array is not None or name != "attention_mask"):
+                raise InputError(f"{name} must be a [batch, seq_len] jax or numpy array, not {type(array).__name__}")
+        if input_ids.ndim != 2 or 0 in input_ids.shape:
+            raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch >= 1, seq_len >= 1]")
+        for name, array in (("input_ids", input_ids), ("positions", positions)):
+            if array.dtype not in (jnp.int32, jnp.int64):
+                raise InputError(f"{name} dtype {array.dtype} must be int32 or int64 (whole token ids and positions)")
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
@@ -271,6 +278,8 @@ class Mistral(nnx.Module):
             if array is not None and tuple(array.shape) != tuple(input_ids.shape):
                 raise InputError(f"{name} has shape {list(array.shape)} but input_ids has "
                                  f"{list(input_ids.shape)}; they must match")
+        if attention_mask is not None:  # 0/1, left-padded; a chunk of a longer prompt may be all padding in a row
+            validate_attention_mask(np.asarray(attention_mask), tuple(input_ids.shape), whole_prompt=False)
         positions = np.asarray(positions)  # as given: an int64 position past int32 must not wrap on the way in
         valid = positions if attention_mask is None else positions[np.asarray(attention_mask).astype(bool)]
         if valid.size and (int(valid.min()) < 0 or int(valid.max()) > INT32_MAX):

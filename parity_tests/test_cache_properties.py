@@ -7,7 +7,10 @@ the list of (column, position, k, v) ever written and derives everything from th
 is visible to a query at q iff k >= 0 and q - W < k <= q; padding is never visible. After every operation:
 
 * per query, the multiset of (position, k, v) that the attention mask (the backend's `attention_visibility` over the
-  positions `attended_positions` returned) selects from the K/V that `update` returned equals the reference's;
+  positions `attended_positions` returned) selects from the K/V that `update` returned equals the reference's. Where
+  `attended_positions` covers L + S columns (a JAX forward that reads before it writes), the K/V attended are, by
+  `update`'s contract, the buffers as they were followed by the new tokens' K/V: the adapter takes those; that the
+  model attends over them is the parity tests' to judge;
 * the buffers hold exactly the reference's retained tokens (the last cache_len columns) with their positions, and
   `length` counts the columns written;
 * a write past a bounded cache's capacity is refused with CacheError and changes nothing;

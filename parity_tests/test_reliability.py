@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 import torch
 
+import jax_cache.backend as jb
 import jax_cache.cache as jc
 import jax_cache.generate as jg
+import torch_cache.backend as tb
 import torch_cache.cache as tc
 import torch_cache.generate as tg
 from jax_cache.model import Mistral as JaxMistral
@@ -40,6 +42,7 @@ from twincache.errors import (
     InputError,
     NonFiniteLogitsError,
     ResourceError,
+    StaleCacheError,
     StorageError,
     TwincacheError,
 )
@@ -745,3 +748,105 @@ def test_item12_twincache_home_that_is_a_file_or_read_only(tmp_path, monkeypatch
     with refused(StorageError, str(read_only), "is not a writable directory", "TWINCACHE_HOME"):
         default_model.default_model_dir()
 
+
+
+# --- 13. the Python API's own calls: refused before anything is written, in both towers -------------------------------
+
+
+def _backend(side: Side) -> Any:
+    return tb if side.name == "torch" else jb
+
+
+def _mode(side: Side) -> str:
+    return "eager" if side.name == "torch" else "step"
+
+
+def test_item13_advance_past_the_capacity_is_refused_before_it_records_anything(side):
+    """A direct advance() on a full cache: torch raised an IndexError after writing a row's positions, JAX recorded
+    the position over the last one and counted past the capacity."""
+    cache = side.fill(side.make_cache("static", batch=2, length=6), 6)
+    cache_after = cache
+    positions = np.tile(np.arange(6, 10), (2, 1))
+    with refused(CacheError, "writing 4 tokens at columns 6..9", "capacity [0, 6)", side=side, cache=cache):
+        cache_after = cache.advance(torch.as_tensor(positions) if side.name == "torch" else jnp.asarray(positions))
+    assert cache_after is cache
+    with refused(CacheError, "new_positions must hold whole positions", side=side, cache=cache):
+        cache.advance(torch.zeros(2, 0) if side.name == "torch" else jnp.zeros((2, 0)))
+    with refused(CacheError, "new_positions has shape [3, 1]", side=side, cache=cache):
+        cache.advance(torch.zeros(3, 1, dtype=torch.long) if side.name == "torch" else jnp.zeros((3, 1), jnp.int32))
+
+
+def test_item13_update_with_keys_and_values_of_other_shapes_writes_nothing(side):
+    """torch wrote the keys, then failed on the values (an IndexError); JAX wrote them into different slots."""
+    cache = side.make_cache("static", batch=1, length=8)
+    heads, head_dim = side.config.num_key_value_heads, side.config.head_dim
+    make = (lambda *shape: torch.ones(shape)) if side.name == "torch" else (lambda *shape: jnp.ones(shape))
+    with refused(CacheError, "key_states has shape [1, 2, 1, 16] but value_states has [1, 2, 3, 16]", side=side,
+                 cache=cache):
+        cache.update(0, make(1, heads, 1, head_dim), make(1, heads, 3, head_dim))
+    for layer in (0.5, True):
+        with refused(CacheError, f"layer_idx={layer!r} must be an int", side=side, cache=cache):
+            cache.update(layer, make(1, heads, 1, head_dim), make(1, heads, 1, head_dim))
+
+
+@pytest.mark.parametrize(("positions", "mask", "fragment"), [
+    ([[0.0, 1.0, 2.7]], None, "positions dtype"),  # RoPE read 2.7, the cache recorded 2
+    ([[0, 1, 2]], [[2, 1, 1]], "attention_mask row 0 holds 2 at column 0"),
+    ([[0, 1, 2]], [[1, 1, 0]], "attention_mask row 0 has right padding"),
+])
+def test_item13_a_forward_refuses_float_positions_and_masks_that_are_not_left_padded_0_1(side, positions, mask,
+                                                                                         fragment):
+    cache = side.make_cache("static", batch=1, length=8)
+    if side.name == "torch":
+        ids, call = torch.tensor([[5, 6, 7]]), lambda p, m: side.model(ids, p, cache, m)
+        args = (torch.as_tensor(np.asarray(positions)), None if mask is None else torch.tensor(mask))
+    else:
+        ids, call = jnp.asarray([[5, 6, 7]], jnp.int32), lambda p, m: side.model(ids, p, cache, m)
+        args = (jnp.asarray(positions), None if mask is None else jnp.asarray(mask))
+    with refused(InputError, fragment, side=side, cache=cache):
+        call(*args)
+
+
+def test_item13_a_forward_names_inputs_of_the_wrong_kind_and_a_cache_of_the_other_tower(side):
+    cache = side.make_cache("static", batch=1, length=8)
+    with refused(InputError, "input_ids must be a [batch, seq_len]", "not list", side=side, cache=cache):
+        side.model([[5, 6, 7]], np.zeros((1, 3), np.int64), cache)
+    empty = torch.zeros(0, 3, dtype=torch.long) if side.name == "torch" else jnp.zeros((0, 3), jnp.int32)
+    with refused(InputError, "input_ids has shape [0, 3]", side=side, cache=cache):
+        side.model(empty, empty, cache)
+    other = (jc if side.name == "torch" else tc).make_cache("static", side.config, 1, 8)  # the other tower's
+    ids = torch.tensor([[5, 6, 7]]) if side.name == "torch" else jnp.asarray([[5, 6, 7]], jnp.int32)
+    with refused(CacheError, f"not a {side.name}_cache cache", "twincache_app.handoff"):
+        side.model(ids, torch.arange(3)[None] if side.name == "torch" else jnp.arange(3)[None], other)
+
+
+def test_item13_an_on_token_that_cannot_be_called_is_refused_before_the_cache_is_touched(side):
+    """JAX's continue_generation donated the cache and then failed calling it: the user's cache was gone."""
+    cache = side.generate([PROMPT], 3, cache="static", max_cache_len=16).cache
+    with refused(InputError, "on_token must be a function", "got int", side=side, cache=cache):
+        side.continue_(cache, [7], 3, on_token=5)
+    with refused(InputError, "on_token must be a function", side=side, cache=cache):
+        side.generate([PROMPT], 3, cache=cache, on_token=5)
+
+
+def test_item13_step_logits_checks_its_sequence_and_prompt_len(side):
+    backend, mode = _backend(side), _mode(side)
+    for sequence, prompt_len, fragment in (([5, 2.7, 9], 1, "sequence 0"), ("579", 1, "tokenize"),
+                                           ([5, 6, 7], 4, "prompt_len=4 must be an int in [1, 3]"),
+                                           ([5, 6, 7], 0, "prompt_len=0"), ([5, 6, 7], 2.0, "prompt_len=2.0"),
+                                           ([5, 6, 7], True, "prompt_len=True")):
+        with refused(InputError, fragment):
+            backend.step_logits(side.model, sequence, prompt_len, "static", mode)
+    assert backend.step_logits(side.model, [5, 6, 7], 3, "static", mode).shape == (0, VOCAB)  # nothing to force
+    result = side.generate([PROMPT, PROMPT[:2]], 0, return_logits=True)  # as continue_generation: [B, 0, V]
+    assert tuple(result.step_logits.shape) == (2, 0, VOCAB)
+
+
+def test_item13_a_donated_jax_cache_is_named_stale_by_every_method_that_reads_it(checkpoints):
+    side = JaxSide(JaxMistral.from_pretrained(checkpoints["gqa"]))
+    cache = side.make_cache("static", batch=1, length=8)
+    side.step([[5]], [[0]], cache)  # donates it
+    for read in (lambda: cache.advance(jnp.zeros((1, 1), jnp.int32)), lambda: cache.next_positions(),
+                 lambda: cache.attended_positions(jnp.zeros((1, 1), jnp.int32))):
+        with refused(StaleCacheError, "donated to a jitted call"):
+            read()

@@ -16,7 +16,15 @@ from torch_cache.generate import generate as _generate
 from torch_cache.inductor_cpu import start_compiler_probe
 from torch_cache.model import Mistral
 from twincache.config import MistralConfig
-from twincache.generation import PREFILL_CHUNK, GenerationResult, SamplingParams, TokenCallback, check_dtype, check_mode
+from twincache.generation import (
+    PREFILL_CHUNK,
+    GenerationResult,
+    SamplingParams,
+    TokenCallback,
+    check_dtype,
+    check_mode,
+    split_teacher_forced,
+)
 from twincache.mesh import MeshShape
 
 
@@ -58,9 +66,9 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
     forced_tokens, so the prompt goes through its prefill and each later token through its decode path. Row i
     predicts sequence[prompt_len + i]. On a mesh split over `data`, generate decodes a copy of the row on each data
     shard (twincache.mesh.pad_batch) and returns row 0's logits; every rank of a torch mesh must make this call."""
-    sequence = [int(token) for token in sequence]
-    result = generate(model, [sequence[:prompt_len]], len(sequence) - prompt_len, mode=mode, cache=cache_kind,
-                      return_logits=True, forced_tokens=[sequence[prompt_len:]])
+    prompt, forced = split_teacher_forced(sequence, prompt_len, model.config)
+    result = generate(model, [prompt], len(forced), mode=mode, cache=cache_kind, return_logits=True,
+                      forced_tokens=[forced])
     return np.asarray(result.step_logits[0].cpu(), np.float32)
 
 

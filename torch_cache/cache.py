@@ -160,6 +160,9 @@ class StaticCache(BufferSizes):
     def advance(self, new_positions: torch.Tensor) -> None:
         """Record the positions written by this forward ([B, S]) and move `length` past them; call once per forward."""
         num_new = new_positions.shape[1]
+        if not torch.compiler.is_compiling():  # a direct call: nothing checked it (the compiled step's inputs were)
+            cache_checks.check_new_positions(self, tuple(new_positions.shape), not new_positions.is_floating_point())
+            self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         self.slot_positions.index_copy_(1, slots, new_positions[:, num_new - kept:].to(torch.int32))
         self.length.add_(num_new)
@@ -197,6 +200,7 @@ class StaticCache(BufferSizes):
         cache_checks.check_write_range(self, int(self.length), num_new)
 
     def _check_states(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cache_checks.check_state_pair(tuple(key_states.shape), tuple(value_states.shape))
         for name, states in (("key_states", key_states), ("value_states", value_states)):
             cache_checks.check_states(self, layer_idx, name, tuple(states.shape), states.dtype,
                                       tuple(self.keys[0].shape))

@@ -526,7 +526,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     config = model.config
     _guard_skip_wanted()  # a bad TWINCACHE_SKIP_GUARDS or TWINCACHE_OVERLAP_STEPS is refused before the prefill
     _overlap_wanted(model.device)  # writes anything
-    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk)
+    inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk, on_token)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
                                                                        config)  # [rows, N]
@@ -550,9 +550,10 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         planned_len = cache_len  # reported as planned: a ring holds only min(W, it) slots (docs/design.md §5)
         cache = make_cache(kind, config, batch, cache_len, dtype, device, model.mesh)
     prompt_ids = inputs.prompt_ids
-    if max_new_tokens == 0:
+    if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
+        no_logits = torch.zeros(len(prompt_ids), 0, config.vocab_size, device=device) if return_logits else None
         return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
-                                          0.0, 0, 0, None, cache, "compiled" if compile else "eager"), rows)
+                                          0.0, 0, 0, no_logits, cache, "compiled" if compile else "eager"), rows)
     if compile and max_new_tokens > 1:  # the first decode step compiles
         announce_compile("torch.compile")
     start = time.perf_counter()
@@ -590,7 +591,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     skip_guards = _guard_skip_wanted()
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
     overlap = _overlap_wanted(cache.device)
-    last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens)
+    last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
+                                                                 on_token)
     device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget

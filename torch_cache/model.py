@@ -22,10 +22,11 @@ from torch.torch_version import TorchVersion
 from torch_cache import sharding
 from torch_cache.cache import StaticCache, host_buffers
 from torch_cache.projection import project, project_stacked
+from twincache import cache_checks
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
-from twincache.generation import INT32_MAX
+from twincache.generation import INT32_MAX, validate_attention_mask
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
 _P = ParamSpec("_P")
@@ -231,6 +232,8 @@ class Mistral(nn.Module):
         Returns logits [B, S, V], or of the last `logits_to_keep` tokens only (a prefill needs the last one)."""
         embed = self.model.embed_tokens.weight
         if not torch.compiler.is_compiling():
+            cache_checks.check_cache_type(cache, StaticCache, "torch_cache", "pass a torch_cache.cache StaticCache or "
+                                          "SlidingWindowCache (twincache_app.handoff.cache_to_torch copies one)")
             self.check_inputs(input_ids, positions, attention_mask)
             cache.check_forward(self.config, input_ids, embed.dtype, embed.device)
             self._check_mesh(cache)
@@ -255,10 +258,15 @@ class Mistral(nn.Module):
     def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      attention_mask: torch.Tensor | None) -> None:
         """Eager-only checks of ids, positions and mask (they read values, so they would sync a GPU)."""
-        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-            raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len >= 1]")
-        if input_ids.dtype not in (torch.int32, torch.int64):
-            raise InputError(f"input_ids dtype {input_ids.dtype} must be int32 or int64")
+        for name, tensor in (("input_ids", input_ids), ("positions", positions), ("attention_mask", attention_mask)):
+            if not isinstance(tensor, torch.Tensor) and (tensor is not None or name != "attention_mask"):
+                raise InputError(f"{name} must be a [batch, seq_len] torch.Tensor, not {type(tensor).__name__}")
+        if input_ids.ndim != 2 or 0 in input_ids.shape:
+            raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch >= 1, seq_len >= 1]")
+        for name, tensor in (("input_ids", input_ids), ("positions", positions)):
+            if tensor.dtype not in (torch.int32, torch.int64):
+                raise InputError(f"{name} dtype {tensor.dtype} must be torch.int32 or torch.int64 (whole token "
+                                 "ids and positions)")
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high
@@ -267,6 +275,8 @@ class Mistral(nn.Module):
             if tensor is not None and tuple(tensor.shape) != tuple(input_ids.shape):
                 raise InputError(f"{name} has shape {list(tensor.shape)} but input_ids has "
                                  f"{list(input_ids.shape)}; they must match")
+        if attention_mask is not None:  # 0/1, left-padded; a chunk of a longer prompt may be all padding in a row
+            validate_attention_mask(attention_mask.cpu().numpy(), tuple(input_ids.shape), whole_prompt=False)
         valid = positions if attention_mask is None else positions[attention_mask.bool()]
         if valid.numel():
             low, high = torch.stack(torch.aminmax(valid)).tolist()  # one host sync

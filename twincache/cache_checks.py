@@ -7,6 +7,7 @@ framework's own objects and printed as such.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -141,10 +142,30 @@ def check_write_range(cache: Any, start: int, num_new: int) -> None:
                          "limit of cache columns and lengths; reset() the cache")
 
 
+def check_state_pair(key_shape: tuple[int, ...], value_shape: tuple[int, ...]) -> None:
+    """Refuse keys and values of different shapes for one write: one would be written and the other refused (torch)
+    or both written to different slots (JAX)."""
+    if key_shape != value_shape:
+        raise CacheError(f"key_states has shape {list(key_shape)} but value_states has {list(value_shape)}; a write "
+                         "gives both for the same tokens")
+
+
+def check_new_positions(cache: Any, shape: tuple[int, ...], integer: bool) -> None:
+    """Refuse the positions of a direct `advance` call that the cache cannot record: not [batch, S] or not whole
+    numbers (the forward checks its own before any write)."""
+    if len(shape) != 2 or shape[0] != cache.slot_positions.shape[0]:
+        raise CacheError(f"new_positions has shape {list(shape)}; this cache records [{cache.slot_positions.shape[0]}, "
+                         "seq_len] positions (-1 for padding)")
+    if not integer:
+        raise CacheError("new_positions must hold whole positions (an integer dtype); -1 marks padding")
+
+
 def check_states(cache: Any, layer_idx: int, name: str, shape: tuple[int, ...], dtype: object,
                  buffer_shape: tuple[int, ...]) -> None:
     """Refuse key/value states of the wrong layer index, shape or dtype for a direct `update` call. `buffer_shape`
     is the shape of the K/V buffers the states go into (on a torch mesh: this rank's shard)."""
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+        raise CacheError(f"layer_idx={layer_idx!r} must be an int in [0, {cache.num_layers})")
     if not 0 <= layer_idx < cache.num_layers:
         raise CacheError(f"layer_idx={layer_idx} is outside [0, {cache.num_layers})")
     rows, kv_heads, _, head_dim = buffer_shape

@@ -214,8 +214,10 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndar
     return input_ids, attention_mask
 
 
-def validate_attention_mask(attention_mask: np.ndarray, input_shape: tuple[int, ...]) -> None:
-    """A mask must match input_ids' shape, hold only 0/1, and be left-padded with at least one real token per row."""
+def validate_attention_mask(attention_mask: np.ndarray, input_shape: tuple[int, ...],
+                            whole_prompt: bool = True) -> None:
+    """A mask must match input_ids' shape, hold only 0/1, and be left-padded, with at least one real token per row of
+    a `whole_prompt` (a forward's chunk of a longer prompt may hold only padding in some rows)."""
     if tuple(attention_mask.shape) != tuple(input_shape):
         raise InputError(f"attention_mask has shape {list(attention_mask.shape)} but input_ids has "
                          f"{list(input_shape)}; they must match")
@@ -226,7 +228,7 @@ def validate_attention_mask(attention_mask: np.ndarray, input_shape: tuple[int, 
         raise InputError(f"attention_mask row {row} holds {value!r} at column {column}; it must hold only 0 (padding) "
                          "and 1 (token)")
     for row, mask_row in enumerate(attention_mask):
-        if not mask_row.any():
+        if whole_prompt and not mask_row.any():
             raise InputError(f"attention_mask row {row} is all padding; every row needs at least one token")
         if (np.diff(mask_row) < 0).any():
             raise InputError(f"attention_mask row {row} has right padding or a gap; twincache requires left padding "
@@ -245,10 +247,20 @@ class Batch:
     prefill_chunk: int  # columns per prefill chunk
 
 
+def check_on_token(on_token: object) -> None:
+    """Refuse a streaming callback that cannot be called, before any cache is touched (it is first called after
+    the prefill, when a JAX cache has been donated)."""
+    if on_token is not None and not callable(on_token):
+        raise InputError(f"on_token must be a function taking each step's new tokens (one id per row), or None; got "
+                         f"{type(on_token).__name__}")
+
+
 def prepare_batch(prompts: Sequence[Sequence[int]], config: MistralConfig, sampling: SamplingParams | None,
-                  max_new_tokens: int, prefill_chunk: int = PREFILL_CHUNK) -> Batch:
+                  max_new_tokens: int, prefill_chunk: int = PREFILL_CHUNK, on_token: object = None) -> Batch:
     """Validate every input of a generation (prompts, sampling with its seed, the budget and the positions it
-    reaches, the prefill chunk) before anything is built or touched; returns them left-padded."""
+    reaches, the prefill chunk, the streaming callback) before anything is built or touched; returns them
+    left-padded."""
+    check_on_token(on_token)
     prompt_ids = validate_prompts(prompts, config)
     sampling = (sampling or SamplingParams()).validate(config.vocab_size)
     max_new_tokens = check_count("max_new_tokens", max_new_tokens)
@@ -259,14 +271,26 @@ def prepare_batch(prompts: Sequence[Sequence[int]], config: MistralConfig, sampl
 
 
 def prepare_continuation(last_tokens: Sequence[int], config: MistralConfig, sampling: SamplingParams | None,
-                         max_new_tokens: int) -> tuple[list[int], SamplingParams, int]:
-    """Validate a continuation's inputs: one last token per row, sampling, the budget. Positions are checked by
-    the caller against its cache (check_positions)."""
+                         max_new_tokens: int, on_token: object = None) -> tuple[list[int], SamplingParams, int]:
+    """Validate a continuation's inputs: one last token per row, sampling, the budget, the streaming callback.
+    Positions are checked by the caller against its cache (check_positions)."""
+    check_on_token(on_token)
     if isinstance(last_tokens, (str, bytes)) or not hasattr(last_tokens, "__iter__"):
         raise InputError(f"last_tokens must be a list of one token id per row, not {type(last_tokens).__name__}")
     rows = validate_prompts([[token] for token in last_tokens], config, label="last token of row")
     sampling = (sampling or SamplingParams()).validate(config.vocab_size)
     return [row[0] for row in rows], sampling, check_count("max_new_tokens", max_new_tokens)
+
+
+def split_teacher_forced(sequence: Sequence[int], prompt_len: int,
+                         config: MistralConfig) -> tuple[list[int], list[int]]:
+    """A teacher-forced row (backend.step_logits): its ids, checked as a prompt's are, split after `prompt_len`, which
+    leaves a prompt of at least one token."""
+    (row,) = validate_prompts([sequence], config, label="sequence")
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, numbers.Integral) or not 1 <= prompt_len <= len(row):
+        raise InputError(f"prompt_len={prompt_len!r} must be an int in [1, {len(row)}]: the sequence has {len(row)} "
+                         "tokens, and its first prompt_len are the prompt")
+    return row[:prompt_len], row[prompt_len:]
 
 
 def check_positions(config: MistralConfig, first_position: int, max_new_tokens: int, length_after: int) -> None:
