@@ -48,6 +48,13 @@ class StaticCache(BufferSizes):
     def __init__(self, config: MistralConfig, batch_size: int, max_cache_len: int,
                  dtype: jnp.dtype = jnp.float32, mesh: Mesh | None = None) -> None:
         batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
+        try:
+            floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise CacheError(f"dtype={dtype!r} must be a floating-point jax dtype (the model's), e.g. jnp.float32 or "
+                             "jnp.bfloat16")
         if mesh is not None:  # a mesh that cannot split this model or batch is refused before anything is built
             sharding.plan(mesh, config)
             sharding.check_batch_size(mesh, batch_size)

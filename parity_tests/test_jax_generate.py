@@ -536,7 +536,7 @@ def test_model_and_step_refuse_token_ids_outside_the_vocabulary(model, bad):
     ([[5, 6]], [[-3, -2]], None, "positions of real tokens must be in [0, 2147483647] (int32), got -3"),
     ([[5, 6]], [[3]], None, "positions has shape [1, 1] but input_ids has [1, 2]"),
     ([[5, 6]], [[3, 4]], [[1, 1, 1]], "attention_mask has shape [1, 3] but input_ids has [1, 2]"),
-    (np.zeros((1, 0), np.int32), np.zeros((1, 0), np.int32), None, "expected [batch, seq_len >= 1]"),
+    (np.zeros((1, 0), np.int32), np.zeros((1, 0), np.int32), None, "expected [batch >= 1, seq_len >= 1]"),
     (np.asarray([[5.0, 6.0]], np.float32), [[3, 4]], None, "input_ids dtype float32 must be int32 or int64"),
 ], ids=["negative_position", "positions_shape", "mask_shape", "empty", "float_ids"])
 def test_model_refuses_bad_positions_shapes_and_dtypes(model, ids, positions, mask, fragment):

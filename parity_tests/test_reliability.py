@@ -850,3 +850,28 @@ def test_item13_a_donated_jax_cache_is_named_stale_by_every_method_that_reads_it
                  lambda: cache.attended_positions(jnp.zeros((1, 1), jnp.int32))):
         with refused(StaleCacheError, "donated to a jitted call"):
             read()
+
+
+def test_item13_arguments_of_the_wrong_kind_are_named(side):
+    """A dict for sampling, a list for mode, a dtype of the other framework or an integer one for a cache: each
+    raised an AttributeError or TypeError from inside."""
+    with refused(InputError, "sampling must be a twincache.generation.SamplingParams", "not dict"):
+        side.generate([PROMPT], 2, sampling={"temperature": 1.0})
+    with refused(InputError, "mode ['eager'] is not a"):
+        _backend(side).generate(side.model, [PROMPT], 2, mode=["eager"])
+    other_framework = "float32" if side.name == "torch" else torch.float32
+    integer = torch.int32 if side.name == "torch" else jnp.int32
+    for dtype in (other_framework, integer):
+        with refused(CacheError, f"dtype={dtype!r} must be a floating-point"):
+            side.cache_module.StaticCache(side.config, 1, 8, dtype=dtype)
+
+
+def test_item13_the_handoff_names_a_model_or_config_of_the_wrong_kind(pair):
+    torch_model, jax_model = pair
+    with refused(InputError, "to_torch copies a jax_cache.model.Mistral", "use from_torch"):
+        handoff.to_torch(torch_model)
+    with refused(InputError, "from_torch copies a torch_cache.model.Mistral", "use to_torch"):
+        handoff.from_torch(jax_model)
+    cache = tc.make_cache("static", torch_model.config, 1, 8)
+    with refused(InputError, "cache_from_torch needs the model's twincache.config.MistralConfig", "not dict"):
+        handoff.cache_from_torch(cache, {})

@@ -41,6 +41,9 @@ class StaticCache(BufferSizes):
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  mesh: DeviceMesh | None = None) -> None:
         batch_size, max_cache_len = cache_checks.check_cache_size(batch_size, max_cache_len)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise CacheError(f"dtype={dtype!r} must be a floating-point torch.dtype (the model's), e.g. torch.float32 "
+                             "or torch.bfloat16")
         rows, kv_heads, shards = batch_size, config.num_key_value_heads, 1
         if mesh is not None:  # a mesh that cannot split this model or batch is refused before anything is built
             split = sharding.plan(mesh, config)

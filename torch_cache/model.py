@@ -265,8 +265,8 @@ class Mistral(nn.Module):
             raise InputError(f"input_ids has shape {list(input_ids.shape)}; expected [batch >= 1, seq_len >= 1]")
         for name, tensor in (("input_ids", input_ids), ("positions", positions)):
             if tensor.dtype not in (torch.int32, torch.int64):
-                raise InputError(f"{name} dtype {tensor.dtype} must be torch.int32 or torch.int64 (whole token "
-                                 "ids and positions)")
+                raise InputError(f"{name} dtype {tensor.dtype} must be int32 or int64 (whole token ids and "
+                                 "positions)")
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= self.config.vocab_size:
             bad = low if low < 0 else high

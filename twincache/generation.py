@@ -247,6 +247,16 @@ class Batch:
     prefill_chunk: int  # columns per prefill chunk
 
 
+def check_sampling(sampling: object) -> SamplingParams:
+    """The sampling settings: a SamplingParams, or None for greedy."""
+    if sampling is None:
+        return SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise InputError(f"sampling must be a twincache.generation.SamplingParams (or None: greedy), not "
+                         f"{type(sampling).__name__}, e.g. SamplingParams(temperature=0.7, top_p=0.9, seed=0)")
+    return sampling
+
+
 def check_on_token(on_token: object) -> None:
     """Refuse a streaming callback that cannot be called, before any cache is touched (it is first called after
     the prefill, when a JAX cache has been donated)."""
@@ -262,7 +272,7 @@ def prepare_batch(prompts: Sequence[Sequence[int]], config: MistralConfig, sampl
     left-padded."""
     check_on_token(on_token)
     prompt_ids = validate_prompts(prompts, config)
-    sampling = (sampling or SamplingParams()).validate(config.vocab_size)
+    sampling = check_sampling(sampling).validate(config.vocab_size)
     max_new_tokens = check_count("max_new_tokens", max_new_tokens)
     prefill_chunk = check_count("prefill_chunk", prefill_chunk, minimum=1)
     longest = max(len(p) for p in prompt_ids)  # the last column fed is longest + max_new_tokens - 2
@@ -278,7 +288,7 @@ def prepare_continuation(last_tokens: Sequence[int], config: MistralConfig, samp
     if isinstance(last_tokens, (str, bytes)) or not hasattr(last_tokens, "__iter__"):
         raise InputError(f"last_tokens must be a list of one token id per row, not {type(last_tokens).__name__}")
     rows = validate_prompts([[token] for token in last_tokens], config, label="last token of row")
-    sampling = (sampling or SamplingParams()).validate(config.vocab_size)
+    sampling = check_sampling(sampling).validate(config.vocab_size)
     return [row[0] for row in rows], sampling, check_count("max_new_tokens", max_new_tokens)
 
 
@@ -396,7 +406,7 @@ def check_dtype(dtype: str) -> str:
 def check_mode(backend: str, modes: Collection[str], streaming_modes: Collection[str], mode: str,
                streams: bool) -> None:
     """Refuse a decode mode the backend does not have, or a callback for a mode that does not stream."""
-    if mode not in modes:
+    if not isinstance(mode, str) or mode not in modes:
         raise InputError(f"mode {mode!r} is not a {backend} mode; choose one of {', '.join(modes)}")
     if streams and mode not in streaming_modes:
         raise InputError(f"{backend} mode {mode!r} does not stream tokens as it decodes; use "

@@ -23,7 +23,7 @@ from jax_cache.model import Mistral
 from torch_cache import sharding as torch_sharding
 from twincache import cache_checks
 from twincache.config import MistralConfig
-from twincache.errors import CacheError
+from twincache.errors import CacheError, InputError
 
 
 def _to_jax(tensor: torch.Tensor) -> jax.Array:
@@ -60,12 +60,15 @@ def weights_from_torch(weights: dict[str, torch.Tensor], backend: str) -> dict[s
 
 def from_torch(model: torch_model.Mistral) -> Mistral:
     """The jax_cache model with a torch_cache model's weights (same names, same [out, in] layout)."""
+    _check_model_type(model, torch_model.Mistral, "from_torch", "to_torch")
     return Mistral.from_weights(model.config, weights_from_torch(model.state_dict(), "jax"))
 
 
 def to_torch(model: Mistral, device: str | torch.device = "cpu") -> torch_model.Mistral:
     """The torch_cache model with a jax_cache model's weights (copied)."""
     from flax import nnx
+
+    _check_model_type(model, Mistral, "to_torch", "from_torch")
 
     # astype: the weights a half-precision model keeps as float32 on CPU (jax_cache.projection.stored_dtype) go back
     # exactly.
@@ -74,9 +77,24 @@ def to_torch(model: Mistral, device: str | torch.device = "cpu") -> torch_model.
     return torch_model.Mistral.from_weights(model.config, state)
 
 
+def _check_model_type(model: object, own_type: type, where: str, other: str) -> None:
+    """Refuse a model of the other tower (or anything else) before any weight is read."""
+    if not isinstance(model, own_type):
+        raise InputError(f"{where} copies a {own_type.__module__}.Mistral, not a {type(model).__module__}."
+                         f"{type(model).__name__}" + (f"; for the other direction use {other}"
+                                                      if type(model).__name__ == "Mistral" else ""))
+
+
+def _check_config(config: object, where: str) -> None:
+    if not isinstance(config, MistralConfig):
+        raise InputError(f"{where} needs the model's twincache.config.MistralConfig (model.config), not "
+                         f"{type(config).__name__}")
+
+
 def _check_handoff(cache: object, own_type: type, config: MistralConfig, where: str) -> None:
     """The cache must be of the source backend, built for `config` (kind, window, layers, heads, head_dim), and hold
     arrays of the shapes it describes: the copy is built from both, so neither is trusted alone."""
+    _check_config(config, where)
     backend = own_type.__module__.split(".")[0]
     cache_checks.check_cache_type(cache, own_type, backend, f"{where} copies a {backend} cache")
     if isinstance(cache, torch_caches.StaticCache) and cache.mesh is not None:
