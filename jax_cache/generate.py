@@ -570,7 +570,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     if fused and max_new_tokens and not all_done:
         def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
             for row_ids in block_tokens.T.tolist():  # one step's tokens per column
-                append_tokens(tokens, row_ids, eos)
+                append_tokens(tokens, row_ids, eos, last_tokens)
                 if on_token is not None:
                     on_token(row_ids)
             if return_logits:
@@ -620,7 +620,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 phases.enter("decode")
             if return_logits:
                 logits_per_step.append(logits[:, None])
-            append_tokens(tokens, row_ids, eos)
+            append_tokens(tokens, row_ids, eos, last_tokens)
             if on_token is not None:
                 on_token(row_ids)
             if all_done or decode_steps == max_new_tokens:

@@ -875,3 +875,25 @@ def test_item13_the_handoff_names_a_model_or_config_of_the_wrong_kind(pair):
     cache = tc.make_cache("static", torch_model.config, 1, 8)
     with refused(InputError, "cache_from_torch needs the model's twincache.config.MistralConfig", "not dict"):
         handoff.cache_from_torch(cache, {})
+
+
+def test_item13_continuing_a_row_that_ended_with_eos_gives_it_nothing(side):
+    """A row whose last token is EOS is finished: its continuation is empty (it was [EOS]), while the other row goes
+    on; the streamed steps still carry EOS for it, as for any finished row."""
+    config = side.model.config
+    side.model.config = dataclasses.replace(config, eos_token_id=2)
+    try:
+        cache = side.generate([PROMPT, [3, 4]], 3, cache="static", max_cache_len=32).cache
+        streamed: list[list[int]] = []
+        if side.name == "torch":
+            result = tg.continue_generation(side.model, cache, [2, 9], 3, compile=False, on_token=streamed.append)
+        else:  # the fused loop hands its tokens over by block, through the same bookkeeping
+            fused = jg.continue_generation(side.model, side.generate([PROMPT, [3, 4]], 3, cache="static",
+                                                                     max_cache_len=32).cache, [2, 9], 3, fused=True)
+            assert fused.token_ids[0] == [], fused.token_ids
+            result = jg.continue_generation(side.model, cache, [2, 9], 3, fused=False, on_token=streamed.append)
+    finally:
+        side.model.config = config
+    assert result.token_ids[0] == [], result.token_ids
+    assert len(result.token_ids[1]) == 3 or result.token_ids[1][-1] == 2, result.token_ids
+    assert [row[0] for row in streamed] == [2] * len(streamed) and streamed, streamed

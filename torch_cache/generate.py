@@ -667,7 +667,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             stamp = now
             if decode_steps == 1 and compile:
                 phases.enter("decode")
-            append_tokens(tokens, row_ids, eos)
+            append_tokens(tokens, row_ids, eos, last_tokens)
             if on_token is not None:
                 on_token(row_ids)
     logits_out = None

@@ -122,10 +122,12 @@ def pad_token_id(config: MistralConfig) -> int:
     return config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
 
 
-def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: int | None) -> None:
-    """Append one step's token per row, except to rows that already ended with EOS."""
+def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: int | None, last_tokens: Sequence[int]) -> None:
+    """Append one step's token per row, except to rows that already ended with EOS: in this call, or before it (a
+    continuation whose last token was EOS returns nothing for that row)."""
     for row, token in enumerate(row_ids):
-        if eos is None or not tokens[row] or tokens[row][-1] != eos:
+        ended = tokens[row][-1] == eos if tokens[row] else last_tokens[row] == eos
+        if eos is None or not ended:
             tokens[row].append(token)
 
 
