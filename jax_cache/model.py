@@ -27,7 +27,7 @@ from twincache import cache_checks
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import InputError
-from twincache.generation import INT32_MAX, validate_attention_mask
+from twincache.generation import INT32_MAX, check_count, validate_attention_mask
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
 _ModuleList = getattr(nnx, "List", list)
@@ -243,6 +243,7 @@ class Mistral(nnx.Module):
             cache_checks.check_cache_type(cache, StaticCache, "jax_cache", "pass a jax_cache.cache StaticCache or "
                                           "SlidingWindowCache (twincache_app.handoff.cache_from_torch copies one)")
             self.check_inputs(input_ids, positions, attention_mask)
+            check_count("logits_to_keep", logits_to_keep)  # 0: every position's logits
             cache.check_forward(self.config, input_ids, dtype, self.device)
         query_valid = jnp.ones_like(input_ids, dtype=bool) if attention_mask is None else attention_mask.astype(bool)
         new_positions = jnp.where(query_valid, positions, -1).astype(jnp.int32)  # [B, S]; padding is never a key

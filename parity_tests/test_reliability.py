@@ -897,3 +897,22 @@ def test_item13_continuing_a_row_that_ended_with_eos_gives_it_nothing(side):
     assert result.token_ids[0] == [], result.token_ids
     assert len(result.token_ids[1]) == 3 or result.token_ids[1][-1] == 2, result.token_ids
     assert [row[0] for row in streamed] == [2] * len(streamed) and streamed, streamed
+
+
+def test_item13_continuation_messages_speak_of_last_tokens_and_rows(side):
+    cache = side.generate([PROMPT, PROMPT], 2, cache="static", max_cache_len=40).cache  # JAX pads to 16 columns
+    with refused(InputError, "no last tokens (one per cache row) given", side=side, cache=cache):
+        side.continue_(cache, [], 2)
+    with refused(CacheError, "batch 1 was given", "one last token) per cache row", side=side, cache=cache):
+        side.continue_(cache, [7], 2)
+    with refused(InputError, "forced_tokens row 0 is 1", "one list of ids per row", side=side, cache=cache):
+        side.continue_(cache, [7, 8], 2, forced_tokens=[1, 2])
+
+
+def test_item13_a_negative_logits_to_keep_is_refused(side):
+    """-1 returned S - 1 positions' logits without a word."""
+    cache = side.make_cache("static", batch=1, length=8)
+    ids = torch.tensor([[5, 6, 7]]) if side.name == "torch" else jnp.asarray([[5, 6, 7]], jnp.int32)
+    positions = torch.arange(3)[None] if side.name == "torch" else jnp.arange(3)[None]
+    with refused(InputError, "logits_to_keep=-1 must be >= 0", side=side, cache=cache):
+        side.model(ids, positions, cache, None, -1)

@@ -26,7 +26,7 @@ from twincache import cache_checks
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
-from twincache.generation import INT32_MAX, validate_attention_mask
+from twincache.generation import INT32_MAX, check_count, validate_attention_mask
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
 _P = ParamSpec("_P")
@@ -235,6 +235,7 @@ class Mistral(nn.Module):
             cache_checks.check_cache_type(cache, StaticCache, "torch_cache", "pass a torch_cache.cache StaticCache or "
                                           "SlidingWindowCache (twincache_app.handoff.cache_to_torch copies one)")
             self.check_inputs(input_ids, positions, attention_mask)
+            check_count("logits_to_keep", logits_to_keep)  # 0: every position's logits
             cache.check_forward(self.config, input_ids, embed.dtype, embed.device)
             self._check_mesh(cache)
         query_valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

@@ -45,7 +45,8 @@ def check_compatible(cache: Any, config: MistralConfig, batch_size: int, model_d
                          f"build the cache with dtype={model_dtype}")
     if batch_size != cache.batch_size:
         raise CacheError(f"batch {batch_size} was given, but the cache was built for batch {cache.batch_size}; "
-                         "build a cache whose batch_size equals the number of rows")
+                         "give one prompt (or, to continue, one last token) per cache row, or build a cache whose "
+                         "batch_size equals the number of rows")
 
 
 def check_cache_type(cache: object, own_type: type, backend: str, hint: str) -> None:

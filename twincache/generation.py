@@ -139,11 +139,12 @@ def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, config: Mist
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
         raise InputError(f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]], not {type(prompts).__name__}")
     if len(prompts) == 0:
-        raise InputError("no prompts given; pass at least one prompt")
+        plural = {"last token of row": "last tokens (one per cache row)"}.get(label, f"{label}s")
+        raise InputError(f"no {plural} given; pass at least one")
     checked = []
     for row, prompt in enumerate(prompts):
         if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-            raise InputError(f"{label} {row} is {prompt!r}, not a sequence of token ids; pass a list of prompts, "
+            raise InputError(f"{label} {row} is {prompt!r}, not a sequence of token ids; pass one list of ids per row, "
                              "e.g. [[1, 2, 3]] (tokenize text first)")
         ids = []
         for token in prompt:
