@@ -20,6 +20,7 @@ from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache.config import MistralConfig
+from twincache.errors import InputError
 from twincache.generation import (
     PREFILL_CHUNK,
     GenerationResult,
@@ -42,7 +43,12 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))
     placement = contextlib.nullcontext()
     if device is not None:
-        placement = jax.default_device(jax.devices("gpu" if device.startswith("cuda") else device)[0])
+        try:
+            devices = jax.devices("gpu" if device.startswith("cuda") else device)
+        except RuntimeError as err:  # an unknown platform, or one JAX has no device of
+            raise InputError(f"device={device!r} is not usable by this JAX ({' '.join(str(err).split())[:160]}); "
+                             f"pass one of its platforms, e.g. {jax.default_backend()!r}") from None
+        placement = jax.default_device(devices[0])
     with placement:
         return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)))
 

@@ -916,3 +916,11 @@ def test_item13_a_negative_logits_to_keep_is_refused(side):
     positions = torch.arange(3)[None] if side.name == "torch" else jnp.arange(3)[None]
     with refused(InputError, "logits_to_keep=-1 must be >= 0", side=side, cache=cache):
         side.model(ids, positions, cache, None, -1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_item13_a_device_the_framework_cannot_use_is_named_before_loading(checkpoints, backend):
+    """backend.load(device=...) with a device name the framework does not know raised its own RuntimeError."""
+    module = tb if backend == "torch" else jb
+    with refused(InputError, "device='nope' is not usable by this"):
+        module.load(checkpoints["gqa"], device="nope")
