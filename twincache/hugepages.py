@@ -59,23 +59,3 @@ def arena_offsets(nbytes: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(end)
         end += -(-size // ALIGNMENT) * ALIGNMENT
     return offsets, end
-
-
-def advised_huge(address: int) -> bool | None:
-    """Whether the mapping holding `address` is advised MADV_HUGEPAGE (its VmFlags in /proc/self/smaps carry `hg`);
-    None where there is no /proc/self/smaps to read. What tests check: whether pages are then actually huge depends on
-    the machine's THP setting and free memory, which this does not judge."""
-    try:
-        with open("/proc/self/smaps") as smaps:
-            lines = smaps.read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split(" ", 1)[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):  # a mapping's first line: start-end ...
-            low, high = (int(bound, 16) for bound in head.split("-"))
-            inside = low <= address < high
-        elif inside and line.startswith("VmFlags:"):
-            return "hg" in line.split()[1:]
-    return False
