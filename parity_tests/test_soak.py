@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from twincache_app.cli import main
@@ -24,8 +25,27 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(("backend", "mode"), MODES)
-def test_short_compiled_soak_has_no_recompiles_finite_logits_and_flat_rss(tiny_model_dir, backend: str, mode: str):
+def test_short_compiled_soak_has_no_recompiles_finite_logits_and_flat_rss(tiny_model_dir, backend: str, mode: str,
+                                                                          monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"{backend}_cache.backend")
+    results = []
+
+    def keep(*args: object, **kwargs: object) -> object:  # the soak's own generation, kept for the checks below
+        results.append(real_generate(*args, **kwargs))
+        return results[-1]
+
+    real_generate = module.generate
+    monkeypatch.setattr(module, "generate", keep)
     record = soak(backend, steps=STEPS, model_dir=tiny_model_dir, prompt_len=16, mode=mode)
+    # The record's own verdicts, judged here from the generation itself: every token decoded, and the ring holding
+    # exactly the last 32 positions (the window) of the 16 + STEPS written.
+    (result,) = results
+    assert len(result.token_ids[0]) == STEPS + 1, "the prefill's token and one per step: no step failed"
+    held = np.sort(np.asarray(result.cache.slot_positions)[0])
+    np.testing.assert_array_equal(held, np.arange(16 + STEPS - 32, 16 + STEPS))
+    assert int(result.cache.length) == 16 + STEPS
     assert record["steps"] == STEPS and record["mode"] == mode
     assert record["length"] == 16 + STEPS, "prompt + one column per decode step (16 is a whole JAX prompt bucket)"
     assert record["ring_wraps"] >= 10 and record["cache_len"] == record["window"] == 32
