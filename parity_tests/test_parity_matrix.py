@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import torch_cache.generate as tg
 from jax_cache.model import Mistral as JaxMistral
 from parity_tests.conftest import WINDOW
 from parity_tests.oracle import load_transformers
@@ -82,10 +83,16 @@ def prompts_for(label: str, vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("impl", "cache", "prompt", "config"), CELLS, ids=["-".join(cell) for cell in CELLS])
-def test_cell_within_bounds_of_the_float64_truth(loaded, impl, cache, prompt, config):
+def test_cell_within_bounds_of_the_float64_truth(loaded, impl, cache, prompt, config, monkeypatch):
     models, prompts, reference = loaded(config, prompt)
     assert reference.self_disagreements == 0, "the float64 greedy loop and its uncached forward disagree"
+    steps_asked: list[bool] = []  # how each torch decode step was asked for: compiled or not
+    real_decode_one_fn = tg._decode_one_fn
+    monkeypatch.setattr(tg, "_decode_one_fn", lambda model, compile: (steps_asked.append(compile),
+                                                                      real_decode_one_fn(model, compile))[1])
     report = parity.parity_report(models, prompts, NEW_TOKENS, "float32", [cache], [impl], reference=reference)
+    if impl.startswith("torch:"):  # the cell runs the decode path its name says
+        assert steps_asked and set(steps_asked) == {impl == "torch:compiled"}, (impl, steps_asked)
     floor, row = report.rows
     assert (floor.kind, row.name, row.distance.steps, row.distance.rows) == ("floor", impl, NEW_TOKENS, len(prompts))
     assert not row.failed, (f"cell {impl}/{cache}/{prompt}/{config}: out of bounds on {row.failed}: "
