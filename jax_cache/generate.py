@@ -61,8 +61,7 @@ FUSED_BLOCK_SECONDS = 0.1
 # Before any block was timed: one step, so the first token comes as soon as the step mode's, and that block (whose
 # first run also sets up XLA-CPU's kernels, ~0.4-0.9 s on the trained model) is the fused mode's "first step".
 FIRST_BLOCK_STEPS = 1
-_CACHE_HINT = ("pass a jax_cache.cache StaticCache or SlidingWindowCache (copy a torch_cache one with "
-               "twincache_app.handoff.cache_from_torch), or a kind name")
+_CACHE_HINT = cache_checks.cache_hint("jax_cache") + ", or a kind name"
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 # top-p looks for its cut among this many most probable tokens first, and sorts the whole vocabulary only when their
 # mass stays under top_p: XLA-CPU sorts a 49,152-token row in ~20 ms (top_k of 1,024: ~0.9 ms), a 135M model's step

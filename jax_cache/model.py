@@ -240,8 +240,7 @@ class Mistral(nnx.Module):
         the new cache."""
         embed, dtype = self.model.embed_tokens.weight[...], self.dtype
         if not isinstance(input_ids, jax.core.Tracer):
-            cache_checks.check_cache_type(cache, StaticCache, "jax_cache", "pass a jax_cache.cache StaticCache or "
-                                          "SlidingWindowCache (twincache_app.handoff.cache_from_torch copies one)")
+            cache_checks.check_cache_type(cache, StaticCache, "jax_cache", cache_checks.cache_hint("jax_cache"))
             self.check_inputs(input_ids, positions, attention_mask)
             check_count("logits_to_keep", logits_to_keep)  # 0: every position's logits
             cache.check_forward(self.config, input_ids, dtype, self.device)

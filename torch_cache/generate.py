@@ -52,8 +52,7 @@ from twincache.mesh import keep_rows, pad_batch, pad_rows
 from twincache.switches import switch
 
 MAX_DECODE_VARIANTS = 64
-_CACHE_HINT = ("pass a torch_cache.cache StaticCache or SlidingWindowCache (copy a jax_cache one with "
-               "twincache_app.handoff.cache_to_torch), or a kind name")
+_CACHE_HINT = cache_checks.cache_hint("torch_cache") + ", or a kind name"
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache, int | None], torch.Tensor]
 _MASK32 = 0xFFFFFFFF

@@ -232,8 +232,7 @@ class Mistral(nn.Module):
         Returns logits [B, S, V], or of the last `logits_to_keep` tokens only (a prefill needs the last one)."""
         embed = self.model.embed_tokens.weight
         if not torch.compiler.is_compiling():
-            cache_checks.check_cache_type(cache, StaticCache, "torch_cache", "pass a torch_cache.cache StaticCache or "
-                                          "SlidingWindowCache (twincache_app.handoff.cache_to_torch copies one)")
+            cache_checks.check_cache_type(cache, StaticCache, "torch_cache", cache_checks.cache_hint("torch_cache"))
             self.check_inputs(input_ids, positions, attention_mask)
             check_count("logits_to_keep", logits_to_keep)  # 0: every position's logits
             cache.check_forward(self.config, input_ids, embed.dtype, embed.device)

@@ -49,6 +49,14 @@ def check_compatible(cache: Any, config: MistralConfig, batch_size: int, model_d
                          "batch_size equals the number of rows")
 
 
+def cache_hint(backend: str) -> str:
+    """What to pass instead of a cache `backend` cannot use: its own kind, or a copy of the other backend's."""
+    other, copy = {"torch_cache": ("jax_cache", "cache_to_torch"), "jax_cache": ("torch_cache", "cache_from_torch")}[
+        backend]
+    return (f"pass a {backend}.cache StaticCache or SlidingWindowCache (copy a {other} one with "
+            f"twincache_app.handoff.{copy})")
+
+
 def check_cache_type(cache: object, own_type: type, backend: str, hint: str) -> None:
     """Refuse a cache object of the other backend (or anything else) where this backend's cache is needed."""
     if not isinstance(cache, own_type):
