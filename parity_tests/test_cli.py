@@ -2,8 +2,10 @@
 tokenizer) and on transformers-written checkpoints (which have no tokenizer.json, so --prompt-ids). The trained
 default model's end-to-end runs are in test_jax_cli.py.
 
-The tokens the CLI prints must equal those of the Python API on the same model. Most runs pass --mode eager; one
-run takes the default compiled decode path. The error cases and a few others call cli.main in this process.
+The tokens the CLI prints must equal transformers' greedy `generate` on the same directory, each prompt alone
+(parity_tests/hf_greedy.py), never the towers' API that the CLI itself calls; prompt ids and text are judged by the
+`tokenizers` library reading the same tokenizer.json. Most runs pass --mode eager; one run takes the default compiled
+decode path. The error cases and a few others call cli.main in this process.
 """
 
 from __future__ import annotations
@@ -19,9 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_cache.generate import generate
-from torch_cache.model import Mistral
-from twincache.tokenizer import Tokenizer
+from parity_tests.hf_greedy import greedy
 from twincache_app.generate_cmd import DEFAULT_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,9 +63,11 @@ def parse_json(stdout: str) -> dict:
     return record
 
 
-def api_tokens(model_dir: Path, prompt: list[int], max_new_tokens: int, cache: str | None = None) -> list[int]:
-    model = Mistral.from_pretrained(model_dir)
-    return generate(model, [prompt], max_new_tokens, cache=cache, compile=False).token_ids[0]
+def hf_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer.json read by the `tokenizers` library itself, not by twincache.tokenizer."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 # --- the tiny model, with a tokenizer ------------------------------------------------------------------------------
@@ -73,11 +75,11 @@ def api_tokens(model_dir: Path, prompt: list[int], max_new_tokens: int, cache: s
 
 @pytest.fixture(scope="module")
 def tiny_expected(tiny_model_dir: Path) -> dict:
-    """What the Python API gives for the CLI's default prompt on the tiny model."""
-    tokenizer = Tokenizer.from_checkpoint(tiny_model_dir)
-    prompt = tokenizer.encode(DEFAULT_PROMPT)
-    tokens = api_tokens(tiny_model_dir, prompt, 40)
-    return {"prompt_ids": prompt, "token_ids": tokens, "text": tokenizer.decode(tokens)}
+    """What transformers and tokenizers give for the CLI's default prompt on the tiny model."""
+    tokenizer = hf_tokenizer(tiny_model_dir)
+    prompt = tokenizer.encode(DEFAULT_PROMPT).ids
+    tokens = greedy(tiny_model_dir, [prompt], 40)[0]
+    return {"prompt_ids": prompt, "token_ids": tokens, "text": tokenizer.decode(tokens, skip_special_tokens=True)}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,7 @@ def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag
     record = parse_json(succeeded(twincache(cli_home, *args))[0])
     assert record["cache"] == expected_cache
     assert record["prompt_ids"] == PROMPT_IDS
-    assert record["token_ids"] == api_tokens(checkpoints[name], PROMPT_IDS, 20, cache=expected_cache)
+    assert record["token_ids"] == greedy(checkpoints[name], [PROMPT_IDS], 20)[0]
     assert len(record["token_ids"]) == 20, "eos_token_id is None: every requested token is generated"
     assert record["text"] is None, "no tokenizer.json, so no text"
 
@@ -146,23 +148,24 @@ def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag
 def test_checkpoint_text_mode_prints_the_ids(checkpoints, cli_home):
     stdout, stderr = succeeded(twincache(cli_home, "--model", str(checkpoints["sharded"]), "--prompt-ids",
                                          ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--mode", "eager"))
-    assert [int(t) for t in stdout.split()] == api_tokens(checkpoints["sharded"], PROMPT_IDS, 20)
+    assert [int(t) for t in stdout.split()] == greedy(checkpoints["sharded"], [PROMPT_IDS], 20)[0]
     assert "[torch sliding_window cache:" in stderr
 
 
 def test_compiled_decode_through_the_cli(checkpoints, cli_home):
-    """The default path (torch.compile on) gives the eager API's tokens; 24 new tokens wrap the window 8 thrice."""
+    """The default path (torch.compile on) gives transformers' tokens; 24 new tokens wrap the window 8 thrice."""
     record = parse_json(succeeded(twincache(cli_home, "--model", str(checkpoints["gqa"]), "--prompt-ids",
                                             ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "24", "--json"))[0])
     assert record["mode"] == "compiled", "torch's default mode, as the decode path reports it"
-    assert record["token_ids"] == api_tokens(checkpoints["gqa"], PROMPT_IDS, 24)
+    assert record["token_ids"] == greedy(checkpoints["gqa"], [PROMPT_IDS], 24)[0]
     assert record["decode_steps"] == 23
 
 
 @pytest.mark.parametrize("backend, mode", [("torch", "eager"), ("jax", "step")])
 def test_sliding_window_flag_gives_a_window_less_model_the_ring(checkpoints, tmp_path, capsys, backend, mode):
-    """--sliding-window 4 on the window-less checkpoint decodes what the same weights decode when their own
-    config.json says sliding_window 4; the default cache is then the ring (4 slots), which 20 tokens wrap five times."""
+    """--sliding-window 4 on the window-less checkpoint decodes what transformers decodes from the same weights when
+    their config.json says sliding_window 4; the default cache is then the ring (4 slots), which 20 tokens wrap five
+    times."""
     import shutil
 
     from twincache_app import cli
@@ -179,7 +182,7 @@ def test_sliding_window_flag_gives_a_window_less_model_the_ring(checkpoints, tmp
     window_less = json.loads(capsys.readouterr().out)
     assert flagged["cache"] == "sliding_window" and flagged["sliding_window"] == 4
     assert window_less["cache"] == "static" and window_less["sliding_window"] is None
-    assert flagged["token_ids"] == api_tokens(windowed, PROMPT_IDS, 20)
+    assert flagged["token_ids"] == greedy(windowed, [PROMPT_IDS], 20)[0]
     assert flagged["token_ids"] != window_less["token_ids"], "a window of 4 over 25 positions must change the tokens"
 
 
@@ -268,7 +271,8 @@ BATCH_PROMPTS = ["Once upon a time", "The capital of France is a city of", "1, 2
 @pytest.mark.parametrize("backend, mode", [("torch", "eager"), ("jax", "step")])
 def test_repeated_prompts_decode_together_as_each_would_alone(tiny_model_dir, capsys, backend, mode):
     """Each --prompt is one batch row: every row's tokens are those the same command gives that prompt alone (greedy,
-    fp32; the padding of the shorter rows is never attended to), in --json and in text."""
+    fp32; the padding of the shorter rows is never attended to), in --json and in text; and those are transformers'
+    for the prompt ids tokenizers gives."""
     from twincache_app import cli
 
     common = ["generate", "--backend", backend, "--mode", mode, "--model", str(tiny_model_dir), "--max-new-tokens",
@@ -279,6 +283,9 @@ def test_repeated_prompts_decode_together_as_each_would_alone(tiny_model_dir, ca
         alone.append(json.loads(capsys.readouterr().out))
     assert all(record["batch"] == 1 and record["rows"] == [{key: record[key] for key in
                                                             ("prompt_ids", "token_ids", "text")}] for record in alone)
+    prompts = [hf_tokenizer(tiny_model_dir).encode(prompt).ids for prompt in BATCH_PROMPTS]
+    assert [record["prompt_ids"] for record in alone] == prompts
+    assert [record["token_ids"] for record in alone] == greedy(tiny_model_dir, prompts, 12)
     repeated = [flag for prompt in BATCH_PROMPTS for flag in ("--prompt", prompt)]
     assert cli.main([*common, *repeated]) == 0
     batch = json.loads(capsys.readouterr().out)
@@ -304,8 +311,7 @@ def test_prompt_id_files_and_prompt_ids_repeat_too(checkpoints, tmp_path, capsys
     from_flags = json.loads(capsys.readouterr().out)
     assert [row["prompt_ids"] for row in from_files["rows"]] == [[5, 17, 42], [99, 3]]
     assert from_files["rows"] == from_flags["rows"]
-    assert [row["token_ids"] for row in from_flags["rows"]] == [
-        api_tokens(checkpoints["gqa"], ids, 6) for ids in ([5, 17, 42], [99, 3])]
+    assert [row["token_ids"] for row in from_flags["rows"]] == greedy(checkpoints["gqa"], [[5, 17, 42], [99, 3]], 6)
 
 
 def test_a_bad_prompt_of_a_batch_is_named(trained_model_dir, capsys):
