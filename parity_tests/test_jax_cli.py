@@ -1,7 +1,8 @@
 """`twincache generate` end to end in real subprocesses: `--backend jax` text and --json, fused (the default) and
 --mode step, beside torch, on the tiny random model (with its byte-level tokenizer) and on a transformers-written
-checkpoint (no tokenizer.json, so --prompt-ids): its JSON has the torch backend's keys, and its greedy tokens equal
-torch's.
+checkpoint (no tokenizer.json, so --prompt-ids): its JSON has the torch backend's keys, its greedy tokens equal
+torch's, and both equal transformers' greedy generate on the same directory (parity_tests/hf_greedy.py; prompt ids and
+text by the `tokenizers` library on the tiny model's tokenizer.json).
 
 Two runs use the trained default model (SmolLM2-135M-Instruct with our window of 64), built by the first of them into
 a fresh TWINCACHE_HOME: the fused JAX --json run, and the plain `twincache generate`, the first command a newcomer
@@ -23,11 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from parity_tests import background
-from torch_cache.generate import generate
-from torch_cache.model import Mistral
+from parity_tests.hf_greedy import greedy
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.tokenizer import Tokenizer
 from twincache_app.backends import compiled_programs_dir
@@ -148,26 +147,27 @@ def test_json_with_a_streaming_mode_decodes_in_that_mode(runs):
     assert step.keys() == fused.keys()
 
 
-def test_checkpoint_json_has_the_torch_keys_and_the_torch_api_tokens(runs, checkpoints):
+def test_checkpoint_json_has_the_torch_keys_and_transformers_tokens(runs, checkpoints):
     record = parse_json(runs["checkpoint jax json"][0], "checkpoint jax json")
     assert record.keys() == parse_json(runs["tiny torch json"][0], "tiny torch json").keys()
     assert record["backend"] == "jax" and record["cache"] == "sliding_window"
     assert record["prompt_ids"] == PROMPT_IDS and record["text"] is None  # no tokenizer.json
     assert record["model"] == str(checkpoints["gqa"])
-    torch_model = Mistral.from_pretrained(checkpoints["gqa"], torch.float32)
-    expected = generate(torch_model, [PROMPT_IDS], NEW_TOKENS, compile=False).token_ids[0]
+    expected = greedy(checkpoints["gqa"], [PROMPT_IDS], NEW_TOKENS)[0]
     assert len(expected) == NEW_TOKENS  # the checkpoint has no EOS
-    assert record["token_ids"] == expected, "greedy tokens differ from torch_cache's on the same checkpoint"
+    assert record["token_ids"] == expected, "greedy tokens differ from transformers' on the same checkpoint"
 
 
-def test_tiny_model_json_is_the_tokenized_default_prompt_and_its_decoded_text(runs, tiny_model_dir):
+def test_tiny_model_json_is_the_tokenized_default_prompt_and_transformers_text(runs, tiny_model_dir):
+    from tokenizers import Tokenizer as HFTokenizer
+
     record = parse_json(runs["tiny jax json"][0], "tiny jax json")
     assert record["model"] == str(tiny_model_dir)
-    tokenizer = Tokenizer.from_checkpoint(tiny_model_dir)
-    assert record["prompt_ids"] == tokenizer.encode(DEFAULT_PROMPT)
+    tokenizer = HFTokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    assert record["prompt_ids"] == tokenizer.encode(DEFAULT_PROMPT).ids
     assert record["dtype"] == "float32"
-    assert 1 <= len(record["token_ids"]) <= 40
-    assert record["text"] == tokenizer.decode(record["token_ids"]) and record["text"]
+    assert record["token_ids"] == greedy(tiny_model_dir, [record["prompt_ids"]], 40)[0]
+    assert record["text"] == tokenizer.decode(record["token_ids"], skip_special_tokens=True) and record["text"]
 
 
 def test_plain_generate_prints_legible_english_and_wraps_the_window(runs, cli_home):
