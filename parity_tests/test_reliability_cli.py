@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from parity_tests.hf_greedy import greedy
 from parity_tests.test_cli_bad_inputs import (
     BACKENDS,
     REPO,
@@ -160,13 +161,16 @@ def test_bench_cache_dir_that_is_a_file_is_named(tmp_path, capsys, extra):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_tiny_temperature_prints_the_greedy_tokens(broken, capsys, backend):
-    """Today JAX printed token 0 repeatedly (logits / 1e-38 overflowed) and torch died with a RuntimeError."""
+    """Today JAX printed token 0 repeatedly (logits / 1e-38 overflowed) and torch died with a RuntimeError. The greedy
+    tokens are transformers' (hf_greedy) for argv_for's prompt 1,5,9 and 3 new tokens."""
     records = []
     for extra in ([], ["--temperature", "1e-38", "--top-p", "0.9", "--seed", "5"]):
         code, out, err = run_in_process(argv_for(backend, broken["gqa"], ["--json", *extra]), capsys)
         assert code == 0, err
-        records.append(json.loads(out)["token_ids"])
-    assert records[0] == records[1]
+        records.append(json.loads(out))
+    assert records[0]["prompt_ids"] == [1, 5, 9]
+    assert records[0]["token_ids"] == greedy(broken["gqa"], [[1, 5, 9]], 3)[0]
+    assert records[1]["token_ids"] == records[0]["token_ids"]
 
 
 @pytest.mark.parametrize(("backend", "flags", "notice"), [
