@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import MistralForCausalLM
+from transformers import MistralForCausalLM, PreTrainedModel
 
 MARGIN = 1e-4  # float64 top-1 minus top-2 logit, at every step; fp32 rounding on these models is ~1e-6
 
@@ -24,7 +24,13 @@ def greedy(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int) -> l
     """transformers' greedy continuation of each prompt (alone) on `checkpoint`, in fp32: up to `max_new_tokens` ids,
     ending at the checkpoint's EOS (included) when it comes sooner. Fails unless each id is the float64 argmax of its
     step by more than MARGIN."""
-    model = MistralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return greedy_of(MistralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(), prompts,
+                     max_new_tokens)
+
+
+def greedy_of(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """greedy() on a transformers causal LM loaded in fp32 by the caller (e.g. from a GGUF file, through transformers'
+    own reader); the check turns it float64, in place."""
     rows = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -68,10 +68,9 @@ def test_transformers_reads_the_directory_like_the_gguf(trained_model_dir, hf_sm
 
 
 def test_chat_flag_formats_the_prompt_with_the_template(trained_model_dir, hf_smollm2_tokenizer, capsys):
-    """`--chat --prompt X`: the prompt ids are transformers' apply_chat_template ids, and the greedy reply equals
-    the API's on those ids."""
-    from torch_cache.generate import generate
-    from torch_cache.model import Mistral
+    """`--chat --prompt X`: the prompt ids are transformers' apply_chat_template ids, and the greedy reply is
+    transformers' greedy generate on those ids, on the same directory."""
+    from parity_tests.hf_greedy import greedy
 
     question = "What is the capital of France?"
     code = cli.main(["generate", "--model", str(trained_model_dir), "--chat", "--prompt", question,
@@ -83,8 +82,7 @@ def test_chat_flag_formats_the_prompt_with_the_template(trained_model_dir, hf_sm
                                                         add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     assert record["prompt_ids"] == expected
-    model = Mistral.from_pretrained(trained_model_dir)
-    assert record["token_ids"] == generate(model, [expected], 8, compile=False).token_ids[0]
+    assert record["token_ids"] == greedy(trained_model_dir, [expected], 8)[0]
 
 
 def test_chat_without_a_template_is_one_line_exit_2(tiny_model_dir, capsys):

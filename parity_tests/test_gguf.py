@@ -559,9 +559,9 @@ def test_gguf_without_a_tokenizer_needs_prompt_ids(tiny_ggufs, capsys):
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_generate_on_a_gguf_gives_the_api_tokens(tiny_ggufs, capsys, backend):
-    from torch_cache.generate import generate
-    from torch_cache.model import Mistral
+def test_generate_on_a_gguf_gives_transformers_tokens(tiny_ggufs, capsys, backend):
+    """The CLI's tokens are transformers' greedy generate on the same file, read by transformers' GGUF loader."""
+    from parity_tests.hf_greedy import greedy_of
 
     path = tiny_ggufs["Q8_0"]
     code = cli.main(["generate", "--backend", backend, "--model", str(path), "--prompt-ids",
@@ -569,7 +569,7 @@ def test_generate_on_a_gguf_gives_the_api_tokens(tiny_ggufs, capsys, backend):
     out, err = capsys.readouterr()
     assert code == 0, err
     record = json.loads(out)
-    expected = generate(Mistral.from_pretrained(path), [PROMPT], 12, compile=False).token_ids[0]
+    expected = greedy_of(hf_from_gguf(path), [PROMPT], 12)[0]
     assert record["token_ids"] == expected and record["model"] == str(path) and record["cache"] == "static"
 
 
