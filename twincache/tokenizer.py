@@ -118,22 +118,46 @@ def _token_text(token: Any) -> str | None:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text deltas, holding back bytes that are not yet a whole character."""
+    """Turns a growing list of ids into text deltas whose concatenation (pushes, then flush) is `decode(all ids)`.
+
+    Invariant: the text emitted so far is decode(ids[:end]), where `end` follows a *boundary* token: one whose text
+    alone is non-empty (not a skipped special), does not end in U+FFFD (a cut UTF-8 character) and that is not a
+    <0xNN> byte-fallback token (ByteFallback decodes a run of them all or nothing). No later id changes the text up
+    to a boundary (UTF-8 resynchronizes at the boundary's last character; no byte run spans it), so every delta is
+    final. Past it, decode(ids) = decode(ids[:end]) + decode(ids[start:])[len(decode(ids[start:end])):], where
+    `start` is the boundary before: the anchor ids[start:end] holds a non-skipped token, so the effects only a
+    decode's first token gets (Metaspace drops its "\u2581", Strip(" ", 1) one leading space) stay inside it. Each id
+    is decoded a bounded number of times: alone when pushed, then in at most two windows and one anchor.
+    `flush` ends the stream: it prints what is held, which later ids could have changed.
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._emitted = 0
+        self._start = 0  # the boundary before `_end` (or 0, the start of the text)
+        self._end = 0  # the last boundary: decode(ids[:_end]) is what has been emitted
+        self._anchor = ""  # decode(ids[_start:_end])
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return ""
-        delta, self._emitted = text[self._emitted:], len(text)
-        return delta
+        return self._emit() if self._is_boundary(token_id) else ""
 
     def flush(self) -> str:
-        text = self._tokenizer.decode(self._ids)
-        delta, self._emitted = text[self._emitted:], len(text)
+        return self._emit() if len(self._ids) > self._end else ""
+
+    def _is_boundary(self, token_id: int) -> bool:
+        text = self._tokenizer.decode([token_id])
+        return text != "" and not text.endswith("\ufffd") and not self._is_byte_token(token_id)
+
+    def _is_byte_token(self, token_id: int) -> bool:
+        """A <0xNN> byte-fallback token, as tokenizers' ByteFallback decoder reads one."""
+        piece = self._tokenizer.hf_tokenizer.id_to_token(token_id) or ""
+        return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and all(
+            c in "0123456789abcdefABCDEF" for c in piece[3:5])
+
+    def _emit(self) -> str:
+        window = self._tokenizer.decode(self._ids[self._start:])
+        delta = window[len(self._anchor):]
+        self._start, self._end = self._end, len(self._ids)
+        self._anchor = self._tokenizer.decode(self._ids[self._start:self._end])
         return delta
