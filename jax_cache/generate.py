@@ -161,15 +161,20 @@ def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input
     return _forward_last(graph, params, cache, input_ids, positions, None, attend_len)
 
 
-def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: int | None,
+def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: tuple[int, ...],
           step: jax.Array, forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Sample step `step`'s tokens [B] (or take the `forced` ones); rows already finished keep emitting EOS.
-    Returns (tokens, finished)."""
+    """Sample step `step`'s tokens [B] (or take the `forced` ones); a row ends at any of the `eos` ids (() for none)
+    and then keeps emitting the first. Returns (tokens, finished)."""
     tokens = sample(logits, sampling, jax.random.fold_in(key, step)) if forced is None else forced  # [B]
-    if eos is None:
+    if not eos:
         return tokens, finished
-    tokens = jnp.where(finished, eos, tokens)
-    return tokens, finished | (tokens == eos)
+    tokens = jnp.where(finished, eos[0], tokens)  # [B]
+    return tokens, finished | _is_eos(tokens, eos)
+
+
+def _is_eos(tokens: jax.Array, eos: tuple[int, ...]) -> jax.Array:
+    """[B] bool: which of `tokens` [B] are one of the `eos` ids (a compile-time constant [E])."""
+    return (tokens[:, None] == jnp.asarray(eos, tokens.dtype)).any(axis=-1)  # [B, E] -> [B]
 
 
 class DecodeState(NamedTuple):
@@ -178,7 +183,7 @@ class DecodeState(NamedTuple):
 
     tokens: jax.Array  # [B] int32: each row's newest token, fed to the next step
     positions: jax.Array  # [B] int32: the position that token takes
-    finished: jax.Array  # [B] bool: rows that have emitted EOS (they keep emitting it)
+    finished: jax.Array  # [B] bool: rows that have emitted an EOS id (they keep emitting the first)
     step: jax.Array  # [] int32: generated-token index the next step samples (folded into the PRNG key)
     non_finite_step: jax.Array  # [] int32: the first step whose logits were NaN or Inf; -1 while none was
     cache: StaticCache
@@ -188,10 +193,10 @@ class DecodeState(NamedTuple):
         return self.finished.all() | (self.non_finite_step >= 0)
 
 
-def initial_state(tokens: jax.Array, positions: jax.Array, cache: StaticCache, eos: int | None,
+def initial_state(tokens: jax.Array, positions: jax.Array, cache: StaticCache, eos: tuple[int, ...],
                   first_step: int) -> DecodeState:
-    """The state before the first decode step: rows whose token is EOS are finished already."""
-    finished = tokens == eos if eos is not None else jnp.zeros(tokens.shape, bool)  # [B]
+    """The state before the first decode step: rows whose token is one of the `eos` ids are finished already."""
+    finished = _is_eos(tokens, eos)  # [B]; all False for eos=()
     return _placed(DecodeState(tokens, positions, finished, jnp.int32(first_step), jnp.int32(-1), cache))
 
 
@@ -209,13 +214,14 @@ def _placed(state: DecodeState) -> DecodeState:
     return DecodeState(tokens, positions, finished, step, non_finite_step, sharding.place_cache(cache))
 
 
-def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams, eos: int | None,
+def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams,
+                eos: tuple[int, ...],
                 state: DecodeState, attend_len: int | None,
                 forced: jax.Array | None = None) -> tuple[jax.Array, DecodeState]:
     """One decode step, the body of both loops: feed `state.tokens` at `state.positions`, sample the next tokens.
 
     `attend_len`: the step's attention bucket (twincache.buckets; None: every slot). `forced` ([B] int32, optional)
-    replaces the sampled tokens: teacher forcing on the real decode path, for parity (give eos=None with it: a
+    replaces the sampled tokens: teacher forcing on the real decode path, for parity (give eos=() with it: a
     teacher-forced run never stops early).
     Returns this step's logits [B, V] fp32 and the next state.
     """
@@ -230,7 +236,7 @@ def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: 
 @functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size", "attend_len"),
                    donate_argnames=("state",))
 def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
-                  eos: int | None, vocab_size: int, attend_len: int | None,
+                  eos: tuple[int, ...], vocab_size: int, attend_len: int | None,
                   forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, DecodeState]:
     """One streaming step: `decode_body` with the step's attention bucket `attend_len`, unless the state has halted.
 
@@ -266,7 +272,7 @@ _FUSED_STATIC = ("graph", "sampling", "eos", "block_steps", "vocab_size", "retur
 
 @functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("state",))
 def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array,
-                  forced: jax.Array | None, steps: jax.Array, sampling: SamplingParams, eos: int | None,
+                  forced: jax.Array | None, steps: jax.Array, sampling: SamplingParams, eos: tuple[int, ...],
                   block_steps: int, vocab_size: int, return_logits: bool,
                   attend_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
     """One block: up to `steps` (<= `block_steps`, an array, so every block of one attention bucket runs one
@@ -317,7 +323,7 @@ BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
 
 
 def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
-                 eos: int | None, num_steps: int, length: int, vocab_size: int, return_logits: bool,
+                 eos: tuple[int, ...], num_steps: int, length: int, vocab_size: int, return_logits: bool,
                  on_block: BlockCallback, forced: np.ndarray | None = None,
                  block_steps: int | None = None) -> tuple[DecodeState, int, int, float, int]:
     """The fused mode: up to `num_steps` decode steps from a cache holding `length` columns, as jitted blocks, each
@@ -484,7 +490,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampling, max_new_tokens, chunk = inputs.sampling, inputs.max_new_tokens, inputs.prefill_chunk
     batch, prompt_len = ids_np.shape
     forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
-    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
+    eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
@@ -526,7 +532,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:, 1:], _first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
+    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
     return keep_rows(dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
                                          prefill_s=prefill_s, step_logits=step_logits), rows)  # [B, steps, V] logits
@@ -556,7 +562,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     forced = None  # [B, N] int32 on the host: sliced there per step or block, a device slice per start would compile
     if forced_tokens is not None:
         forced = validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
-    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
+    eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
     state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, _first_step)
@@ -564,7 +570,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     logits_per_step: list[jax.Array] = []
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
-    all_done = eos is not None and all(t == eos for t in last_tokens)
+    all_done = bool(eos) and all(t in eos for t in last_tokens)
     length = int(cache.length)  # the host's copy of the cache length picks each step's attention bucket
     if fused and max_new_tokens and not all_done:
         def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
@@ -608,7 +614,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 state = pending[2]  # the live state; a step queued after the last token holds it unchanged
             *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
             _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
-            all_done = eos is not None and all(token == eos for token in row_ids)
+            all_done = bool(eos) and all(token in eos for token in row_ids)
             now = time.perf_counter()
             if compiles:
                 first_step_s += now - stamp

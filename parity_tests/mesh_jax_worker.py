@@ -124,9 +124,9 @@ def write_hlo(out: Path, model: Mistral, vocab: int, record: dict[str, object]) 
     result = jg.generate(model, prompts(vocab), 2, cache="sliding_window", fused=False)
     cache = result.cache
     state = jg.initial_state(jnp.asarray([t[-1] for t in result.token_ids], jnp.int32), cache.next_positions(),
-                             cache, None, 0)
+                             cache, (), 0)
     key, static = jax.random.key(0), jg._without_seed(SamplingParams())
-    compiled = jg._sampled_step.lower(graph, params, state, key, static, None, vocab, None).compile()  # every slot
+    compiled = jg._sampled_step.lower(graph, params, state, key, static, (), vocab, None).compile()  # every slot
     (out / "step.hlo").write_text(compiled.as_text())
     fused = {signature: executable for signature, executable in jg._fused_executables.items()
              if signature[0] == graph}

@@ -75,7 +75,7 @@ def run_step_on_meta(cache_kind: str, sampling_kind: str,
     ]
     flags = [
         torch.zeros(BATCH, dtype=torch.bool, device=device),  # finished [B]
-        torch.tensor(CONFIG.eos_token_id, device=device),  # eos []
+        torch_generate._eos_tensor(CONFIG, CONFIG.eos_token_ids, device),  # eos [E]
         torch.zeros(BATCH, dtype=torch.long, device=device),  # forced [B]
         torch.tensor(False, device=device),  # forcing []
         torch_generate._StepKey(sampling.seed, device).tensor,  # step_key []

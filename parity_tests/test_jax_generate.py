@@ -165,10 +165,10 @@ def test_compiled_decode_copies_no_kv_buffer(model, mha_model, heads, kind, cach
     model = model if heads == "gqa" else mha_model
     _, cache = prefilled(model, kind, PROMPTS[:1], cache_len)
     graph, params = jg.split_model(model)
-    state = jg.initial_state(jnp.asarray([3], jnp.int32), cache.next_positions(), cache, None, 0)
+    state = jg.initial_state(jnp.asarray([3], jnp.int32), cache.next_positions(), cache, (), 0)
     key, sampling = jax.random.key(0), jg._without_seed(SamplingParams())
-    step_hlo = jg._sampled_step.lower(graph, params, state, key, sampling, None, VOCAB, attend_len).compile().as_text()
-    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, jnp.int32(2), sampling=sampling, eos=None,
+    step_hlo = jg._sampled_step.lower(graph, params, state, key, sampling, (), VOCAB, attend_len).compile().as_text()
+    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, jnp.int32(2), sampling=sampling, eos=(),
                                        block_steps=2, vocab_size=VOCAB, return_logits=False,
                                        attend_len=attend_len).compile().as_text()
     buffer_shape = cache.keys[0].shape
@@ -186,9 +186,9 @@ def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
     cache of 1024 slots, so that the buffers outweigh the step's other temporaries."""
     cache = make_cache("static", model.config, 1, 1024)
     graph, params = jg.split_model(model)
-    state = jg.initial_state(jnp.asarray([3], jnp.int32), jnp.asarray([0], jnp.int32), cache, None, 0)
+    state = jg.initial_state(jnp.asarray([3], jnp.int32), jnp.asarray([0], jnp.int32), cache, (), 0)
     executable, _ = jg.fused_executable(graph, params, state, jax.random.key(0), None, jnp.int32(8),
-                                        sampling=jg._without_seed(SamplingParams()), eos=None, block_steps=8,
+                                        sampling=jg._without_seed(SamplingParams()), eos=(), block_steps=8,
                                         vocab_size=VOCAB, return_logits=False, attend_len=None)
     analysis = executable.memory_analysis()
     cache_bytes = sum(array.nbytes for array in cache.arrays())

@@ -397,7 +397,8 @@ def _bad_values() -> list[tuple[str, object, str]]:
     """Every config field with every wrong JSON type: numeric strings, booleans, floats, null, lists, objects."""
     cases = []
     for field in INT_FIELDS:
-        for value in ("2", True, 2.0, 2.5, [2, 3], {"a": 2}) + (() if field in NULLABLE else (None,)):
+        listed = [2, "3"] if field == "eos_token_id" else [2, 3]  # eos_token_id may list ids, but only integers
+        for value in ("2", True, 2.0, 2.5, listed, {"a": 2}) + (() if field in NULLABLE else (None,)):
             cases.append((field, value, f"{field}={value!r}"))
     for field in FLOAT_FIELDS:
         for value in ("1e-6", True, [1.0], float("nan"), float("inf"), 0, -1.0) + (

@@ -364,12 +364,11 @@ def test_16_checkpoint_missing_a_tensor_or_with_a_wrong_shape(checkpoints, tmp_p
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, ["rope_parameters", "yarn"]),
     ({"attention_bias": True}, ["attention_bias=True"]),
     ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
-    ({"eos_token_id": [2, 3]}, ["eos_token_id=[2, 3] lists 2 ids", "set eos_token_id in config.json"]),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, ["rope_scaling", "dynamic"]),
     ({"num_key_value_heads": 3}, ["num_attention_heads=4", "num_key_value_heads=3"]),
     ({"hidden_size": None}, ["hidden_size"]),
-], ids=["model_type", "rope_scaling", "rope_parameters", "attention_bias", "hidden_act", "eos_list",
-        "rope_scaling_type", "gqa_groups", "missing_field"])
+], ids=["model_type", "rope_scaling", "rope_parameters", "attention_bias", "hidden_act", "rope_scaling_type",
+        "gqa_groups", "missing_field"])
 def test_17_unsupported_config_names_the_field(checkpoints, tmp_path, edit, fragments):
     directory = copy_of(checkpoints, "gqa", tmp_path)
     config = json.loads((directory / "config.json").read_text()) | edit

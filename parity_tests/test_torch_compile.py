@@ -98,7 +98,7 @@ def test_a_sampled_step_hashes_each_noise_entry_once_in_the_graph(checkpoints: d
         kind = torch_generate._sampling_kind(sampling)
         forced, forcing, _, _, *_ = torch_generate._no_draw_args(1, model.device)
         decode_one(torch.tensor([[6]]), torch.tensor([[3]]), cache, None, torch.zeros(1, dtype=torch.bool),
-                   torch.tensor(-1), forced, forcing, torch_generate._StepKey(sampling.seed, model.device).at(1),
+                   torch.tensor([-1]), forced, forcing, torch_generate._StepKey(sampling.seed, model.device).at(1),
                    torch_generate._sampling_bits(kind, 1, model.config.vocab_size, model.device),
                    *torch_generate._knobs(sampling, model.device), kind)
     assert kind == "filtered" and len(graphs) == 1

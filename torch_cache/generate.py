@@ -30,6 +30,7 @@ from torch_cache.model import Mistral
 from torch_cache.projection import pack_projections
 from twincache import cache_checks, phases
 from twincache.buckets import step_attend_len
+from twincache.config import MistralConfig
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
     PREFILL_CHUNK,
@@ -191,7 +192,8 @@ def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, for
             top_k: torch.Tensor, top_p: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's decisions from fp32 logits [B, V], written to run inside the compiled step (and eagerly for the
     prefill's token): the tokens [B] (the `forced` ones [B] when `forcing`, [] bool: a tensor, so teacher forcing
-    runs the greedy graph; finished rows keep emitting `eos`, [] int64, -1 for none), the new finished flags [B], and
+    runs the greedy graph; a row ends at any of the `eos` ids, [E] int64 padded with -1 (`_eos_tensor`), and then
+    keeps emitting the first), the new finished flags [B], and
     what the host reads, its one copy per step: [B + 1] int64, the tokens then 1 if any logit is NaN or Inf. A
     sampled step draws with `step_key` ([] int64: the seed folded with the generated-token index, `_StepKey`) and
     `index_bits` ([B, V], read by sampled steps only: `_sampling_bits`).
@@ -203,8 +205,8 @@ def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, for
         scaled = _filter(logits.where(finite_rows, 0.0), temperature, top_k, top_p, kind == "filtered")  # [B, V]
         next_ids = _draw(scaled, step_key, index_bits)
     next_ids = torch.where(forcing, forced, next_ids)  # [B]
-    next_ids = torch.where(finished, eos, next_ids)  # [B]
-    finished = finished | ((next_ids == eos) & (eos >= 0))
+    next_ids = torch.where(finished, eos[0], next_ids)  # [B]
+    finished = finished | ((next_ids[:, None] == eos) & (eos >= 0)).any(dim=-1)  # [B, E] -> [B]
     return next_ids, finished, torch.cat([next_ids, (~finite_rows.all()).long()[None]])
 
 
@@ -219,7 +221,7 @@ _REALIZE_OPCOUNT_THRESHOLD = 8
 
 def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
     """The whole decode step (`_DecodeSteps` runs it), compiled once per model: `(input_ids [B, 1], positions [B, 1],
-    cache, attend_len, finished [B], eos [], forced [B], forcing [], step_key [], index_bits, temperature [], top_k [],
+    cache, attend_len, finished [B], eos [E], forced [B], forcing [], step_key [], index_bits, temperature [], top_k [],
     top_p [], kind) -> (logits [B, V] fp32, tokens [B], finished [B], next positions [B, 1], for_host [B + 1])`.
     The forward, the choice (greedy or a seeded draw), the EOS bookkeeping and the finiteness flag are one graph per
     sampling kind (`_sampling_kind`); teacher forcing runs the greedy one."""
@@ -475,7 +477,7 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
         if compile:  # batched CPU steps read packed weights (torch_cache/projection.py), checked once per call
             pack_projections(model, input_ids.shape[0])
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)  # [B]
-        no_eos = torch.tensor(-1, device=device)
+        no_eos = _eos_tensor(model.config, (), device)  # [E]
         return decode_one(input_ids, positions, cache, attend_len, finished, no_eos,
                           *_no_draw_args(input_ids.shape[0], device), "greedy")[0]
 
@@ -534,7 +536,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
     batch, prompt_len = inputs.input_ids.shape  # [B, T]
     forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
-    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
+    eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     device, dtype = model.device, model.dtype
     _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits, device)
     if cache is not None and not isinstance(cache, str):
@@ -559,7 +561,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
                      torch.from_numpy(inputs.attention_mask).to(device), cache, inputs.prefill_chunk)  # [B, V]
     first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
-    first = _first_tokens(logits, sampling, eos, first_forced)
+    first = _first_tokens(logits, sampling, _eos_tensor(config, eos, device), first_forced)
     prefill_s = time.perf_counter() - start
     if on_token is not None:
         on_token(first)
@@ -567,7 +569,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:, 1:], _first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token == eos else more) for token, more in zip(first, rest.token_ids)]
+    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
     return keep_rows(dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
                                          prefill_s=prefill_s, step_logits=step_logits), rows)
@@ -604,10 +606,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         # [N, B]: step k's row forced[k] is contiguous, laid out as a sampled [B] is, so the compiled step's stride
         # guards hold and forcing never recompiles it
         forced = torch.from_numpy(forced_np.T.copy()).long().to(device)
-    eos = config.eos_token_id if forced is None else None  # a forced row runs to its last forced token
-    eos_id = torch.tensor(-1 if eos is None else eos, device=device)  # [] int64, -1 for none
+    eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
+    eos_ids = _eos_tensor(config, eos, device)  # [E]
     next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
-    finished = next_ids == eos_id  # [B]
+    finished = (next_ids[:, None] == eos_ids).any(dim=-1)  # [B, E] -> [B]; ids are >= 0, so -1 matches none
     kind = "greedy" if forced is not None else _sampling_kind(sampling)  # forcing replaces the choice
     not_forced = torch.zeros(len(last_tokens), dtype=torch.long, device=device)  # [B]
     forcing = torch.tensor(forced is not None, device=device)  # [] bool
@@ -624,7 +626,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = launched = 0
     length, bucket = int(cache.length), None  # the host's copy of the cache length picks each step's bucket
-    all_done = eos is not None and all(t == eos for t in last_tokens)
+    all_done = bool(eos) and all(t in eos for t in last_tokens)
     in_flight: collections.deque[_InFlight] = collections.deque()  # launched steps whose tokens are not read yet
     host_copies = _HostCopies(len(last_tokens) + 1, device, replayed)
     phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call
@@ -639,7 +641,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 # A step in the bucket of the step before it repeats that step: the same cache, kind and shapes, with
                 # the outputs it returned as inputs (on_token, run in between, is handed ids and changes none of them)
                 logits, next_ids, finished, positions, for_host = decode_one(
-                    next_ids[:, None], positions, cache, attend, finished, eos_id, forced_now, forcing,
+                    next_ids[:, None], positions, cache, attend, finished, eos_ids, forced_now, forcing,
                     step_key.tensor if kind == "greedy" else step_key.at(_first_step + launched), index_bits, *knobs,
                     kind, repeats=attend == bucket)
                 # cudagraph outputs are overwritten by the next replay: what is read later is copied out now, in
@@ -657,7 +659,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             _raise_if_non_finite(non_finite != 0, decode_steps, logits.dtype)
             if step.logits is not None:
                 step_logits.append(step.logits)
-            all_done = eos is not None and all(token == eos for token in row_ids)
+            all_done = bool(eos) and all(token in eos for token in row_ids)
             now = time.perf_counter()
             if step.first_of_bucket:  # the first step of each bucket may compile: timed apart from the steady state
                 first_step_s += now - stamp
@@ -700,22 +702,30 @@ def _sampling_bits(kind: str, batch: int, vocab: int, device: torch.device) -> t
     return _index_bits(batch, vocab, device)
 
 
-def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: int | None,
+def _first_tokens(logits: torch.Tensor, sampling: SamplingParams, eos: torch.Tensor,
                   forced: torch.Tensor | None) -> list[int]:
-    """The prefill's tokens (generated-token index 0), chosen as every later step chooses (`_choose`, eagerly), or
-    the `forced` ones [B]. Raises on non-finite logits. Returns them on the host, in the one copy of this step."""
+    """The prefill's tokens (generated-token index 0), chosen as every later step chooses (`_choose`, eagerly, with
+    the `eos` ids [E]), or the `forced` ones [B]. Raises on non-finite logits. Returns them on the host, in the one
+    copy of this step."""
     batch = logits.shape[0]
     device = logits.device
-    eos_id = torch.tensor(-1 if eos is None else eos, device=device)
     kind = "greedy" if forced is not None else _sampling_kind(sampling)
     forcing = torch.tensor(forced is not None, device=device)
     forced = torch.zeros(batch, dtype=torch.long, device=device) if forced is None else forced
     index_bits = _sampling_bits(kind, batch, logits.shape[-1], device)
-    _, _, for_host = _choose(logits, torch.zeros(batch, dtype=torch.bool, device=device), eos_id, forced, forcing,
+    _, _, for_host = _choose(logits, torch.zeros(batch, dtype=torch.bool, device=device), eos, forced, forcing,
                              _StepKey(sampling.seed, device).at(0), index_bits, *_knobs(sampling, device), kind)
     *row_ids, non_finite = for_host.tolist()
     _raise_if_non_finite(non_finite != 0, 0, logits.dtype)
     return row_ids
+
+
+def _eos_tensor(config: MistralConfig, eos: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The `eos` ids (() for none) as the step takes them: [E] int64, E = how many the config lists (at least 1),
+    padded with -1, which no token matches. One shape per config, whether a call stops at EOS or not (teacher forcing,
+    decode_step_fn), so stopping never compiles another step graph."""
+    width = max(len(config.eos_token_ids), 1)
+    return torch.tensor(list(eos) + [-1] * (width - len(eos)), dtype=torch.long, device=device)  # [E]
 
 
 def _raise_if_non_finite(non_finite: bool, step: int, dtype: torch.dtype) -> None:

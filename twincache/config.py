@@ -22,7 +22,7 @@ _UNSUPPORTED_IF_SET: dict[str, Any] = {
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
-_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_TOKEN_FIELDS = ("bos_token_id", "pad_token_id")  # one id or null each; eos_token_id may also list several
 
 
 def _type_name(value: object) -> str:
@@ -62,6 +62,23 @@ def check_window_flag(sliding_window: int | None) -> int | None:
     return sliding_window
 
 
+def _eos_ids(ids: list[object], vocab_size: int) -> tuple[int, ...]:
+    """A listed eos_token_id: at least one id, each an integer (not a boolean) inside the vocabulary."""
+    if not ids:
+        raise ConfigError("config field eos_token_id=[] lists no ids; give the id that ends a reply, a list of them, "
+                          "or null for no EOS")
+    checked: list[int] = []
+    for index, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config field eos_token_id={ids!r} must list integers; item {index} is "
+                              f"{_type_name(value)} ({value!r})")
+        if not 0 <= value < vocab_size:
+            raise ConfigError(f"config eos_token_id={ids!r} lists {value}, outside the vocabulary [0, {vocab_size}); "
+                              "every EOS id must be a token of the model")
+        checked.append(value)
+    return tuple(checked)
+
+
 @dataclasses.dataclass(frozen=True)
 class MistralConfig:
     """Every field is type-checked on construction: integers are ints (not bools, floats or strings), floats are
@@ -80,7 +97,9 @@ class MistralConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
-    eos_token_id: int | None = 2
+    # As transformers reads it: one id, several (a list, kept as a tuple: a row stops at any of them), or None (no
+    # EOS). Code that compares with EOS reads `eos_token_ids`.
+    eos_token_id: int | tuple[int, ...] | None = 2
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -109,6 +128,18 @@ class MistralConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= _integer(name, value) < self.vocab_size:
                 raise ConfigError(f"config {name}={value} is outside the vocabulary [0, {self.vocab_size})")
+        if isinstance(self.eos_token_id, (list, tuple)):  # a tuple: the config stays hashable (a jit static argument)
+            object.__setattr__(self, "eos_token_id", _eos_ids(list(self.eos_token_id), self.vocab_size))
+        elif self.eos_token_id is not None and not 0 <= _integer("eos_token_id", self.eos_token_id) < self.vocab_size:
+            raise ConfigError(f"config eos_token_id={self.eos_token_id} is outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a row, as transformers' generate stops at any of them; () when there is no EOS."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MistralConfig:
@@ -146,12 +177,6 @@ class MistralConfig:
                     raise ConfigError(f"config fields rope_theta={rope_theta!r} and {field}.rope_theta={nested!r} "
                                       "disagree; keep one of them")
                 rope_theta = nested
-        eos = raw.get("eos_token_id", 2)
-        if isinstance(eos, list):
-            if len(eos) != 1:
-                raise ConfigError(f"config field eos_token_id={eos!r} lists {len(eos)} ids; twincache stops at one: "
-                                  "set eos_token_id in config.json to the id that ends a reply")
-            eos = eos[0]
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if name not in raw:
                 raise ConfigError(f"config.json lacks the required field {name!r}")
@@ -175,7 +200,7 @@ class MistralConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos,
+            eos_token_id=raw.get("eos_token_id", 2),
             pad_token_id=raw.get("pad_token_id"),
         )
 
@@ -198,5 +223,7 @@ class MistralConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that transformers' MistralForCausalLM reads back to the same model."""
         fields = dataclasses.asdict(self)
+        if isinstance(self.eos_token_id, tuple):
+            fields["eos_token_id"] = list(self.eos_token_id)  # as transformers writes a list of ids
         return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
                 "attention_dropout": 0.0, **fields}

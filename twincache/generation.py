@@ -118,16 +118,18 @@ class GenerationResult:
 
 
 def pad_token_id(config: MistralConfig) -> int:
-    """The id that fills left padding (never attended to, so any valid id works)."""
-    return config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
+    """The id that fills left padding (never attended to, so any valid id works): as transformers, the first EOS id
+    when the config has no pad id."""
+    return config.pad_token_id if config.pad_token_id is not None else (config.eos_token_ids or (0,))[0]
 
 
-def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: int | None, last_tokens: Sequence[int]) -> None:
-    """Append one step's token per row, except to rows that already ended with EOS: in this call, or before it (a
-    continuation whose last token was EOS returns nothing for that row)."""
+def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: tuple[int, ...],
+                  last_tokens: Sequence[int]) -> None:
+    """Append one step's token per row, except to rows that already ended with any of the `eos` ids (() for none): in
+    this call, or before it (a continuation whose last token was EOS returns nothing for that row)."""
     for row, token in enumerate(row_ids):
-        ended = tokens[row][-1] == eos if tokens[row] else last_tokens[row] == eos
-        if eos is None or not ended:
+        ended = tokens[row][-1] in eos if tokens[row] else last_tokens[row] in eos
+        if not ended:
             tokens[row].append(token)
 
 

@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     with notices_on_stderr(not args.json):  # a first run converts the default model: seconds, said before
         model_path = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_path)
-    eos = config.eos_token_id
+    eos = config.eos_token_ids  # a row's text ends at any of them
     prompts, tokenizer = resolve_prompts(args, model_path)
     code = start_mesh(args, config, [backend])
     if code is not None:
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     decoder = StreamDecoder(tokenizer) if tokenizer is not None and streaming else None
 
     def print_delta(row_tokens: list[int]) -> None:
-        if decoder is not None and row_tokens[0] != eos:
+        if decoder is not None and row_tokens[0] not in eos:
             sys.stdout.write(decoder.push(row_tokens[0]))
             sys.stdout.flush()
         elif decoder is None:
