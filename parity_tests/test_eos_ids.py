@@ -1,6 +1,6 @@
 """Several EOS ids (`eos_token_id` a list, as transformers' MistralConfig takes it): every decode path stops a row
 at any of them, where transformers' `generate(..., eos_token_id=[a, b])` stops it; configs read them as transformers
-does.
+does, generation_config.json included.
 
 The oracle is transformers alone: the two ids are picked from its own greedy runs of a tiny checkpoint, so that in
 one left-padded batch rows end at `a` and at `b`, at different steps (one at its first token), and each row's
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 import torch
 from transformers import MistralForCausalLM
 
+from twincache.checkpoint import load_config
 from twincache.config import MistralConfig
 from twincache.errors import ConfigError
 
@@ -149,3 +151,63 @@ def test_a_bad_list_of_eos_ids_is_refused_naming_it(checkpoints, eos, fragments)
         MistralConfig.from_dict(_raw(checkpoints, eos))
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+def _with_files(checkpoints: dict[str, Path], directory: Path, config_eos: object,
+                generation: dict | str | None) -> Path:
+    """The gqa checkpoint with config.json's eos_token_id set and generation_config.json as given (None: no file)."""
+    shutil.copytree(checkpoints["gqa"], directory)
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(raw | {"eos_token_id": config_eos}))
+    (directory / "generation_config.json").unlink()
+    if generation is not None:
+        text = generation if isinstance(generation, str) else json.dumps(generation)
+        (directory / "generation_config.json").write_text(text)
+    return directory
+
+
+@pytest.mark.parametrize("generation", [{"eos_token_id": [5, 7]}, {"eos_token_id": 7}, {"bos_token_id": 1},
+                                        {"eos_token_id": None}, None],
+                         ids=["list", "int", "no_eos_field", "null", "no_file"])
+def test_a_checkpoint_stops_at_the_ids_transformers_generate_takes(checkpoints, tmp_path, generation):
+    """transformers' from_pretrained reads generation_config.json, when there is one, into the generation config its
+    generate stops with, instead of config.json's eos_token_id (9 here)."""
+    directory = _with_files(checkpoints, tmp_path / "model", 9, generation)
+    hf_eos = MistralForCausalLM.from_pretrained(directory).generation_config.eos_token_id
+    hf_ids = tuple([] if hf_eos is None else hf_eos if isinstance(hf_eos, list) else [hf_eos])
+    assert load_config(directory).eos_token_ids == hf_ids
+
+
+@pytest.mark.parametrize(("generation", "fragments"), [
+    ("{not json", ["generation_config.json is not valid JSON"]),
+    ("[2]", ["generation_config.json must hold a JSON object of fields, not a list"]),
+    ({"eos_token_id": [2, VOCAB]}, ["generation_config.json: config eos_token_id=[2, 128] lists 128",
+                                    "fix or remove the file"]),
+    ({"eos_token_id": []}, ["generation_config.json: config field eos_token_id=[] lists no ids"]),
+], ids=["not_json", "not_object", "past_vocab", "empty"])
+def test_a_bad_generation_config_is_refused_naming_the_file(checkpoints, tmp_path, generation, fragments):
+    directory = _with_files(checkpoints, tmp_path / "model", 2, generation)
+    with pytest.raises(ConfigError) as info:
+        load_config(directory)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_the_cli_stops_where_transformers_generate_stops_on_the_same_directory(checkpoints, tmp_path, capsys,
+                                                                               eos_pair):
+    """config.json names `a` alone, generation_config.json `[a, b]`: transformers' generate on the directory (its own
+    settings, no eos argument) stops rows at `b` too, and so must `twincache generate --model DIR`."""
+    from twincache_app import cli
+
+    a, b = eos_pair
+    directory = _with_files(checkpoints, tmp_path / "model", a, {"bos_token_id": 1, "eos_token_id": [a, b]})
+    hf = MistralForCausalLM.from_pretrained(directory).eval()
+    want = [hf_generate(hf, prompt) for prompt in PROMPTS]
+    assert b in [row[-1] for row in want], "a row ends at the id only generation_config.json names"
+    args = ["generate", "--backend", "torch", "--mode", "eager", "--model", str(directory), "--json",
+            "--max-new-tokens", str(NEW_TOKENS)]
+    for prompt in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, prompt))]
+    assert cli.main(args) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [row["token_ids"] for row in rows] == want

@@ -81,12 +81,14 @@ def unstopped(model) -> list[list[int]]:
 
 
 def with_eos(checkpoints: dict[str, Path], tmp_path: Path, eos: int) -> Mistral:
-    """The gqa checkpoint copied with eos_token_id set in its config.json."""
+    """The gqa checkpoint copied with eos_token_id set in its config.json and generation_config.json, as
+    save_pretrained writes both (generate, transformers' and ours, stops at the latter's ids)."""
     directory = tmp_path / f"gqa_eos{eos}"
     shutil.copytree(checkpoints["gqa"], directory)
-    config = json.loads((directory / "config.json").read_text())
-    config["eos_token_id"] = eos
-    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((directory / name).read_text())
+        config["eos_token_id"] = eos
+        (directory / name).write_text(json.dumps(config))
     eos_model = Mistral.from_pretrained(directory)
     assert eos_model.config.eos_token_id == eos
     return eos_model

@@ -20,13 +20,15 @@ from twincache.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 _MAX_HEADER_BYTES = 100_000_000
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_config(path: str | Path) -> MistralConfig:
-    """The config of a checkpoint directory or a GGUF file, after checking that the path is one of them."""
+    """The config of a checkpoint directory (config.json, with the EOS ids of its generation_config.json if it has
+    one) or a GGUF file, after checking that the path is one of them."""
     path = Path(path)
     if path.is_file():
         from twincache.gguf_checkpoint import is_gguf_file, open_gguf
@@ -42,7 +44,10 @@ def load_config(path: str | Path) -> MistralConfig:
                               ".gguf file")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint directory {path} has no config.json")
-    return MistralConfig.from_json(path / "config.json")
+    config = MistralConfig.from_json(path / "config.json")
+    generation = path / GENERATION_CONFIG
+    # transformers' generate stops at this file's EOS ids when the directory has one (a GGUF has none to read)
+    return config.with_generation_config(generation) if generation.exists() else config
 
 
 def not_a_checkpoint(path: Path) -> str:

@@ -62,6 +62,18 @@ def check_window_flag(sliding_window: int | None) -> int | None:
     return sliding_window
 
 
+def _read_json(path: Path) -> Any:
+    """The JSON value in the file at `path`, or a ConfigError that names the file and what is wrong with it."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {err.start}); {path.name} must be UTF-8 JSON") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    except OSError as err:
+        raise ConfigError(f"{path} cannot be read ({err.strerror or err}); it must be a readable file") from None
+
+
 def _eos_ids(ids: list[object], vocab_size: int) -> tuple[int, ...]:
     """A listed eos_token_id: at least one id, each an integer (not a boolean) inside the vocabulary."""
     if not ids:
@@ -207,18 +219,25 @@ class MistralConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> MistralConfig:
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"{path} does not exist; a checkpoint directory needs an HF config.json")
+        return cls.from_dict(_read_json(path))
+
+    def with_generation_config(self, path: str | Path) -> MistralConfig:
+        """This config with the EOS ids of a checkpoint's generation_config.json at `path`.
+
+        transformers' `from_pretrained` reads that file, when a directory has one, into the model's generation config,
+        and its `generate` stops at that file's eos_token_id, not config.json's: the file may list more ids (an
+        instruct model's end-of-turn token), and one without an eos_token_id (or with null) stops nowhere. The file's
+        sampling settings are not taken: twincache's own sampling arguments stand (docs/design.md §5)."""
+        path = Path(path)
+        raw = _read_json(path)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object of fields, not {_type_name(raw)}")
         try:
-            text = path.read_bytes().decode("utf-8")
-            raw = json.loads(text)
-        except FileNotFoundError:
-            raise ConfigError(f"{path} does not exist; a checkpoint directory needs an HF config.json") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path} is not UTF-8 text (byte {err.start}); config.json must be UTF-8 JSON") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
-        except OSError as err:
-            raise ConfigError(f"{path} cannot be read ({err.strerror or err}); it must be a readable file") from None
-        return cls.from_dict(raw)
+            return dataclasses.replace(self, eos_token_id=raw.get("eos_token_id"))
+        except ConfigError as err:  # the same checks as config.json's field, naming the file they came from
+            raise ConfigError(f"{path}: {err}; fix or remove the file") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that transformers' MistralForCausalLM reads back to the same model."""
