@@ -4,13 +4,14 @@ one line and exit code 130 (twincache_app.interrupts)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from twincache import phases
@@ -47,12 +48,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     # found, using CUDA_HOME=..." each time inductor's C++ toolchain looks for CUDA, as the CPU path's compiler checks
     # do: nothing to do with CPU decoding, and a second line on the one-line stderr.
     logging.getLogger("torch.utils.cpp_extension").addFilter(_not_a_cuda_home_notice)  # once: the same function
-    with interrupts.exit_on_interrupt() as interrupt:
+    with interrupts.exit_on_interrupt() as interrupt, _unencodable_text_replaced():
         args = build_parser().parse_args(argv)
         args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
         if getattr(args, "keep_keyboard_interrupt", False):
             interrupt.restore()
         return _run(args)
+
+
+@contextlib.contextmanager
+def _unencodable_text_replaced() -> Iterator[None]:
+    """stdout and stderr replace what their encoding cannot show (with "?"), as `errors="replace"` does: a terminal or
+    pipe in latin-1 (PYTHONIOENCODING, a POSIX locale) would otherwise raise UnicodeEncodeError on the first emoji a
+    model writes, after the text before it was printed. Each stream's own error handler comes back afterwards."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+            changed.append(stream)
+    try:
+        yield
+    finally:
+        for stream in changed:
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe, or a stream closed meanwhile
+                stream.reconfigure(errors="strict")
 
 
 def _run(args: argparse.Namespace) -> int:

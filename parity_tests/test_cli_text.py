@@ -1,0 +1,75 @@
+"""What `twincache generate` prints as text: text that stdout's encoding cannot show, streamed or as a batch.
+
+The checkpoint is one tiny random transformers model with a character-level tokenizer.json whose characters are
+mostly Japanese and emoji, so that the greedy reply holds characters latin-1 cannot encode. The tokens are
+transformers' greedy generate (hf_greedy) and the text is the `tokenizers` library's decoding of them, encoded by
+Python's own codec with errors="replace".
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity_tests.conftest import save_hf_checkpoint
+from parity_tests.hf_greedy import greedy
+from twincache_app import cli
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 128
+# id 0 is the unknown token; a few latin-1 letters, then hiragana, katakana and emoji
+CHARACTERS = ["[UNK]", *"aeé", *map(chr, range(0x3041, 0x3041 + 80)), *map(chr, range(0x30A1, 0x30A1 + 24)),
+              *map(chr, range(0x1F600, 0x1F600 + VOCAB - 108))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    directory = save_hf_checkpoint(tmp_path_factory.mktemp("cli_text") / "model", seed=3, vocab_size=VOCAB)
+    assert len(CHARACTERS) == VOCAB
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARACTERS)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def latin1_stdout(monkeypatch: pytest.MonkeyPatch) -> io.BytesIO:
+    """sys.stdout as a latin-1 text stream with Python's default (strict) error handler, as PYTHONIOENCODING=latin-1
+    gives; returns the bytes under it."""
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="latin-1", newline="", write_through=True)
+    assert stream.errors == "strict"
+    monkeypatch.setattr(sys, "stdout", stream)
+    return raw
+
+
+def oracle_text(model: Path, prompts: list[str], new_tokens: int) -> list[str]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    replies = greedy(model, [tokenizer.encode(p).ids for p in prompts], new_tokens)
+    texts = [tokenizer.decode(ids) for ids in replies]
+    assert all(any(ord(c) > 255 for c in text) for text in texts), f"no character latin-1 lacks: {texts}"
+    return texts
+
+
+@pytest.mark.parametrize("prompts", [["あい"], ["あい", "カキ😀"]], ids=["streamed", "batch"])
+def test_text_stdout_cannot_encode_is_printed_with_replacements(model, monkeypatch, capsys, prompts):
+    """A latin-1 stdout gets the reply with "?" for what latin-1 lacks, exit 0: one prompt streams token by token,
+    two print a line per row at the end. The stream's own (strict) error handler is back afterwards."""
+    raw = latin1_stdout(monkeypatch)
+    argv = ["generate", "--model", str(model), "--mode", "eager", "--max-new-tokens", "6"]
+    code = cli.main([*argv, *(arg for p in prompts for arg in ("--prompt", p))])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "Error" not in err
+    texts = oracle_text(model, prompts, 6)
+    shown = texts[0] if len(texts) == 1 else "\n".join(f"[row {row}] {text}" for row, text in enumerate(texts))
+    assert raw.getvalue() == (shown + "\n").encode("latin-1", errors="replace")
+    assert sys.stdout.errors == "strict"
