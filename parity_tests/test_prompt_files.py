@@ -124,6 +124,24 @@ def _with_tokenizer(checkpoint: Path, tmp_path: Path, vocab_size: int = 128) -> 
     return directory
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
+def test_a_prompt_argument_that_is_not_utf8_is_one_line_exit_2(checkpoints, tmp_path, capsys, chat):
+    """`--prompt $'caf\\xe9'`: Python hands the byte over as a lone surrogate (surrogateescape), which the tokenizer
+    refused with an unexpected TypeError; the line names the byte and its offset, as a prompt file's does, and which
+    prompt it is when there are several."""
+    model = _with_tokenizer(checkpoints["gqa"], tmp_path)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    argument = b"caf\xe9".decode("utf-8", "surrogateescape")  # what sys.argv holds for those bytes
+    with pytest.raises(UnicodeDecodeError) as error:
+        b"caf\xe9".decode("utf-8")
+    says = f"--prompt is not UTF-8 text (byte 0xe9 at offset {error.value.start})"
+    argv = ["generate", "--model", str(model), "--mode", "eager", *(["--chat"] if chat else [])]
+    code, _, err = run_in_process([*argv, "--prompt", argument], capsys)
+    assert_one_line_error(code, err, says)
+    code, _, err = run_in_process([*argv, "--prompt", "fine", "--prompt", argument], capsys)
+    assert_one_line_error(code, err, f"prompt 1 of 2: {says}")
+
+
 @pytest.mark.parametrize("flag", ["--prompt-file", "--prompt-ids-file"])
 def test_prompt_sources_are_mutually_exclusive(capsys, flag):
     code, _, err = run_in_process(["generate", "--prompt", "x", flag, "p"], capsys)

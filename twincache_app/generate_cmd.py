@@ -181,6 +181,39 @@ def read_prompt_file(path: str) -> str:
     return text
 
 
+def check_prompt_texts(texts: list[str] | None) -> list[str] | None:
+    """Each --prompt checked by check_prompt_text; with several, the error says which (as encoding errors do)."""
+    if texts is None:
+        return None
+    checked = []
+    for row, text in enumerate(texts):
+        try:
+            checked.append(check_prompt_text(text))
+        except InputError as err:
+            raise InputError(f"prompt {row} of {len(texts)}: {err}" if len(texts) > 1 else str(err)) from None
+    return checked
+
+
+def check_prompt_text(text: str) -> str:
+    """--prompt's text, refused in one line unless it is UTF-8. Python hands over command-line bytes that are not UTF-8
+    as lone surrogates (surrogateescape), which no tokenizer takes: they are turned back into the bytes to name one."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as err:  # a surrogate no byte gives (a caller's string, not a command line)
+        raise InputError(f"--prompt holds the lone surrogate U+{ord(text[err.start]):04X} at character {err.start}, "
+                         "which is not text; give UTF-8 text") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"--prompt is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); give "
+                         "UTF-8 text, or token ids with --prompt-ids") from None
+
+
 def read_prompt_ids_file(path: str) -> list[int]:
     """--prompt-ids-file: token ids separated by commas and/or whitespace."""
     data = read_prompt_source(path, "--prompt-ids-file")
@@ -206,7 +239,8 @@ def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[li
         given = "--prompt-ids" if args.prompt_ids_file is None else "--prompt-ids-file"
         raise InputError(f"--chat formats prompt text; it cannot apply to {given} (give --prompt or --prompt-file "
                          "instead)")
-    texts = args.prompt if args.prompt_file is None else [read_prompt_file(path) for path in args.prompt_file]
+    texts = (check_prompt_texts(args.prompt) if args.prompt_file is None
+             else [read_prompt_file(path) for path in args.prompt_file])
     needs_tokenizer = id_lists is None
     tokenizer = Tokenizer.from_checkpoint(model_path) if needs_tokenizer or has_tokenizer(model_path) else None
     if id_lists is not None:
