@@ -54,6 +54,8 @@ def test_an_ids_file_gives_the_same_prompt_as_prompt_ids(checkpoints, tmp_path, 
     assert from_file["token_ids"] == from_flag["token_ids"] == greedy(checkpoints["gqa"], [ids], 2)[0]
     stdin_bytes(path.read_bytes())
     assert generate_json([*model, "--prompt-ids-file", "-"], capsys)["prompt_ids"] == ids
+    path.write_bytes(path.read_text().encode("utf-8-sig"))  # a byte-order mark first is dropped
+    assert generate_json([*model, "--prompt-ids-file", str(path)], capsys)["prompt_ids"] == ids
 
 
 def test_a_text_file_gives_the_same_prompt_as_prompt(checkpoints, tmp_path, capsys, stdin_bytes):
@@ -69,6 +71,14 @@ def test_a_text_file_gives_the_same_prompt_as_prompt(checkpoints, tmp_path, caps
     path.write_text(text + "\n\n", encoding="utf-8")  # only one newline is dropped: the rest is prompt text
     assert generate_json([*model, "--prompt-file", str(path)], capsys)["prompt_ids"] == from_flag["prompt_ids"] + [
         from_flag["prompt_ids"][text.index("\n")]]
+    # as Notepad saves it: a byte-order mark first and CRLF line ends; the mark is dropped, as Python's utf-8-sig does
+    saved = (text + "\n").replace("\n", "\r\n").encode("utf-8-sig")
+    assert saved.startswith(b"\xef\xbb\xbf")
+    path.write_bytes(saved)
+    expected = generate_json([*model, "--prompt", saved.decode("utf-8-sig").removesuffix("\r\n")], capsys)
+    assert generate_json([*model, "--prompt-file", str(path)], capsys)["prompt_ids"] == expected["prompt_ids"]
+    stdin_bytes(saved)
+    assert generate_json([*model, "--prompt-file", "-"], capsys)["prompt_ids"] == expected["prompt_ids"]
 
 
 BAD_FILES = {  # case -> (flag, file content or None for no file, what the one line must say)
@@ -81,6 +91,8 @@ BAD_FILES = {  # case -> (flag, file content or None for no file, what the one l
     "empty_ids": ("--prompt-ids-file", b" \n\n", "is empty"),
     "not_utf8": ("--prompt-file", b"caf\xe9", "is not UTF-8 text (byte 0xe9 at offset 3)"),
     "binary_ids": ("--prompt-ids-file", b"1,2\xff", "byte 0xff at offset 3"),
+    "binary_ids_after_a_bom": ("--prompt-ids-file", b"\xef\xbb\xbf1,2\xff", "byte 0xff at offset 6"),  # of the file
+    "only_a_bom": ("--prompt-file", b"\xef\xbb\xbf\r\n", "is empty"),
     "word_in_ids": ("--prompt-ids-file", b"1, 2\nthree", "'three' on line 2"),
     "double_comma": ("--prompt-ids-file", b"1,,2", "empty field"),
     "trailing_comma": ("--prompt-ids-file", b"1,2,", "trailing comma"),

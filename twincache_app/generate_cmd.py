@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import dataclasses
 import json
@@ -42,9 +43,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt-ids", action="append", type=parse_ids,
                         help="prompt as comma-separated token ids, e.g. 1,2,3")
     prompt.add_argument("--prompt-file", action="append", metavar="PATH",
-                        help="prompt text from a UTF-8 file (one trailing newline dropped); - reads stdin")
+                        help="prompt text from a UTF-8 file (a leading byte-order mark and one trailing newline "
+                             "dropped); - reads stdin")
     prompt.add_argument("--prompt-ids-file", action="append", metavar="PATH",
-                        help="prompt token ids from a file, separated by commas or whitespace; - reads stdin")
+                        help="prompt token ids from a file, separated by commas or whitespace (a leading byte-order "
+                             "mark dropped); - reads stdin")
     parser.add_argument("--sliding-window", type=int, metavar="N",
                         help="attend to the last N positions (Mistral's sliding window) instead of the model's own "
                              "window; a model without one (most GGUFs) needs it for the sliding_window cache")
@@ -168,14 +171,15 @@ def read_prompt_source(path: str, flag: str) -> bytes:
 
 
 def read_prompt_file(path: str) -> str:
-    """--prompt-file: UTF-8 text, with one trailing newline dropped (editors end files with one)."""
+    """--prompt-file: UTF-8 text, with a leading byte-order mark (Windows editors write one; Python's utf-8-sig drops
+    it too) and one trailing newline (editors end files with one) dropped."""
     data = read_prompt_source(path, "--prompt-file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InputError(f"--prompt-file {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
                          f"{err.start}); save it as UTF-8, or give token ids with --prompt-ids-file") from None
-    text = text.removesuffix("\n").removesuffix("\r")
+    text = text.removeprefix("\ufeff").removesuffix("\n").removesuffix("\r")
     if not text:
         raise InputError(f"--prompt-file {path} is empty; it needs the prompt text")
     return text
@@ -215,12 +219,14 @@ def check_prompt_text(text: str) -> str:
 
 
 def read_prompt_ids_file(path: str) -> list[int]:
-    """--prompt-ids-file: token ids separated by commas and/or whitespace."""
+    """--prompt-ids-file: token ids separated by commas and/or whitespace, after any leading byte-order mark."""
     data = read_prompt_source(path, "--prompt-ids-file")
+    skip = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        text = data.decode("ascii")
+        text = data[skip:].decode("ascii")
     except UnicodeDecodeError as err:
-        raise InputError(f"--prompt-ids-file {path} holds byte 0x{data[err.start]:02x} at offset {err.start}, "
+        at = skip + err.start
+        raise InputError(f"--prompt-ids-file {path} holds byte 0x{data[at]:02x} at offset {at}, "
                          "which is not part of a token id; give ids separated by commas or whitespace") from None
     ids = parse_token_id_text(text, f"--prompt-ids-file {path}")
     if not ids:
