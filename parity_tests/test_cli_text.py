@@ -9,6 +9,7 @@ Python's own codec with errors="replace".
 from __future__ import annotations
 
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -73,3 +74,23 @@ def test_text_stdout_cannot_encode_is_printed_with_replacements(model, monkeypat
     shown = texts[0] if len(texts) == 1 else "\n".join(f"[row {row}] {text}" for row, text in enumerate(texts))
     assert raw.getvalue() == (shown + "\n").encode("latin-1", errors="replace")
     assert sys.stdout.errors == "strict"
+
+
+@pytest.mark.parametrize("flags", [["--top-p", "0.9", "--seed", "5"], ["--top-k", "3"]], ids=["top_p_seed", "top_k"])
+def test_sampling_flags_without_a_temperature_get_one_note(model, capsys, flags):
+    """--top-k, --top-p and --seed without --temperature do nothing (greedy): one note on stderr says so, naming the
+    flags given, and the run goes on greedily (transformers' greedy tokens), exit 0. With a temperature, no note."""
+    from tokenizers import Tokenizer
+
+    prompt = Tokenizer.from_file(str(model / "tokenizer.json")).encode("あい").ids
+    argv = ["generate", "--model", str(model), "--mode", "eager", "--max-new-tokens", "4", "--json", "--prompt", "あい"]
+    code = cli.main([*argv, *flags])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    given = [flag for flag in flags if flag.startswith("--")]
+    assert err.splitlines() == [f"twincache: note: {' and '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} "
+                                "when sampling; give --temperature > 0 to sample (decoding greedily)"]
+    assert json.loads(out)["token_ids"] == greedy(model, [prompt], 4)[0]
+    capsys.readouterr()  # transformers' loading bar
+    assert cli.main([*argv, *flags, "--temperature", "0.7"]) == 0
+    assert capsys.readouterr().err == ""

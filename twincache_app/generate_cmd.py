@@ -135,10 +135,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="KV cache (default: sliding_window when the config has a window, else static)")
     add_model_arguments(parser)
     parser.add_argument("--max-cache-len", type=int, help="cache capacity (default: prompt + max new tokens)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    # None: not given (a note says when one is given but decoding is greedy); SamplingParams' defaults then apply
+    parser.add_argument("--top-k", type=int, help="when sampling: keep the k likeliest tokens (default: 0 = off)")
+    parser.add_argument("--top-p", type=float, help="when sampling: keep the likeliest tokens up to probability p "
+                                                    "(default: 1.0 = off)")
+    parser.add_argument("--seed", type=int, help="when sampling: the random seed (default: 0)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object at the end instead of text; the mode still decides how it "
                              "decodes, and the object records it")
@@ -283,6 +285,23 @@ def notices_on_stderr(enabled: bool) -> Iterator[None]:
         NOTICES.setLevel(level)
 
 
+def sampling_params(args: argparse.Namespace, config: MistralConfig) -> SamplingParams:
+    """The flags' sampling settings. Without a temperature > 0, --top-k, --top-p and --seed do nothing (greedy
+    decoding takes the likeliest token): when any is given, one note on stderr says so, as transformers warns in that
+    case (once, not from each rank of a --mesh run). Settings out of range are refused first, in one line, as the
+    backends would refuse them."""
+    sampling = SamplingParams(args.temperature, 0 if args.top_k is None else args.top_k,
+                              1.0 if args.top_p is None else args.top_p, 0 if args.seed is None else args.seed)
+    given = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p), ("--seed", args.seed))
+             if value is not None]
+    if given and sampling.greedy and not launch.in_world():
+        sampling.validate(config.vocab_size)
+        flags = given[0] if len(given) == 1 else f"{', '.join(given[:-1])} and {given[-1]}"
+        print(f"twincache: note: {flags} only appl{'ies' if len(given) == 1 else 'y'} when sampling; give "
+              "--temperature > 0 to sample (decoding greedily)", file=sys.stderr)
+    return sampling
+
+
 def run(args: argparse.Namespace) -> int:
     backend = BACKENDS[args.backend]
     mode = backend.check_mode(args.mode)
@@ -291,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
     config = model_config(args, model_path)
     eos = config.eos_token_ids  # a row's text ends at any of them
     prompts, tokenizer = resolve_prompts(args, model_path)
+    sampling = sampling_params(args, config)
     code = start_mesh(args, config, [backend])
     if code is not None:
         return code
@@ -306,7 +326,6 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{row_tokens[0]} ")
             sys.stdout.flush()
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     phases.enter("load")  # importing the framework is part of it
     load_start = time.perf_counter()
     backend.persist_compiles()
