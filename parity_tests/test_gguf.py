@@ -278,6 +278,7 @@ def test_smollm2_chat_prompt_matches_apply_chat_template(smollm2_gguf, hf_smollm
     from twincache.tokenizer import Tokenizer
 
     ours = Tokenizer.from_checkpoint(smollm2_gguf)
+    assert ours.special_tokens == hf_smollm2_tokenizer.special_tokens_map  # unk and pad too: templates may use them
     for prompt in ("What is the capital of France?", "Write a haiku about caches.\nKeep it short."):
         messages = [{"role": "user", "content": prompt}]
         text = hf_smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

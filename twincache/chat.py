@@ -1,50 +1,56 @@
 """Chat prompts: a checkpoint's chat template (Jinja) turned into the text an -Instruct model expects.
 
-Rendered as transformers' `apply_chat_template` renders it: a sandboxed Jinja environment with `trim_blocks` and
-`lstrip_blocks`, loop controls, a `tojson` filter that does not escape HTML, and the `raise_exception` and
-`strftime_now` helpers that Hub templates call. Templates come with downloaded checkpoints, so they run sandboxed.
+Rendered by transformers' own renderer, `transformers.utils.chat_template_utils.render_jinja_template` (what its
+`apply_chat_template` calls; transformers >= 4.52, the same signature and return value through 5.25), with what
+`apply_chat_template` passes: the messages, `add_generation_prompt`, `tools=None`, `documents=None` and the
+tokenizer's special tokens by name (`**special_tokens_map`). So a template sees what it sees under transformers: its
+sandboxed environment, the `{% generation %}` tag, `raise_exception`, `strftime_now` and the HTML-safe `tojson`.
+transformers is imported on the first render (~0.8 s), never when this module is imported. Whatever fails in the
+template is one CheckpointError line.
 """
 
 from __future__ import annotations
 
-import datetime
-import functools
-import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from twincache.errors import CheckpointError
+from twincache.errors import CheckpointError, UnavailableError
+
+CHAT_INSTALL = "pip install 'twincache[chat]'"
 
 
-def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str | None = None,
-                eos_token: str | None = None, add_generation_prompt: bool = True) -> str:
-    """The template applied to `messages` ([{"role": "user", "content": ...}, ...]), ending where the reply starts."""
+def render_chat(template: str, messages: list[dict[str, str]], special_tokens: Mapping[str, str] | None = None, *,
+                add_generation_prompt: bool = True) -> str:
+    """The template applied to `messages` ([{"role": "user", "content": ...}, ...]), ending where the reply starts
+    (with `add_generation_prompt`); `special_tokens`: name -> text, e.g. {"bos_token": "<s>", ...}."""
     import jinja2
 
+    render = _renderer()
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token or "", eos_token=eos_token or "")
-    except jinja2.TemplateError as err:
-        raise CheckpointError(f"the checkpoint's chat template fails: {' '.join(str(err).split())}") from None
-
-
-@functools.lru_cache(maxsize=4)
-def _compile(template: str) -> Any:
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
+        rendered, _ = render(conversations=[messages], chat_template=template,
+                             add_generation_prompt=add_generation_prompt, **dict(special_tokens or {}))
     except jinja2.TemplateSyntaxError as err:
-        raise CheckpointError(f"the checkpoint's chat template is not valid Jinja: {err.message} "
+        raise CheckpointError(f"the checkpoint's chat template is not valid Jinja: {_one_line(err.message)} "
                               f"(line {err.lineno})") from None
+    except jinja2.TemplateError as err:  # raise_exception(...), an undefined value used, a sandbox refusal
+        raise CheckpointError(f"the checkpoint's chat template fails: {_one_line(err)}") from None
+    except ImportError as err:  # transformers refuses a jinja2 with known sandbox escapes
+        raise UnavailableError(f"--chat cannot render the checkpoint's chat template: {_one_line(err)}") from None
+    except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as err:  # the template's Python
+        raise CheckpointError(f"the checkpoint's chat template fails: {type(err).__name__}: {_one_line(err)}") from None
+    return rendered[0]
+
+
+def _renderer() -> Callable[..., Any]:
+    """render_jinja_template, which returns (rendered conversations, generation spans) despite its `-> str`."""
+    try:
+        from transformers.utils.chat_template_utils import render_jinja_template
+    except ImportError:  # not installed, or older than 4.52
+        raise UnavailableError("--chat renders the checkpoint's chat template with transformers' renderer "
+                               "(transformers.utils.chat_template_utils.render_jinja_template, transformers >= 4.52), "
+                               f"which is not installed: {CHAT_INSTALL} (the dev extra has it)") from None
+    return render_jinja_template
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())

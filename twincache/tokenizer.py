@@ -1,12 +1,18 @@
-"""Tokenizer: a checkpoint's tokenizer through the `tokenizers` library, with its chat template.
+"""Tokenizer: a checkpoint's tokenizer through the `tokenizers` library, with its chat template and special tokens.
 
 A checkpoint directory gives `tokenizer.json` (and its chat template in `chat_template.jinja` or
 `tokenizer_config.json`); a GGUF file gives both in its metadata (see twincache.gguf_tokenizer).
+
+The special tokens (`bos_token`, `eos_token`, `unk_token`, ...) are the ones transformers' tokenizer has, by the
+names its `special_tokens_map` gives them, since chat templates read them: from tokenizer_config.json, and from a
+legacy special_tokens_map.json (which wins) when the config has no `added_tokens_decoder`, as transformers reads them;
+from a GGUF's `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`, as its GGUF loading does.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +31,31 @@ def has_tokenizer(path: str | Path) -> bool:
     return (path / "tokenizer.json").is_file()
 
 
-class Tokenizer:
-    """Encodes text to ids (with the checkpoint's own special-token template) and decodes ids to text."""
+# transformers' named special tokens (SPECIAL_TOKENS_ATTRIBUTES), in its order
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# a GGUF's token-id key for each special token transformers reads from one
+_GGUF_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                           "pad_token": "padding_token_id"}
 
-    def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None, bos_token: str | None = None,
-                 eos_token: str | None = None) -> None:
+
+class Tokenizer:
+    """Encodes text to ids (with the checkpoint's own special-token template) and decodes ids to text.
+
+    `special_tokens`: name -> token text, only the tokens the checkpoint names (SPECIAL_TOKEN_NAMES)."""
+
+    def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None,
+                 special_tokens: Mapping[str, str] | None = None) -> None:
         self._tokenizer = tokenizer
         self.chat_template = chat_template
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.special_tokens = dict(special_tokens or {})
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> Tokenizer:
@@ -56,7 +79,11 @@ class Tokenizer:
         template = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(tokenizer, template, _token_text(settings.get("bos_token")), _token_text(settings.get("eos_token")))
+        special = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        if "added_tokens_decoder" not in settings:  # transformers' legacy path: the older file's tokens win
+            legacy = _read_json(model_dir / "special_tokens_map.json")
+            special |= {name: _token_text(legacy[name]) for name in SPECIAL_TOKEN_NAMES if name in legacy}
+        return cls(tokenizer, template, {name: token for name, token in special.items() if token is not None})
 
     @classmethod
     def _from_gguf(cls, path: Path) -> Tokenizer:
@@ -67,10 +94,13 @@ class Tokenizer:
         metadata = checkpoint.metadata
         arrays = {key: checkpoint.metadata_array(key) for key in TOKENIZER_ARRAYS}
         tokenizer = tokenizer_from_gguf(metadata, arrays, str(path))
-        bos, eos = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
-        return cls(tokenizer, metadata.get("tokenizer.chat_template"),
-                   None if bos is None else tokenizer.id_to_token(bos),
-                   None if eos is None else tokenizer.id_to_token(eos))
+        special = {}
+        for name, key in _GGUF_SPECIAL_TOKEN_IDS.items():
+            token_id = metadata.get(f"tokenizer.ggml.{key}")
+            token = None if token_id is None else tokenizer.id_to_token(token_id)
+            if token is not None:
+                special[name] = token
+        return cls(tokenizer, metadata.get("tokenizer.chat_template"), special)
 
     @property
     def hf_tokenizer(self) -> _HFTokenizer:
@@ -91,8 +121,7 @@ class Tokenizer:
             raise CheckpointError("--chat needs the checkpoint's chat template, but it has none (no "
                                   "chat_template.jinja, tokenizer_config.json chat_template or GGUF "
                                   "tokenizer.chat_template); drop --chat")
-        return render_chat(self.chat_template, [{"role": "user", "content": prompt}], bos_token=self.bos_token,
-                           eos_token=self.eos_token)
+        return render_chat(self.chat_template, [{"role": "user", "content": prompt}], self.special_tokens)
 
     def encode_chat(self, prompt: str) -> list[int]:
         """Ids of `chat_prompt(prompt)`: the template writes any BOS itself, so none is added (as transformers)."""
@@ -113,8 +142,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _token_text(token: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with 'content'."""
-    return token.get("content") if isinstance(token, dict) else token
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with 'content'; None for
+    null or anything else."""
+    text = token.get("content") if isinstance(token, dict) else token
+    return text if isinstance(text, str) else None
 
 
 class StreamDecoder:
