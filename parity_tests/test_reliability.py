@@ -433,6 +433,28 @@ def test_item4_nullable_fields_take_their_defaults(checkpoints):
     assert MistralConfig.from_dict(_good_raw(checkpoints) | {"rope_theta": 10000}).rope_theta == 10000.0
 
 
+@pytest.mark.parametrize("absent", [("sliding_window",), ("max_position_embeddings",),
+                                    ("num_key_value_heads",),
+                                    ("sliding_window", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                                     "head_dim", "tie_word_embeddings")],
+                         ids=["window", "positions", "kv_heads", "all_optional"])
+def test_item4_absent_fields_read_as_transformers_reads_them(checkpoints, absent):
+    """A field left out of config.json takes transformers' MistralConfig default (a 4,096 window, 131,072 positions),
+    never one of ours: a config without `sliding_window` is windowed in transformers, so it must be here too (null is
+    what turns the window off); an absent num_key_value_heads is 8, as in Mistral-7B, where null is one per head."""
+    from transformers import MistralConfig as HFMistralConfig
+
+    raw = {name: value for name, value in _good_raw(checkpoints).items() if name not in absent}
+    if "num_key_value_heads" in absent:  # transformers' absent default, 8, must divide the heads
+        raw |= {"num_attention_heads": 16, "hidden_size": 16 * raw["head_dim"]}
+    ours, theirs = MistralConfig.from_dict(raw), HFMistralConfig(**raw)
+    assert (ours.sliding_window, ours.max_position_embeddings, ours.rms_norm_eps, ours.num_key_value_heads,
+            ours.head_dim, ours.tie_word_embeddings) == (
+        theirs.sliding_window, theirs.max_position_embeddings, theirs.rms_norm_eps, theirs.num_key_value_heads,
+        theirs.head_dim, theirs.tie_word_embeddings)
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+
+
 @pytest.mark.parametrize("rope", [{"rope_scaling": {"rope_type": "default"}}, {"rope_scaling": {"type": "default"}},
                                   {"rope_scaling": {"rope_type": "default", "rope_theta": 10000.0}},
                                   {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}],

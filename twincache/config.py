@@ -11,6 +11,10 @@ from typing import Any
 from twincache.errors import ConfigError, InputError
 
 INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both backends
+# What transformers' MistralConfig takes for a config.json field that is absent (not null)
+HF_DEFAULT_WINDOW = 4096
+HF_DEFAULT_MAX_POSITIONS = 4096 * 32
+HF_DEFAULT_KV_HEADS = 8
 
 # Keys that change the computation in ways twincache does not implement. A non-default value is refused.
 _UNSUPPORTED_IF_SET: dict[str, Any] = {
@@ -204,12 +208,15 @@ class MistralConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=optional("num_key_value_heads", heads),
+            # absent: transformers' default, 8 (Mistral-7B's); null: one per query head, as transformers reads it
+            num_key_value_heads=optional("num_key_value_heads", heads) if "num_key_value_heads" in raw
+            else HF_DEFAULT_KV_HEADS,
             head_dim=optional("head_dim", hidden // heads),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
-            sliding_window=raw.get("sliding_window"),
-            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            # absent, as in transformers' MistralConfig: a 4,096 window (null: none) and 4096 * 32 positions
+            sliding_window=raw.get("sliding_window", HF_DEFAULT_WINDOW),
+            max_position_embeddings=raw.get("max_position_embeddings", HF_DEFAULT_MAX_POSITIONS),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id", 2),
