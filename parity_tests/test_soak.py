@@ -98,6 +98,9 @@ def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
 @pytest.mark.parametrize("argv, expected", [
     (["--steps", "0"], "steps=0 and prompt_len=16 must both be >= 1"),
     (["--prompt-len", "0"], "steps=10000 and prompt_len=0 must both be >= 1"),
+    (["--prompt-len", "2147483647"], "prompt_len=2147483647 + steps=10000 takes positions up to 2147493647"),
+    (["--prompt-len", "2147473647", "--steps", "10000"], "past 2147483646, the last int32 position"),
+    (["--steps", "3000000000"], "lower --prompt-len or --steps"),
     (["--no-window"], "has sliding_window=null"),
     (["--backend", "jax", "--jax-missing"], "the jax backend is unavailable: cannot import jax_cache"),
     (["--backend", "torch", "--mode", "step"], "--mode step is not a torch mode"),

@@ -55,7 +55,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="format the prompt as one user message with the checkpoint's chat template (for "
                              "-Instruct models)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="what the weights, activations and cache are held in (default float32, whatever "
+                             "the checkpoint stores; transformers' from_pretrained keeps the stored dtype: give "
+                             "bfloat16 for a bf16 checkpoint to match it, at half the memory)")
     parser.add_argument("--mesh", type=mesh_argument,
                         help="split the model and its cache over devices: model=N[,data=M] (Megatron-style over N, "
                              "the batch over M; docs/design.md §10). torch starts N*M processes itself")

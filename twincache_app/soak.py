@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from twincache.checkpoint import load_config
-from twincache.config import MistralConfig, check_window_flag
+from twincache.config import INT32_MAX, MistralConfig, check_window_flag
 from twincache.errors import CacheError, InputError, NonFiniteLogitsError
 from twincache.generation import DTYPES
 from twincache_app.backends import BACKENDS
@@ -57,6 +57,10 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     window (or gives a window-less model one)."""
     if steps < 1 or prompt_len < 1:
         raise InputError(f"steps={steps} and prompt_len={prompt_len} must both be >= 1")
+    if prompt_len + steps + 1 > INT32_MAX:  # before the prompt is built: a huge --prompt-len would fill the memory
+        raise InputError(f"prompt_len={prompt_len} + steps={steps} takes positions up to {prompt_len + steps}, past "
+                         f"{INT32_MAX - 1}, the last int32 position (the soak's cache holds one more slot); lower "
+                         "--prompt-len or --steps")
     if backend not in BACKENDS:
         raise InputError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
     entry = BACKENDS[backend]
@@ -154,7 +158,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sliding-window", type=int, help="run with this sliding window instead of the model's "
                                                            "(needed for a model without one, like most GGUFs)")
     parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="what the weights, activations and cache are held in (default float32, whatever "
+                             "the checkpoint stores; transformers' from_pretrained keeps the stored dtype: give "
+                             "bfloat16 for a bf16 checkpoint to match it, at half the memory)")
     parser.set_defaults(run=run)
 
 
