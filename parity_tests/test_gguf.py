@@ -96,6 +96,7 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], qtype=Q.F32, arch: str 
     writer = gguf.GGUFWriter(path, arch)
     for key, value in keys.items():
         if value is None:
+            writer.kv_data[0].pop(key, None)  # the writer adds general.architecture itself
             continue
         if isinstance(value, str):
             writer.add_string(key, value)
@@ -474,6 +475,8 @@ def bad_gguf(case: str, state: dict[str, np.ndarray], directory: Path) -> Path:
         write_gguf(path, state, drop=("model.layers.1.mlp.up_proj.weight",))
     elif case == "extra_tensor":
         write_gguf(path, state, extra={"blk.0.attn_q.bias": (np.zeros(256, np.float32), None)})
+    elif case == "no_architecture":
+        write_gguf(path, state, metadata={"general.architecture": None})
     elif case == "rope_scaling":
         write_gguf(path, state, metadata={"llama.rope.scaling.type": "linear"})
     elif case == "not_gguf":
@@ -486,6 +489,7 @@ BAD_CASES = {
     "truncated_header": (CheckpointError, ["truncated or corrupted"]),
     "gpt2": (ConfigError, ["holds a 'gpt2' model", "llama and mistral only"]),
     "falcon": (ConfigError, ["holds a 'falcon' model"]),
+    "no_architecture": (ConfigError, ["lacks the metadata key general.architecture", "llama and mistral"]),
     "unsupported_type": (CheckpointError, ["blk.0.ffn_up.weight", "type Q8_1", "cannot dequantize"]),
     "shape_disagrees": (CheckpointError, ["blk.0.attn_k.weight", "shape [128, 256]", "metadata implies [64, 256]"]),
     "vocab_disagrees": (CheckpointError, ["token_embd.weight", "shape [128, 256]", "metadata implies [100, 256]"]),

@@ -158,6 +158,10 @@ def config_from_metadata(metadata: dict[str, Any], path: Path, tensor_names: set
                          vocab_size_hint: int | None = None) -> MistralConfig:
     """A MistralConfig from llama.cpp's metadata keys; refuses, naming the key, what twincache cannot compute."""
     arch = metadata.get("general.architecture")
+    if arch is None:
+        raise ConfigError(f"{path} lacks the metadata key general.architecture, which names the model a GGUF holds; "
+                          f"twincache reads GGUF architectures {' and '.join(ARCHITECTURES)}: write the key with "
+                          "the gguf library, or convert the model again with llama.cpp's convert_hf_to_gguf.py")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"{path} holds a {arch!r} model; twincache reads GGUF architectures "
                           f"{' and '.join(ARCHITECTURES)} only")
