@@ -356,6 +356,11 @@ def test_16_checkpoint_missing_a_tensor_or_with_a_wrong_shape(checkpoints, tmp_p
     (untied / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
     with refused(CheckpointError, "missing tensor lm_head.weight"):
         Mistral.from_pretrained(untied)
+    bare = copy_of(checkpoints, "tied", tmp_path / "bare")  # a MistralModel's save: no "model." prefix
+    rewrite(bare, lambda t: t.update({name.removeprefix("model."): t.pop(name) for name in list(t)}))
+    with refused(CheckpointError, "missing tensor model.embed_tokens.weight", "it holds embed_tokens.weight",
+                 "without the 'model.' prefix"):
+        Mistral.from_pretrained(bare)
 
 
 @pytest.mark.parametrize(("edit", "fragments"), [

@@ -249,7 +249,12 @@ def check_tensor_shapes(config: MistralConfig, stored: dict[str, tuple[int, ...]
     checkpoint's own tensor list, whatever sizes config.json claims."""
     for name, shape in iter_expected_tensor_shapes(config):
         if name not in stored:
-            raise CheckpointError(f"checkpoint {model_dir} is missing tensor {name} (expected shape {list(shape)})")
+            bare = name.removeprefix("model.")
+            hint = (f"; it holds {bare}: a base model's save (MistralModel), without the 'model.' prefix of "
+                    "MistralForCausalLM's names. Load it with transformers' MistralForCausalLM.from_pretrained and "
+                    "save_pretrained it again" if bare != name and bare in stored else "")
+            raise CheckpointError(f"checkpoint {model_dir} is missing tensor {name} (expected shape {list(shape)})"
+                                  + hint)
         if tuple(stored[name]) != shape:
             raise CheckpointError(f"checkpoint {model_dir} tensor {name} has shape {list(stored[name])}, "
                                   f"but config.json implies {list(shape)}")
