@@ -63,11 +63,67 @@ FUSED_BLOCK_SECONDS = 0.1
 FIRST_BLOCK_STEPS = 1
 _CACHE_HINT = cache_checks.cache_hint("jax_cache") + ", or a kind name"
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
-# top-p looks for its cut among this many most probable tokens first, and sorts the whole vocabulary only when their
-# mass stays under top_p: XLA-CPU sorts a 49,152-token row in ~20 ms (top_k of 1,024: ~0.9 ms), a 135M model's step
-# is ~40 ms.
+# top-k and top-p look for their cuts among this many most probable tokens first, and sort the whole vocabulary only
+# when top_k reaches past them or their mass stays under top_p: XLA-CPU sorts a 49,152-token row in ~20 ms (top_k of
+# 1,024: ~0.9 ms), a 135M model's step is ~40 ms.
 TOP_P_CANDIDATES = 1024
 DecodeStep = Callable[[jax.Array, jax.Array, StaticCache, int | None], tuple[jax.Array, StaticCache]]
+_Knobs = tuple[jax.Array, jax.Array, jax.Array]  # temperature [] float32, top_k [] int32, top_p [] float32
+
+
+def _sampling_kind(sampling: SamplingParams) -> str:
+    """What a step computes to choose its tokens, one executable each: "greedy" (argmax), "temperature" (a draw
+    from every token) or "filtered" (a draw after top-k / top-p). The kind is a static argument of the jitted steps;
+    the values of the temperature, top_k and top_p are traced (`_knobs`), so another setting of the same kind reuses
+    its executables, as in torch_cache."""
+    if sampling.greedy:
+        return "greedy"
+    return "filtered" if sampling.top_k or sampling.top_p < 1.0 else "temperature"
+
+
+def _knobs(sampling: SamplingParams) -> _Knobs:
+    """The sampling settings as the arrays `_filter` takes: temperature [] float32, top_k [] int32, top_p [] float32
+    (the seed lives in the PRNG key)."""
+    return jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p)
+
+
+def _filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+            filters: bool) -> jax.Array:
+    """filter_logits with its settings as arrays (the form the jitted steps take). `filters` False skips top-k and
+    top-p, which a kind other than "filtered" does not use. [B, V]
+
+    Both cuts come from the row's first N tokens in descending order: the TOP_P_CANDIDATES most probable (lax.top_k),
+    or, when top_k reaches past them or their mass stays under top_p (a flat distribution), the whole sorted row
+    (lax.cond: only then is the vocabulary sorted)."""
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
+    logits = (logits - peak) / jnp.maximum(temperature, MIN_TEMPERATURE)
+    if not filters:
+        return logits
+
+    def cut(sorted_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """From the first n logits of each row in descending order [B, n]: the smallest logit both filters keep
+        [B, 1], and whether those n decided it [] (else the tokens after them might count)."""
+        n = sorted_logits.shape[-1]
+        # top_k 0 keeps all; a top_k past n reads the n-th here, and the whole row decides
+        kth = lax.dynamic_slice_in_dim(sorted_logits, jnp.clip(top_k, 1, n) - 1, 1, axis=-1)  # [B, 1]
+        kth_largest = jnp.where(top_k > 0, kth, -jnp.inf)  # [B, 1]
+        # top-p on the top-k survivors: their softmax's denominator (the top logit is 0), over the whole row
+        total = jnp.sum(jnp.exp(jnp.where(logits < kth_largest, -jnp.inf, logits)), axis=-1, keepdims=True)  # [B, 1]
+        survivors = jnp.where(sorted_logits < kth_largest, -jnp.inf, sorted_logits)  # [B, n], still sorted
+        cutoff, cut_inside = _top_p_cutoff(survivors, total, top_p)
+        cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)  # top_p 1 keeps all: rounding in the sums must not cut
+        decided = (top_k <= n) & ((top_p >= 1.0) | jnp.all(cut_inside))  # []
+        return jnp.maximum(kth_largest, cutoff), decided
+
+    def from_whole_vocabulary() -> jax.Array:
+        return cut(jnp.flip(jnp.sort(logits, axis=-1), axis=-1))[0]
+
+    if logits.shape[-1] > TOP_P_CANDIDATES:
+        bound, decided = cut(lax.top_k(logits, TOP_P_CANDIDATES)[0])  # [B, N], the first N of the sorted row
+        bound = lax.cond(decided, lambda: bound, from_whole_vocabulary)
+    else:
+        bound = from_whole_vocabulary()
+    return jnp.where(logits < bound, -jnp.inf, logits)
 
 
 def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
@@ -76,29 +132,12 @@ def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     Scaled as (logits - max) / T: the top token sits at 0 and every other is below it, so a tiny T overflows only
     to -inf (never to inf, or inf - inf = NaN), and sampling tends to greedy as T -> 0. A T below float32's smallest
     normal number acts as that number. Both filters cut by value, so a tie at the boundary keeps every tied token.
+    top-p applies to the top-k survivors' renormalised mass. The jitted decode steps compute this same function.
     """
-    peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
-    logits = (logits - peak) / max(sampling.temperature, MIN_TEMPERATURE)
-    if sampling.top_k:
-        kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # [B, 1]
-        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
-    if sampling.top_p < 1.0:
-        total = jnp.sum(jnp.exp(logits), axis=-1, keepdims=True)  # [B, 1], softmax's denominator (the top logit is 0)
-
-        def from_whole_vocabulary() -> jax.Array:
-            return _top_p_cutoff(jnp.flip(jnp.sort(logits, axis=-1), axis=-1), total, sampling.top_p)[0]
-
-        if logits.shape[-1] > TOP_P_CANDIDATES:
-            top = jax.lax.top_k(logits, TOP_P_CANDIDATES)[0]  # [B, N], the first N of the sorted row
-            cutoff, cut_inside = _top_p_cutoff(top, total, sampling.top_p)
-            cutoff = jax.lax.cond(jnp.all(cut_inside), lambda: cutoff, from_whole_vocabulary)
-        else:
-            cutoff = from_whole_vocabulary()
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return logits
+    return _filter(logits, *_knobs(sampling), _sampling_kind(sampling) == "filtered")
 
 
-def _top_p_cutoff(sorted_logits: jax.Array, total: jax.Array, top_p: float) -> tuple[jax.Array, jax.Array]:
+def _top_p_cutoff(sorted_logits: jax.Array, total: jax.Array, top_p: jax.Array | float) -> tuple[jax.Array, jax.Array]:
     """From the first N logits of each row sorted in descending order [B, N] and the softmax's denominator over the
     whole row [B, 1]: the smallest logit top-p keeps [B, 1], and whether the cut fell inside those N [B, 1] (else the
     tokens after them might be kept too). The probabilities are elementwise the whole row's, and a cumulative sum's
@@ -114,9 +153,14 @@ def _top_p_cutoff(sorted_logits: jax.Array, total: jax.Array, top_p: float) -> t
 
 def sample(logits: jax.Array, sampling: SamplingParams, key: jax.Array) -> jax.Array:
     """Next token per row from fp32 logits [B, V]: greedy, or temperature with top-k and top-p filtering. [B] int32."""
-    if sampling.greedy:
+    return _sample(logits, _sampling_kind(sampling), _knobs(sampling), key)
+
+
+def _sample(logits: jax.Array, kind: str, knobs: _Knobs, key: jax.Array) -> jax.Array:
+    """sample() with the settings as the jitted steps take them: the `kind` (static) and the `knobs` (traced). [B]"""
+    if kind == "greedy":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filter_logits(logits, sampling), axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, _filter(logits, *knobs, kind == "filtered"), axis=-1).astype(jnp.int32)
 
 
 class ModelGraph:
@@ -161,11 +205,11 @@ def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input
     return _forward_last(graph, params, cache, input_ids, positions, None, attend_len)
 
 
-def _pick(logits: jax.Array, finished: jax.Array, sampling: SamplingParams, key: jax.Array, eos: tuple[int, ...],
+def _pick(logits: jax.Array, finished: jax.Array, kind: str, knobs: _Knobs, key: jax.Array, eos: tuple[int, ...],
           step: jax.Array, forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Sample step `step`'s tokens [B] (or take the `forced` ones); a row ends at any of the `eos` ids (() for none)
     and then keeps emitting the first. Returns (tokens, finished)."""
-    tokens = sample(logits, sampling, jax.random.fold_in(key, step)) if forced is None else forced  # [B]
+    tokens = _sample(logits, kind, knobs, jax.random.fold_in(key, step)) if forced is None else forced  # [B]
     if not eos:
         return tokens, finished
     tokens = jnp.where(finished, eos[0], tokens)  # [B]
@@ -214,12 +258,13 @@ def _placed(state: DecodeState) -> DecodeState:
     return DecodeState(tokens, positions, finished, step, non_finite_step, sharding.place_cache(cache))
 
 
-def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: SamplingParams,
+def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, kind: str, knobs: _Knobs,
                 eos: tuple[int, ...],
                 state: DecodeState, attend_len: int | None,
                 forced: jax.Array | None = None) -> tuple[jax.Array, DecodeState]:
     """One decode step, the body of both loops: feed `state.tokens` at `state.positions`, sample the next tokens.
 
+    `kind` and `knobs`: the sampling settings (`_sampling_kind`, static; `_knobs`, traced).
     `attend_len`: the step's attention bucket (twincache.buckets; None: every slot). `forced` ([B] int32, optional)
     replaces the sampled tokens: teacher forcing on the real decode path, for parity (give eos=() with it: a
     teacher-forced run never stops early).
@@ -227,15 +272,15 @@ def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, sampling: 
     """
     logits, cache = _forward_last(graph, params, state.cache, state.tokens[:, None], state.positions[:, None], None,
                                   attend_len)
-    tokens, finished = _pick(logits, state.finished, sampling, key, eos, state.step, forced)
+    tokens, finished = _pick(logits, state.finished, kind, knobs, key, eos, state.step, forced)
     first_bad = (state.non_finite_step < 0) & ~jnp.isfinite(logits).all()
     non_finite_step = jnp.where(first_bad, state.step, state.non_finite_step)
     return logits, _placed(DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "sampling", "eos", "vocab_size", "attend_len"),
+@functools.partial(jax.jit, static_argnames=("graph", "kind", "eos", "vocab_size", "attend_len"),
                    donate_argnames=("state",))
-def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
+def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, knobs: _Knobs, kind: str,
                   eos: tuple[int, ...], vocab_size: int, attend_len: int | None,
                   forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array, DecodeState]:
     """One streaming step: `decode_body` with the step's attention bucket `attend_len`, unless the state has halted.
@@ -246,7 +291,7 @@ def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     """
     def body(carry: tuple[jax.Array, DecodeState, jax.Array]) -> tuple[jax.Array, DecodeState, jax.Array]:
         _, decode_state, trips = carry
-        logits, decode_state = decode_body(graph, params, key, sampling, eos, decode_state, attend_len, forced)
+        logits, decode_state = decode_body(graph, params, key, kind, knobs, eos, decode_state, attend_len, forced)
         return logits, decode_state, trips - 1
 
     # A loop of zero or one trip rather than lax.cond: XLA-CPU updates the cache in place through a while loop, but
@@ -267,12 +312,12 @@ class FusedCarry(NamedTuple):
     out_logits: jax.Array  # [B, N, V] float32 with return_logits, else [B, 0, V]
 
 
-_FUSED_STATIC = ("graph", "sampling", "eos", "block_steps", "vocab_size", "return_logits", "attend_len")
+_FUSED_STATIC = ("graph", "kind", "eos", "block_steps", "vocab_size", "return_logits", "attend_len")
 
 
 @functools.partial(jax.jit, static_argnames=_FUSED_STATIC, donate_argnames=("state",))
-def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array,
-                  forced: jax.Array | None, steps: jax.Array, sampling: SamplingParams, eos: tuple[int, ...],
+def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, knobs: _Knobs,
+                  forced: jax.Array | None, steps: jax.Array, kind: str, eos: tuple[int, ...],
                   block_steps: int, vocab_size: int, return_logits: bool,
                   attend_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
     """One block: up to `steps` (<= `block_steps`, an array, so every block of one attention bucket runs one
@@ -293,7 +338,7 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     def body(carry: FusedCarry) -> FusedCarry:
         index = carry.state.step - first_step  # [] int32, the output column
         forced_now = None if forced is None else forced[:, index]  # [B]
-        logits, decode_state = decode_body(graph, params, key, sampling, eos, carry.state, attend_len, forced_now)
+        logits, decode_state = decode_body(graph, params, key, kind, knobs, eos, carry.state, attend_len, forced_now)
         out_tokens = carry.out_tokens.at[:, index].set(decode_state.tokens)
         out_logits = carry.out_logits.at[:, index].set(logits) if return_logits else carry.out_logits
         return FusedCarry(decode_state, out_tokens, out_logits)
@@ -322,7 +367,7 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
 BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
 
 
-def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, sampling: SamplingParams,
+def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, kind: str, knobs: _Knobs,
                  eos: tuple[int, ...], num_steps: int, length: int, vocab_size: int, return_logits: bool,
                  on_block: BlockCallback, forced: np.ndarray | None = None,
                  block_steps: int | None = None) -> tuple[DecodeState, int, int, float, int]:
@@ -348,8 +393,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
         chunk = forced[:, start:start + capacity]
         return _on_rows(cache, np.pad(chunk, ((0, 0), (0, capacity - chunk.shape[1]))))  # [B, capacity]
 
-    static = dict(sampling=sampling, eos=eos, block_steps=capacity, vocab_size=vocab_size,
-                  return_logits=return_logits)
+    static = dict(kind=kind, eos=eos, block_steps=capacity, vocab_size=vocab_size, return_logits=return_logits)
     executables: dict[int, jax.stages.Compiled] = {}  # per attention bucket, looked up once per generation
 
     def executable_at(start: int) -> tuple[jax.stages.Compiled, int, float]:
@@ -357,7 +401,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
         (attend, room), *_ = decode_buckets(length + start, num_steps - start, cache_len)
         seconds = 0.0
         if attend not in executables:
-            executables[attend], seconds = fused_executable(graph, params, state, key, block_forced(0),
+            executables[attend], seconds = fused_executable(graph, params, state, key, knobs, block_forced(0),
                                                             jnp.int32(capacity), attend_len=attend, **static)
         return executables[attend], room, seconds
 
@@ -373,7 +417,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             executable, room, compiled_now = executable_at(dispatched)
             untimed_s += compiled_now if first_read else 0.0  # before the first read, inside the first interval
             size = min(steps, num_steps - dispatched, room)
-            outputs = executable(params, state, key, block_forced(dispatched), jnp.int32(size))
+            outputs = executable(params, state, key, knobs, block_forced(dispatched), jnp.int32(size))
             state, pending, dispatched = outputs[3], (outputs[:3], size), dispatched + size
         if queued is not None:  # ... then read the one before it
             (tokens, logits, for_host), queued_steps = queued
@@ -521,7 +565,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     announce_compile("XLA")  # the prefill and the decode loop or step are jitted
     start = time.perf_counter()
     logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
-    first, _ = _pick(logits, jnp.zeros(batch, bool), _without_seed(sampling), key, eos, jnp.int32(0),
+    first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos, jnp.int32(0),
                      None if forced is None else jnp.asarray(forced[:, 0]))
     first = np.asarray(first).tolist()
     prefill_s = time.perf_counter() - start
@@ -564,7 +608,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         forced = validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     graph, params = split_model(model)
-    key, static_sampling = jax.random.key(sampling.seed), _without_seed(sampling)
+    key, kind, knobs = jax.random.key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
     state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, _first_step)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     logits_per_step: list[jax.Array] = []
@@ -584,7 +628,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
 
         decode_start = time.perf_counter()
         state, decode_steps, non_finite_step, first_step_s, untimed_steps = decode_fused(
-            graph, params, state, key, static_sampling, eos, max_new_tokens, length, config.vocab_size,
+            graph, params, state, key, kind, knobs, eos, max_new_tokens, length, config.vocab_size,
             return_logits, on_block=take_block, forced=forced)
         decode_s = time.perf_counter() - decode_start - first_step_s
         timed_steps = decode_steps - untimed_steps
@@ -600,7 +644,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
 
         phases.enter("compile")  # the first step compiles
         stamp = time.perf_counter()
-        pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size, bucket(0),
+        pending = _sampled_step(graph, params, state, key, knobs, kind, eos, config.vocab_size, bucket(0),
                                 forced_at(0))
         while True:
             for_host, logits, state = pending
@@ -609,7 +653,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             decode_steps += 1
             if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
                 compiles |= bucket(decode_steps) != bucket(decode_steps - 1)
-                pending = _sampled_step(graph, params, state, key, static_sampling, eos, config.vocab_size,
+                pending = _sampled_step(graph, params, state, key, knobs, kind, eos, config.vocab_size,
                                         bucket(decode_steps), forced_at(decode_steps))
                 state = pending[2]  # the live state; a step queued after the last token holds it unchanged
             *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
@@ -648,11 +692,6 @@ def _check_outputs_fit(batch: int, steps: int, vocab_size: int, return_logits: b
     cache_checks.check_fits(f"decoding {steps} steps with return_logits (2 x [{batch}, {steps}, {vocab_size}] float32)",
                             2 * batch * steps * vocab_size * 4, available_memory(device), memory_label(device),
                             "generate fewer tokens or pass return_logits=False")
-
-
-def _without_seed(sampling: SamplingParams) -> SamplingParams:
-    """The sampling settings as a static jit argument: the seed lives in the PRNG key, so it never retraces."""
-    return dataclasses.replace(sampling, seed=0)
 
 
 def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:

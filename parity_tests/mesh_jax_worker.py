@@ -125,8 +125,8 @@ def write_hlo(out: Path, model: Mistral, vocab: int, record: dict[str, object]) 
     cache = result.cache
     state = jg.initial_state(jnp.asarray([t[-1] for t in result.token_ids], jnp.int32), cache.next_positions(),
                              cache, (), 0)
-    key, static = jax.random.key(0), jg._without_seed(SamplingParams())
-    compiled = jg._sampled_step.lower(graph, params, state, key, static, (), vocab, None).compile()  # every slot
+    key, knobs = jax.random.key(0), jg._knobs(SamplingParams())
+    compiled = jg._sampled_step.lower(graph, params, state, key, knobs, "greedy", (), vocab, None).compile()  # all
     (out / "step.hlo").write_text(compiled.as_text())
     fused = {signature: executable for signature, executable in jg._fused_executables.items()
              if signature[0] == graph}

@@ -166,9 +166,10 @@ def test_compiled_decode_copies_no_kv_buffer(model, mha_model, heads, kind, cach
     _, cache = prefilled(model, kind, PROMPTS[:1], cache_len)
     graph, params = jg.split_model(model)
     state = jg.initial_state(jnp.asarray([3], jnp.int32), cache.next_positions(), cache, (), 0)
-    key, sampling = jax.random.key(0), jg._without_seed(SamplingParams())
-    step_hlo = jg._sampled_step.lower(graph, params, state, key, sampling, (), VOCAB, attend_len).compile().as_text()
-    fused_hlo = jg._fused_decode.lower(graph, params, state, key, None, jnp.int32(2), sampling=sampling, eos=(),
+    key, knobs = jax.random.key(0), jg._knobs(SamplingParams())
+    step_hlo = jg._sampled_step.lower(graph, params, state, key, knobs, "greedy", (), VOCAB,
+                                      attend_len).compile().as_text()
+    fused_hlo = jg._fused_decode.lower(graph, params, state, key, knobs, None, jnp.int32(2), kind="greedy", eos=(),
                                        block_steps=2, vocab_size=VOCAB, return_logits=False,
                                        attend_len=attend_len).compile().as_text()
     buffer_shape = cache.keys[0].shape
@@ -187,8 +188,8 @@ def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
     cache = make_cache("static", model.config, 1, 1024)
     graph, params = jg.split_model(model)
     state = jg.initial_state(jnp.asarray([3], jnp.int32), jnp.asarray([0], jnp.int32), cache, (), 0)
-    executable, _ = jg.fused_executable(graph, params, state, jax.random.key(0), None, jnp.int32(8),
-                                        sampling=jg._without_seed(SamplingParams()), eos=(), block_steps=8,
+    executable, _ = jg.fused_executable(graph, params, state, jax.random.key(0), jg._knobs(SamplingParams()), None,
+                                        jnp.int32(8), kind="greedy", eos=(), block_steps=8,
                                         vocab_size=VOCAB, return_logits=False, attend_len=None)
     analysis = executable.memory_analysis()
     cache_bytes = sum(array.nbytes for array in cache.arrays())
@@ -234,12 +235,36 @@ def test_decode_is_traced_once_per_mode_across_generations_that_wrap_three_times
             result = jg.generate(model, prompts, NEW_TOKENS, cache="sliding_window", fused=mode == "fused")
             assert result.decode_steps == NEW_TOKENS - 1 and [len(t) for t in result.token_ids] == [NEW_TOKENS] * 2
     # (The budget stays: max_cache_len = bucket + max_new_tokens is static pytree metadata, so another budget compiles
-    # anew; so do other shapes, sampling settings and, in fused mode, the number of steps.)
+    # anew; so do other shapes, sampling kinds (not their settings) and, in fused mode, the number of steps.)
     assert dict(traces) == {16: 1, 1: 2}, f"expected 1 prefill trace (bucket 16), 1 step and 1 loop body: {traces}"
     assert jg._prefill._cache_size() == 1
     assert jg._sampled_step._cache_size() == 1
     assert len(jg._fused_executables) == fused_before + 1  # the second fused generation reused the executable
     assert result.timed_steps == result.decode_steps - 1  # its first block (one step) is its first step, untimed
+
+
+def test_sampling_settings_of_one_kind_share_every_executable(model, monkeypatch):
+    """Only the sampling kind is static (greedy / temperature / filtered, as torch_cache's compiled step); the
+    temperature, top_k and top_p are traced. After one filtered generation per mode (which compiles the kind's step
+    and loop, unless an earlier test did: the fused-vs-step test below runs these shapes), three other settings trace
+    nothing, and each draws the tokens its own setting defines (the oracle): the values do reach the executables."""
+    settings = [SAMPLED, SamplingParams(1.3, top_k=5, top_p=0.6, seed=7), SamplingParams(0.5, top_p=0.95, seed=3),
+                SamplingParams(1.0, top_k=64, seed=7)]
+
+    def run(sampling: SamplingParams, fused: bool) -> None:
+        result = jg.generate(model, PROMPTS, NEW_TOKENS, cache="sliding_window", sampling=sampling, fused=fused,
+                             return_logits=True)
+        assert oracle_tokens(result.step_logits, sampling) == result.token_ids, (sampling, fused)
+
+    for fused in (True, False):
+        run(settings[0], fused)
+    executables = jg._sampled_step._cache_size(), len(jg._fused_executables)
+    traces = count_forward_traces(monkeypatch)
+    for fused in (True, False):
+        for sampling in settings[1:]:
+            run(sampling, fused)
+    assert dict(traces) == {}, f"other settings of one kind traced the decode again: {traces}"
+    assert (jg._sampled_step._cache_size(), len(jg._fused_executables)) == executables
 
 
 def test_prompt_bucket_is_a_power_of_two_at_least_16_capped_by_the_room():

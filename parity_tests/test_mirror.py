@@ -74,9 +74,9 @@ JAX_ONLY = {
     "generate.FUSED_BLOCK_SECONDS": "as FUSED_BLOCK_STEPS",
     "generate.FIRST_BLOCK_STEPS": "as FUSED_BLOCK_STEPS",
     "generate.BlockCallback": "as FUSED_BLOCK_STEPS",
-    "generate.TOP_P_CANDIDATES": "XLA-CPU sorts a vocabulary ~3x slower than torch, so top-p looks among the top "
-                                 "tokens first (lax.cond); torch sorts: torch.cond cost more than the sort on CPU "
-                                 "and could take the step out of CUDA graphs (design.md §5)",
+    "generate.TOP_P_CANDIDATES": "XLA-CPU sorts a vocabulary ~3x slower than torch, so top-k and top-p look among "
+                                 "the top tokens first (lax.cond); torch sorts: torch.cond cost more than the sort on "
+                                 "CPU and could take the step out of CUDA graphs (design.md §5)",
 }
 # Modules only one tower has -> why. Every other module file is in both towers.
 TORCH_ONLY_MODULES = {
@@ -95,6 +95,7 @@ TORCH_ONLY_PARAMS = {
     "generate.continue_generation": ("compile",),
     "projection.project": ("packed",),  # the weight's oneDNN copy (pack_projections), where one is made
     "generate._check_outputs_fit": ("device",),  # the memory it measures; JAX's is its default device's
+    "generate._knobs": ("device",),  # where the setting tensors are made; JAX's arrays go where the step runs
 }
 JAX_ONLY_PARAMS = {
     # NNX creates parameters at construction, in a dtype; torch modules are built first and converted afterwards.
