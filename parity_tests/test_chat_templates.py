@@ -119,20 +119,15 @@ def test_gguf_special_tokens_and_chat_prompt_equal_transformers_gguf_loading(tmp
     them; its chat template renders as there. (The ids are compared on directories above: transformers versions
     differ on a SentencePiece GGUF's prefix space, test_gguf.py.)"""
     import gguf
-    import torch
-    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+    from transformers import AutoTokenizer
 
-    from parity_tests.test_gguf import TINY, spm_tokenizer, spm_tokenizer_fields, write_gguf
+    from parity_tests.test_gguf import spm_tokenizer, spm_tokenizer_fields, write_spm_gguf
 
     fields = spm_tokenizer_fields(spm_tokenizer())
     V = gguf.GGUFValueType
     fields |= {"tokenizer.ggml.padding_token_id": (2, V.UINT32),
                "tokenizer.chat_template": (TEMPLATES["special_tokens"] + TEMPLATES["tools_tojson"], V.STRING)}
-    vocab_size = len(fields["tokenizer.ggml.tokens"][0])
-    torch.manual_seed(1)
-    model = MistralForCausalLM(MistralConfig(**{**TINY, "vocab_size": vocab_size}))
-    state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
-    path = write_gguf(tmp_path / "spm.gguf", state, tokenizer=fields, vocab_size=vocab_size)
+    path = write_spm_gguf(tmp_path / "spm.gguf", fields)
     ours = Tokenizer.from_checkpoint(path)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     assert ours.special_tokens == theirs.special_tokens_map

@@ -423,7 +423,7 @@ def test_sentencepiece_gguf_tokenizer_reproduces_the_original(tmp_path, with_mer
     transformers' GGUF tokenizer is a cross-check on texts without special tokens or leading spaces, BOS left out:
     its versions differ on the rest (5.17 adds no BOS to this vocabulary; 5.24 adds U+2581 only at the start of the
     text and only when no space is there)."""
-    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+    from transformers import AutoTokenizer
 
     from twincache.tokenizer import Tokenizer
 
@@ -431,11 +431,7 @@ def test_sentencepiece_gguf_tokenizer_reproduces_the_original(tmp_path, with_mer
     fields = spm_tokenizer_fields(original)
     if not with_merges:
         del fields["tokenizer.ggml.merges"]
-    vocab_size = len(fields["tokenizer.ggml.tokens"][0])
-    torch.manual_seed(1)
-    model = MistralForCausalLM(MistralConfig(**{**TINY, "vocab_size": vocab_size}))
-    state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
-    path = write_gguf(tmp_path / "spm.gguf", state, tokenizer=fields, vocab_size=vocab_size)
+    path = write_spm_gguf(tmp_path / "spm.gguf", fields)
     ours = Tokenizer.from_checkpoint(path)
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     plain = ["The quick brown fox", "Ring buffers remember unbelievable numbers 1234", "two  spaces inside",
@@ -450,6 +446,17 @@ def test_sentencepiece_gguf_tokenizer_reproduces_the_original(tmp_path, with_mer
         assert ours.encode(text) == [1, *theirs(text, add_special_tokens=False).input_ids], text
         assert ours.decode(ours.encode(text)) == theirs.decode(ours.encode(text), skip_special_tokens=True), text
     assert (ours.bos_token, ours.eos_token) == ("<s>", "</s>")
+
+
+def write_spm_gguf(path: Path, fields: dict) -> Path:
+    """A tiny seeded model in a GGUF that carries the SentencePiece tokenizer `fields` (its vocabulary's size)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    vocab_size = len(fields["tokenizer.ggml.tokens"][0])
+    torch.manual_seed(1)
+    model = MistralForCausalLM(MistralConfig(**{**TINY, "vocab_size": vocab_size}))
+    state = {name: t.detach().numpy() for name, t in model.state_dict().items()}
+    return write_gguf(path, state, tokenizer=fields, vocab_size=vocab_size)
 
 
 # --- bad GGUFs: one line, exit 2, nothing half-built ------------------------------------------------------------------
