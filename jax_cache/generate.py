@@ -87,6 +87,7 @@ def _knobs(sampling: SamplingParams) -> _Knobs:
     return jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p)
 
 
+@functools.partial(jax.jit, static_argnames=("filters",))
 def _filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
             filters: bool) -> jax.Array:
     """filter_logits with its settings as arrays (the form the jitted steps take). `filters` False skips top-k and
@@ -94,7 +95,9 @@ def _filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: 
 
     Both cuts come from the row's first N tokens in descending order: the TOP_P_CANDIDATES most probable (lax.top_k),
     or, when top_k reaches past them or their mass stays under top_p (a flat distribution), the whole sorted row
-    (lax.cond: only then is the vocabulary sorted)."""
+    (lax.cond: only then is the vocabulary sorted). Jitted itself for the calls outside the jitted steps
+    (filter_logits, sample, generate's first token): a lax.cond run eagerly compiles its branches again at every
+    call (~2 s for a 49,152-token row), since they close over that call's arrays."""
     peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
     logits = (logits - peak) / jnp.maximum(temperature, MIN_TEMPERATURE)
     if not filters:
