@@ -278,8 +278,11 @@ def test_ctrl_c_during_a_build_removes_its_staging_directory(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_BUILD, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    from parity_tests.test_interrupts import children_start_with_sigint
+
+    with children_start_with_sigint():  # as from a terminal, even when this run's SIGINT is ignored (a background job)
+        proc = subprocess.run([sys.executable, "-c", INTERRUPTED_BUILD, str(tmp_path)], capture_output=True,
+                              text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 130 and proc.stderr.endswith("twincache: interrupted\n"), proc.stderr
     staging = Path(proc.stdout.strip())
     assert staging.parent == tmp_path and staging.name.startswith(".building-"), staging
