@@ -57,6 +57,11 @@ HAND_MADE = [
     ("top_p_top_token_alone", log_probs(.4, .3, .2, .1), SamplingParams(1.0, top_p=0.35), {0}),
     # p = .4 .2 .2 .1 .1: one 0.2 has 0.4 above it (kept), so its tie partner is kept too, whatever the sort order
     ("top_p_tie_at_the_boundary", log_probs(.4, .2, .2, .1, .1), SamplingParams(1.0, top_p=0.5), {0, 1, 2}),
+    # top_p .8: the 0.1s have exactly 0.8 above them, not less: both go (float64 on these float32 logits: 0.80000001).
+    # The logits are the float32 logs of float32 probabilities, as the audit built them: torch_cache's float32
+    # probabilities summed as cumsum - p kept all five, jax_cache's three.
+    ("top_p_exact_boundary", np.log(np.float32([.4, .2, .2, .1, .1])).tolist(), SamplingParams(1.0, top_p=0.8),
+     {0, 1, 2}),
     # p = .5 .2 .2 .1, top_p .45: both 0.2s have 0.5 above them: both go
     ("top_p_tie_dropped_together", log_probs(.5, .2, .2, .1), SamplingParams(1.0, top_p=0.45), {0}),
     # at T = 2 the same logits flatten to p ~ .32 .27 .23 .18: top_p .5 now keeps two
@@ -126,6 +131,21 @@ def test_top_p_keeps_the_defined_set_over_a_large_vocabulary_whether_its_cut_is_
         top = jax.lax.top_k(rows, jg.TOP_P_CANDIDATES)[0]
         total = jnp.sum(jnp.exp(rows), axis=-1, keepdims=True)
         assert bool(jnp.all(jg._top_p_cutoff(top, total, 0.9)[1])) is inside
+
+
+def test_jax_top_p_sums_are_the_exact_sums_rounded_once():
+    """torch_cache sums top-p's masses in float64; jax_cache has none (JAX's default), so its total and prefix sums
+    split each mass into a part that sums exactly in float32 and a small rest (`_grid`). Against numpy's float64
+    sums rounded once: all within an ulp, nearly all equal (XLA's float32 cumsum: ~45% differ, by up to ~3 ulps)."""
+    rng = np.random.default_rng(5)
+    for vocab, scale in ((jg.TOP_P_CANDIDATES, 2.0), (5000, 8.0)):
+        masses = np.exp(rng.standard_normal((2, vocab)) * scale - 3).astype(np.float32)  # [2, V]
+        exact = np.cumsum(masses.astype(np.float64), axis=-1).astype(np.float32)  # [2, V], each rounded once
+        total = np.asarray(jg._sum_exactly(jnp.asarray(masses)))  # [2, 1]
+        prefix = np.asarray(jg._prefix_sums_exactly(jnp.asarray(masses), jnp.asarray(total)))  # [2, V]
+        assert np.all(np.abs(total - exact[:, -1:]) <= np.spacing(exact[:, -1:])), (total, exact[:, -1:])
+        assert np.all(np.abs(prefix - exact) <= np.spacing(exact)), np.abs(prefix - exact).max()
+        assert np.mean(prefix == exact) > 0.99, np.mean(prefix == exact)
 
 
 def test_jax_sampling_outside_the_jitted_steps_compiles_once_per_kind_and_shape(caplog):

@@ -90,10 +90,14 @@ def _filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     kth_largest = sorted_logits.gather(-1, k - 1)  # [B, 1]
     # Masking a sorted row by value keeps it sorted: it is the sorted row of the top-k survivors.
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))  # [B, V]
-    sorted_probs = sorted_logits.softmax(dim=-1)
+    masses = sorted_logits.exp()  # [B, V], the survivors' unnormalised probabilities (the top logit is 0; cut: 0)
     # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
     # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
-    above = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V], the mass ranked above each token
+    # The mass above each token, as jax_cache computes it (docs/design.md §5): the exclusive prefix sum (0 first) of
+    # the unnormalised masses, each sum the exact one rounded once (summed in float64), divided once by the total.
+    prefix = masses.double().cumsum(dim=-1)  # [B, V]
+    total = prefix[:, -1:].float()  # [B, 1], softmax's denominator
+    above = torch.nn.functional.pad(prefix[:, :-1].float(), (1, 0)) / total  # [B, V], the mass ranked above each
     kept = (above < top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
     kept = torch.where(top_p < 1.0, kept, vocab)  # top_p 1 keeps all: rounding in the cumsum must not cut the tail
     cutoff = sorted_logits.gather(-1, kept - 1)  # [B, 1], the smallest logit kept
