@@ -37,6 +37,7 @@ from twincache.generation import (
     announce_compile,
     append_tokens,
     check_budget,
+    check_first_step,
     check_positions,
     pad_token_id,
     plan_cache,
@@ -608,7 +609,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         on_token(first)
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
                                on_token=on_token, return_logits=return_logits,
-                               forced_tokens=None if forced is None else forced[:, 1:], _first_step=1)
+                               forced_tokens=None if forced is None else forced[:, 1:], first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
@@ -620,17 +621,23 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                         sampling: SamplingParams | None = None, fused: bool = True,
                         on_token: TokenCallback | None = None, return_logits: bool = False,
                         forced_tokens: Sequence[Sequence[int]] | np.ndarray | None = None,
-                        _first_step: int = 0) -> GenerationResult:
+                        first_step: int = 0) -> GenerationResult:
     """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
 
     Positions come from the cache itself, so a cache handed over from torch_cache continues exactly where it was.
     A row whose last token is EOS is finished. Returns only the new tokens; `cache` is donated, and `result.cache`
     is the updated one. `forced_tokens` teacher-forces the steps, as in `generate`.
+    `first_step`: the index, within the generation, of the first token this call samples (generate's prefill token
+    is 0); pass the number of tokens generated so far to continue a seeded generation's stream: `generate(n)` then
+    `continue_generation(..., m, first_step=n)` samples the tokens of one `generate(n + m)`. A sampled step k draws
+    with the seed's key folded with `first_step + k`, as torch_cache does (each backend from its own stream). Greedy
+    and teacher-forced tokens do not depend on it.
     """
     config = model.config
     cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)
+    first_step = check_first_step(first_step, max_new_tokens)
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
     # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
@@ -643,7 +650,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, kind, knobs = jax.random.key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
-    state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, _first_step)
+    state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, first_step)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     logits_per_step: list[jax.Array] = []
     first_step_s = decode_s = 0.0

@@ -20,9 +20,11 @@ import jax_cache.generate as jg
 import torch_cache.generate as tg
 from jax_cache.cache import StaticCache
 from jax_cache.model import Mistral
+from torch_cache.cache import StaticCache as TorchStaticCache
 from torch_cache.model import Mistral as TorchMistral
 from twincache.cache_layout import cache_fields
-from twincache.errors import StaleCacheError
+from twincache.errors import InputError, StaleCacheError
+from twincache.generation import SamplingParams
 from twincache_app import handoff as interop
 
 VOCAB = 128
@@ -89,6 +91,50 @@ def test_jax_to_torch_to_jax_mid_generation_equals_one_jax_run_and_one_torch_run
     torch_whole = tg.generate(torch_model, PROMPTS, N1 + N2 + N3, cache="sliding_window", max_cache_len=64,
                               compile=False)
     assert tokens == torch_whole.token_ids, "the switching run differs from one torch run"
+
+
+SAMPLED = SamplingParams(temperature=1.0, seed=5)
+
+
+@pytest.mark.parametrize("tower", ["torch", "jax"])
+def test_a_seeded_generation_continued_at_its_first_step_is_one_generation(torch_model, jax_model, tower):
+    """A leg continues the seed's stream when told where the generation is: generate(n), then continue_generation(m,
+    first_step=n), draws the tokens of one generate(n + m) (the default, 0, drew the noise of steps 0 .. m-1 again).
+    Per tower: the two backends draw from different streams by design (README), so a sampled run that switches
+    towers equals no single run. Eager torch and the JAX step mode (the fused loop folds the steps as it does:
+    test_jax_generate)."""
+    tower_module, model, mode = (tg, torch_model, {"compile": False}) if tower == "torch" else (jg, jax_model,
+                                                                                                  {"fused": False})
+
+    def run(tokens: int):
+        return tower_module.generate(model, PROMPTS, tokens, cache="sliding_window", max_cache_len=64,
+                                     sampling=SAMPLED, **mode)
+
+    whole, first = run(N1 + N2 + N3), run(N1 + N2)
+    rest = tower_module.continue_generation(model, first.cache, last_tokens(first.token_ids), N3, sampling=SAMPLED,
+                                            first_step=N1 + N2, **mode)
+    assert joined(first.token_ids, rest.token_ids) == whole.token_ids
+
+
+@pytest.mark.parametrize("tower", ["torch", "jax"])
+@pytest.mark.parametrize(("first_step", "fragment"), [(-1, "must be >= 0"), (1.5, "must be an integer"),
+                                                      (True, "must be an integer"), ("3", "must be an integer"),
+                                                      (2**31 - 5, "int32 limit")])
+def test_continue_generation_refuses_a_first_step_that_is_not_a_step_index(torch_model, jax_model, tower, first_step,
+                                                                          fragment):
+    """Refused before anything runs: the JAX cache is not donated, the torch cache not written."""
+    config = torch_model.config
+    if tower == "torch":
+        cache = TorchStaticCache(config, 2, 64, torch.float32, torch.device("cpu"))
+        with pytest.raises(InputError, match=fragment):
+            tg.continue_generation(torch_model, cache, [3, 4], 10, compile=False, first_step=first_step)
+        assert int(cache.length) == 0
+    else:
+        cache = StaticCache(config, 2, 64, jnp.float32)
+        with pytest.raises(InputError, match=fragment):
+            jg.continue_generation(jax_model, cache, [3, 4], 10, first_step=first_step)
+        cache.check_live()
+        assert int(cache.length) == 0
 
 
 def test_caches_round_trip_exactly_in_both_directions(torch_model, jax_model):

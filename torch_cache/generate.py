@@ -40,6 +40,7 @@ from twincache.generation import (
     announce_compile,
     append_tokens,
     check_budget,
+    check_first_step,
     check_positions,
     plan_cache,
     positions_from_mask,
@@ -571,7 +572,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         on_token(first)
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
                                on_token=on_token, return_logits=return_logits,
-                               forced_tokens=None if forced is None else forced[:, 1:], _first_step=1)
+                               forced_tokens=None if forced is None else forced[:, 1:], first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids)]
     step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
@@ -584,13 +585,17 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                         sampling: SamplingParams | None = None, compile: bool = True,
                         on_token: TokenCallback | None = None, return_logits: bool = False,
                         forced_tokens: Sequence[Sequence[int]] | np.ndarray | None = None,
-                        _first_step: int = 0) -> GenerationResult:
+                        first_step: int = 0) -> GenerationResult:
     """Feed each row's last sampled token (not yet in `cache`) and decode up to `max_new_tokens` more.
 
     Positions come from the cache itself, so a cache handed over from jax_cache continues exactly where it was.
     A row whose last token is EOS is finished. Returns only the new tokens; `result.cache` is `cache`, written in place.
-    `forced_tokens` teacher-forces the steps, as in `generate`. A sampled step k draws with the seed and step index
-    `_first_step + k` (generate's prefill token is step 0), as jax_cache does.
+    `forced_tokens` teacher-forces the steps, as in `generate`.
+    `first_step`: the index, within the generation, of the first token this call samples (generate's prefill token
+    is 0); pass the number of tokens generated so far to continue a seeded generation's stream: `generate(n)` then
+    `continue_generation(..., m, first_step=n)` samples the tokens of one `generate(n + m)`. A sampled step k draws
+    with the seed and step index `first_step + k`, as jax_cache does (each backend from its own stream). Greedy and
+    teacher-forced tokens do not depend on it.
     """
     config = model.config
     skip_guards = _guard_skip_wanted()
@@ -598,6 +603,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     overlap = _overlap_wanted(cache.device)
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)
+    first_step = check_first_step(first_step, max_new_tokens)
     device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
     cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
@@ -646,7 +652,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 # the outputs it returned as inputs (on_token, run in between, is handed ids and changes none of them)
                 logits, next_ids, finished, positions, for_host = decode_one(
                     next_ids[:, None], positions, cache, attend, finished, eos_ids, forced_now, forcing,
-                    step_key.tensor if kind == "greedy" else step_key.at(_first_step + launched), index_bits, *knobs,
+                    step_key.tensor if kind == "greedy" else step_key.at(first_step + launched), index_bits, *knobs,
                     kind, repeats=attend == bucket)
                 # cudagraph outputs are overwritten by the next replay: what is read later is copied out now, in
                 # stream order (no host sync). Elsewhere each call returns new tensors.

@@ -297,6 +297,20 @@ def prepare_continuation(last_tokens: Sequence[int], config: MistralConfig, samp
     return [row[0] for row in rows], sampling, check_count("max_new_tokens", max_new_tokens)
 
 
+def check_first_step(first_step: object, max_new_tokens: int) -> int:
+    """continue_generation's `first_step`: the index, within the generation, of the first token the call samples
+    (generate's prefill token is 0), the step both backends fold into the seed's key. A non-negative integer whose
+    last step stays within int32, as positions do (jax_cache counts steps in int32). Returns it as a Python int."""
+    first_step = as_integer("first_step", first_step)
+    if first_step < 0:
+        raise InputError(f"first_step={first_step} must be >= 0: it is the index, within the generation, of the first "
+                         "token this call samples; pass the number of tokens generated so far")
+    if first_step + max_new_tokens > INT32_MAX:
+        raise InputError(f"first_step={first_step} with max_new_tokens={max_new_tokens} would count generated tokens "
+                         f"past {INT32_MAX}, the int32 limit of step indices")
+    return first_step
+
+
 def split_teacher_forced(sequence: Sequence[int], prompt_len: int,
                          config: MistralConfig) -> tuple[list[int], list[int]]:
     """A teacher-forced row (backend.step_logits): its ids, checked as a prompt's are, split after `prompt_len`, which

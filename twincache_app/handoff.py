@@ -3,6 +3,11 @@
 Weights move zero-copy through DLPack where dtype and device allow (JAX then reads torch's memory: do not modify
 the torch weights in place afterwards). Caches are copied, because torch writes its caches in place while JAX
 treats arrays as immutable.
+
+A generation continues on the other tower with that tower's `continue_generation(model, cache, last_tokens, n,
+sampling=..., first_step=generated)`: `first_step`, the tokens generated so far, keeps a seeded generation at its
+place in the seed's stream. The towers draw from different streams (greedy tokens agree), so each leg of a sampled
+handoff draws from its own tower's stream, at the indices of one uninterrupted generation (README).
 """
 
 from __future__ import annotations
