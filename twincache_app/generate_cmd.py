@@ -10,9 +10,9 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from twincache import phases
 from twincache.checkpoint import load_config
@@ -192,15 +192,21 @@ def read_prompt_file(path: str) -> str:
 
 def check_prompt_texts(texts: list[str] | None) -> list[str] | None:
     """Each --prompt checked by check_prompt_text; with several, the error says which (as encoding errors do)."""
-    if texts is None:
-        return None
-    checked = []
+    return None if texts is None else _each_prompt(check_prompt_text, texts)
+
+
+T = TypeVar("T")
+
+
+def _each_prompt(apply: Callable[[str], T], texts: list[str]) -> list[T]:
+    """`apply` to each prompt text; with several, an InputError says which prompt it was about."""
+    done = []
     for row, text in enumerate(texts):
         try:
-            checked.append(check_prompt_text(text))
+            done.append(apply(text))
         except InputError as err:
             raise InputError(f"prompt {row} of {len(texts)}: {err}" if len(texts) > 1 else str(err)) from None
-    return checked
+    return done
 
 
 def check_prompt_text(text: str) -> str:
@@ -260,14 +266,7 @@ def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[li
         return id_lists, tokenizer
     assert tokenizer is not None  # needs_tokenizer: no prompt ids were given
     encode = tokenizer.encode_chat if args.chat else tokenizer.encode
-    texts = texts or [DEFAULT_PROMPT]
-    prompts = []
-    for row, text in enumerate(texts):
-        try:
-            prompts.append(encode(text))
-        except InputError as err:
-            raise InputError(f"prompt {row} of {len(texts)}: {err}" if len(texts) > 1 else str(err)) from None
-    return prompts, tokenizer
+    return _each_prompt(encode, texts or [DEFAULT_PROMPT]), tokenizer
 
 
 @contextlib.contextmanager
