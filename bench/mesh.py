@@ -77,6 +77,8 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
         load_config(model_dir)  # a GGUF: validated whole when opened
     for mesh in meshes:
         plan_shards(config, mesh)
+        if any(BACKENDS[name].mesh_processes for name in backends):
+            launch.check_torch_devices(mesh)
     if "jax" in backends:
         launch.simulate_cpu_devices(max(meshes, key=lambda mesh: mesh.devices))
     records = []

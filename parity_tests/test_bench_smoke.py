@@ -253,9 +253,12 @@ def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoint
 
 def test_what_torchs_ranks_would_refuse_is_refused_before_any_starts(checkpoints, tmp_path, capsys, monkeypatch):
     """`bench --meshes`: torch runs each mesh in its own ranks, where a refusal came as their tracebacks and then
-    "unexpected RuntimeError". A mesh that cannot split the model (model=3 of the tiny preset's 4 query heads) and a
-    --model whose weights file is truncated are now refused in one line before anything runs."""
+    "unexpected RuntimeError". A mesh that cannot split the model (model=3 of the tiny preset's 4 query heads), a
+    --model whose weights file is truncated and more ranks than CPU cores are now refused in one line before anything
+    runs."""
     import shutil
+
+    import torch
 
     from twincache_app import launch
 
@@ -264,8 +267,11 @@ def test_what_torchs_ranks_would_refuse_is_refused_before_any_starts(checkpoints
     weights.write_bytes(weights.read_bytes()[:-1000])
     started = []
     monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: started.append(args) or 1)
+    monkeypatch.setattr(launch, "cpu_cores", lambda: 2)  # on a CPU, at most one rank per core
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for extra, expected in ((["--meshes", "model=1", "model=3"], "mesh model=3 cannot split 4 query heads evenly"),
-                            (["--meshes", "model=2", "--model", str(truncated)], f"{weights} is truncated")):
+                            (["--meshes", "model=2", "--model", str(truncated)], f"{weights} is truncated"),
+                            (["--meshes", "model=1", "model=2,data=2"], "needs 4 devices, but torch on a CPU")):
         argv = ["bench", "--preset", "tiny", *extra, "--impls", "torch_eager", "--out", str(tmp_path / "out"),
                 "--cache-dir", str(tmp_path / "cache")]
         assert main(argv) == 2

@@ -449,6 +449,29 @@ def test_cli_refuses_an_impossible_mesh_in_one_line_before_starting_anything(mes
     assert code == 2 and err.count("\n") == 1 and "model=3" in err and "8 query heads" in err, err
 
 
+def test_cli_refuses_more_torch_ranks_than_cpu_cores_before_starting_any(checkpoints, capsys, monkeypatch):
+    """On a CPU host torch starts one process per device: more than one per core is refused in one line naming the
+    ranks and the cores (JAX's simulated devices share one process and are not capped). A mesh of as many ranks as
+    cores starts them (the control: the cap is the cores, not fewer)."""
+    import torch
+
+    from twincache_app import launch
+    from twincache_app.cli import main
+
+    started: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU rule, on any host
+    monkeypatch.setattr(launch, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(launch, "run_ranks", lambda argv, world_size, **kwargs: started.append(world_size) or 0)
+    argv = ["generate", "--backend", "torch", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2,3"]
+    for mesh in ("model=2,data=2", "data=3"):
+        assert main([*argv, "--mesh", mesh]) == 2
+        err = capsys.readouterr().err
+        ranks = parse_mesh(mesh).devices
+        assert err.count("\n") == 1 and f"needs {ranks} devices" in err and "2 CPU core(s)" in err, err
+    assert started == [], "refused before any rank started"
+    assert main([*argv, "--mesh", "model=2"]) == 0 and started == [2]
+
+
 def test_cli_generate_on_a_mesh_prints_once_and_equals_one_device(mesh_runs):
     """torch launches its 2 processes itself and only rank 0 prints; JAX simulates the CPU devices it needs."""
     from torch_cache import backend

@@ -7,6 +7,11 @@ torch.distributed world (ours, or torchrun's on many hosts) is a rank and runs d
 
 JAX splits a model over the devices of one process. On a CPU it sees one device unless XLA is told to simulate more
 before it starts (`simulate_cpu_devices`); on GPU hosts that flag is ignored and JAX uses the GPUs.
+
+The two are capped differently on a CPU (`check_torch_devices`): a torch rank is a whole process (its own
+interpreter, torch, weights and OpenMP threads), so at most one per core; JAX's simulated devices are one process's,
+sharing its one thread pool, so their count is limited only by what the model can split (the suite runs 8 of them on
+2 cores).
 """
 
 from __future__ import annotations
@@ -45,9 +50,16 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def cpu_cores() -> int:
+    """The cores torch's CPU ranks share: each rank's OpenMP threads are its share of them, and there are at most as
+    many ranks as cores."""
+    return os.cpu_count() or 1
+
+
 def simulate_cpu_devices(mesh: MeshShape) -> None:
     """Let JAX on a CPU show as many devices as `mesh` needs (XLA_FLAGS, read once when JAX starts its backend;
-    GPU backends ignore it). An XLA_FLAGS that already sets a device count is left as it is."""
+    GPU backends ignore it). An XLA_FLAGS that already sets a device count is left as it is. Not capped by the cores,
+    unlike torch's ranks: the simulated devices live in this one process and share its thread pool."""
     add_xla_flag("xla_force_host_platform_device_count", mesh.devices)
 
 
@@ -74,7 +86,7 @@ def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app
            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
     # Ranks on a CPU share its cores: more OpenMP threads than cores spin-wait each other (docs/design.md §7.11), so
     # each rank gets its share, as torchrun does, unless OMP_NUM_THREADS is set.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // world_size)))
     logs = [tempfile.TemporaryFile() for _ in range(world_size)]
     procs = [subprocess.Popen([sys.executable, "-m", module, *argv],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
@@ -147,7 +159,11 @@ def init_rank() -> None:
 
 
 def check_torch_devices(mesh: MeshShape) -> None:
-    """On a GPU host, refuse a mesh with more devices than GPUs before any process starts (CPU ranks share cores)."""
+    """Refuse, before any process starts, a mesh with more ranks than this host runs: more than its GPUs on a GPU
+    host; more than its cores on a CPU. CPU ranks share the cores (and the memory: a CPU mesh splits nothing the host
+    does not hold anyway); past one rank per core the ranks (one thread each, at least) take turns on the cores and
+    every collective waits for the last of them, while each costs its own interpreter and torch (~300 MB). Ranks
+    started by torchrun are not checked."""
     import torch
 
     from twincache.mesh import check_devices
@@ -155,6 +171,10 @@ def check_torch_devices(mesh: MeshShape) -> None:
     if torch.cuda.is_available():
         check_devices(mesh, torch.cuda.device_count(), f"torch sees {torch.cuda.device_count()} GPU(s) on this host "
                       "(for more hosts, run the command under torchrun on each)")
+    else:
+        check_devices(mesh, cpu_cores(), f"torch on a CPU runs one process per device, at most one per core, and this "
+                      f"host has no GPU and {cpu_cores()} CPU core(s) (to oversubscribe them anyway, start the ranks "
+                      "under torchrun)")
 
 
 def finish_rank() -> None:
@@ -167,4 +187,5 @@ def finish_rank() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["in_world", "rank", "simulate_cpu_devices", "run_ranks", "init_rank", "check_torch_devices", "finish_rank"]
+__all__ = ["in_world", "rank", "cpu_cores", "simulate_cpu_devices", "run_ranks", "init_rank", "check_torch_devices",
+           "finish_rank"]
