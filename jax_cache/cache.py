@@ -141,12 +141,14 @@ class StaticCache(BufferSizes):
         [B, L + S].
         """
         num_new = new_positions.shape[1]
+        length = None  # the host's copy of `length`, read once for both checks (each read is a device-to-host copy)
         if not isinstance(new_positions, jax.core.Tracer):  # the first call of a forward: refuse before any write
             self.check_live()
-            self._check_write_range(num_new)
+            length = self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if attend_len is not None and self._attends_in_place(num_new) and not isinstance(self.length, jax.core.Tracer):
-            buckets.check_attend_len(attend_len, int(self.length), num_new, self.cache_len)
+            buckets.check_attend_len(attend_len, int(self.length) if length is None else length, num_new,
+                                     self.cache_len)
         if self._reads_before_writing(num_new, attend_len):
             return jnp.concatenate([self.slot_positions, new_positions], axis=1)  # [B, L + S]
         positions = self._write(self.slot_positions, new_positions[:, num_new - kept:], slots, axis=1)  # [B, L]
@@ -226,12 +228,13 @@ class StaticCache(BufferSizes):
         cache_checks.check_compatible(self, config, batch_size, jnp.dtype(model_dtype), model_device)
 
     def check_forward(self, config: MistralConfig, input_ids: jax.Array | np.ndarray, model_dtype: jnp.dtype,
-                      model_device: str) -> None:
-        """Refuse a forward this cache was not built for, before anything is dispatched."""
+                      model_device: str) -> int:
+        """Refuse a forward this cache was not built for, before anything is dispatched. Returns `length` as read
+        on the host for the check (a caller that needs it reads it once)."""
         if input_ids.ndim != 2:
             raise CacheError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len]")
         self.check_compatible(config, input_ids.shape[0], model_dtype, model_device)
-        self._check_write_range(input_ids.shape[1])
+        return self._check_write_range(input_ids.shape[1])
 
     def next_positions(self) -> jax.Array:
         """Position the next token of each row takes: one past the newest position held. [B] int32."""
@@ -239,8 +242,11 @@ class StaticCache(BufferSizes):
             self.check_live()
         return self.slot_positions.max(axis=1) + 1
 
-    def _check_write_range(self, num_new: int) -> None:
-        cache_checks.check_write_range(self, int(self.length), num_new)
+    def _check_write_range(self, num_new: int) -> int:
+        """Refuse a write of `num_new` tokens past the capacity; returns `length` as read on the host for it."""
+        length = int(self.length)
+        cache_checks.check_write_range(self, length, num_new)
+        return length
 
     def _check_states(self, layer_idx: int, key_states: jax.Array, value_states: jax.Array) -> None:
         self.check_live()

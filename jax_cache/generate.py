@@ -488,9 +488,9 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
         # The model's own checks are skipped under tracing, and inside the jitted step an out-of-range write position
         # would be clamped silently by dynamic_update_slice: refuse it (and bad ids, batch, dtype) before dispatch.
         model.check_inputs(input_ids, positions, None)
-        cache.check_forward(model.config, input_ids, model.dtype, model.device)
+        length = cache.check_forward(model.config, input_ids, model.dtype, model.device)
         if attend_len is not None:
-            buckets.check_attend_len(attend_len, int(cache.length), 1, cache.cache_len)
+            buckets.check_attend_len(attend_len, length, 1, cache.cache_len)
         return _decode_step(graph, params, cache, input_ids, positions, attend_len)
 
     return step
@@ -523,9 +523,10 @@ def prefill(model: Mistral, input_ids: jax.Array | np.ndarray, attention_mask: j
     positions_np = positions_from_mask(mask_np)  # [B, T]; padding at -1
     chunks = prefill_chunks(ids_np.shape[1], chunk_size)
     model.check_inputs(input_ids, positions_np, attention_mask)
-    cache.check_forward(model.config, input_ids, model.dtype, model.device)
+    # the host's copy of the cache length, read once for the check: it picks each chunk's attention bucket
+    length = cache.check_forward(model.config, input_ids, model.dtype, model.device)
     graph, params = split_model(model)
-    length, cache_len = int(cache.length), cache.cache_len  # the host's copy of the cache length picks each bucket
+    cache_len = cache.cache_len
     for start, stop in chunks:  # sliced on the host: a device slice per start would compile one op per start
         attend = step_attend_len(length + start, stop - start, cache_len)
         logits, cache = _prefill(graph, params, cache, *(_on_rows(cache, array[:, start:stop])
@@ -639,9 +640,11 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                                                                  on_token)
     first_step = check_first_step(first_step, max_new_tokens)
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
-    cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
+    # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
+    # attention bucket
+    length = cache._check_write_range(max_new_tokens)
     # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
-    check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, int(cache.length) + max_new_tokens)
+    check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, length + max_new_tokens)
     _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, return_logits)
     batch = len(last_tokens)
     forced = None  # [B, N] int32 on the host: sliced there per step or block, a device slice per start would compile
@@ -656,7 +659,6 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
     all_done = bool(eos) and all(t in eos for t in last_tokens)
-    length = int(cache.length)  # the host's copy of the cache length picks each step's attention bucket
     if fused and max_new_tokens and not all_done:
         def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
             for row_ids in block_tokens.T.tolist():  # one step's tokens per column

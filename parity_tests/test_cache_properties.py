@@ -111,6 +111,9 @@ class TorchAdapter:
         torch = self.torch
         cache.check_forward(config, torch.from_numpy(input_ids), torch.float32, torch.device("cpu"))
 
+    def positions(self, new_positions: np.ndarray):
+        return self.torch.from_numpy(new_positions)
+
 
 class JaxAdapter:
     """jax_cache: functional caches; `update`/`advance`/`reset` return the new cache."""
@@ -162,6 +165,9 @@ class JaxAdapter:
 
     def check_forward(self, cache, config: MistralConfig, input_ids: np.ndarray) -> None:
         cache.check_forward(config, self.jnp.asarray(input_ids), self.jnp.float32, cache.device)
+
+    def positions(self, new_positions: np.ndarray):
+        return self.jnp.asarray(new_positions)
 
 
 ADAPTERS = {"torch": TorchAdapter, "jax": JaxAdapter}
@@ -424,3 +430,22 @@ def test_cache_from_another_model_is_refused(adapter, field: str):
     with pytest.raises(CacheError, match="build the cache from this model's config"):
         adapter.check_forward(runner.cache, other, np.zeros((1, 1), dtype=np.int64))
     adapter.state(runner.cache).assert_equal(before)
+
+
+def test_a_checked_call_reads_the_length_from_the_device_once(adapter, monkeypatch):
+    """Each host read of `length` is a device sync (torch) or a device-to-host copy (JAX). A direct call checks its
+    write before it writes, and attended_positions checks its attend_len too: both checks share one read. Counted by
+    wrapping the array type's int(), so the count does not depend on the machine."""
+    setup = Setup("static", num_layers=1, kv_heads=1, window=None, batch=1, max_cache_len=8)
+    cache = adapter.make(setup.kind, setup.config(), setup.batch, setup.max_cache_len)
+    new_positions = adapter.positions(np.array([[0]], dtype=np.int32))  # [B, 1]
+    length_type = type(cache.length)
+    reads = []
+    real_int = length_type.__int__
+    monkeypatch.setattr(length_type, "__int__", lambda array: reads.append(array is cache.length) or real_int(array))
+    cache.attended_positions(new_positions, attend_len=4)
+    assert reads == [True], f"{len(reads)} host reads of length (one expected)"
+    reads.clear()
+    with pytest.raises(CacheError, match="attend_len=9 must cover"):  # the check the shared read still feeds
+        cache.attended_positions(new_positions, attend_len=9)
+    assert reads == [True]

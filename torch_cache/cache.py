@@ -119,12 +119,13 @@ class StaticCache(BufferSizes):
         multi-token write) reads them all regardless.
         """
         num_new = new_positions.shape[1]
+        length = None  # the host's copy of `length`, read once for both checks (each read is a device sync)
         if not torch.compiler.is_compiling():  # the first call of a forward: refuse before index_copy's IndexError
-            self._check_write_range(num_new)
+            length = self._check_write_range(num_new)
         slots, kept = self._write_slots(num_new)
         if self._attends_in_place(num_new):
-            if attend_len is not None and not torch.compiler.is_compiling():
-                buckets.check_attend_len(attend_len, int(self.length), num_new, self.cache_len)
+            if attend_len is not None and length is not None:
+                buckets.check_attend_len(attend_len, length, num_new, self.cache_len)
             positions = self.slot_positions.index_copy(1, slots, new_positions[:, num_new - kept:])  # [B, L]
             return positions if attend_len is None else positions.narrow(1, 0, attend_len)  # [B, attend_len]
         return torch.cat([self.slot_positions, new_positions], dim=1)  # [B, L + S]
@@ -185,22 +186,26 @@ class StaticCache(BufferSizes):
         cache_checks.check_compatible(self, config, batch_size, model_dtype, model_device)
 
     def check_forward(self, config: MistralConfig, input_ids: torch.Tensor, model_dtype: torch.dtype,
-                      model_device: torch.device) -> None:
-        """Refuse a forward this cache was not built for, before anything is written."""
+                      model_device: torch.device) -> int:
+        """Refuse a forward this cache was not built for, before anything is written. Returns `length` as read on
+        the host for the check (a caller that needs it reads it once)."""
         if input_ids.device != self.device:
             raise CacheError(f"input_ids is on {input_ids.device} but the cache is on {self.device}; "
                              "move them to one device")
         if input_ids.ndim != 2:
             raise CacheError(f"input_ids has shape {list(input_ids.shape)}; expected [batch, seq_len]")
         self.check_compatible(config, input_ids.shape[0], model_dtype, model_device)
-        self._check_write_range(input_ids.shape[1])
+        return self._check_write_range(input_ids.shape[1])
 
     def next_positions(self) -> torch.Tensor:
         """Position the next token of each row takes: one past the newest position held. [B] int64."""
         return self.slot_positions.max(dim=1).values.long() + 1
 
-    def _check_write_range(self, num_new: int) -> None:
-        cache_checks.check_write_range(self, int(self.length), num_new)
+    def _check_write_range(self, num_new: int) -> int:
+        """Refuse a write of `num_new` tokens past the capacity; returns `length` as read on the host for it."""
+        length = int(self.length)
+        cache_checks.check_write_range(self, length, num_new)
+        return length
 
     def _check_states(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cache_checks.check_state_pair(tuple(key_states.shape), tuple(value_states.shape))

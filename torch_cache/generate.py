@@ -504,8 +504,8 @@ def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tenso
     positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device).long()  # [B, T]
     chunks = prefill_chunks(input_ids.shape[1], chunk_size)
     model.check_inputs(input_ids, positions, attention_mask)
-    cache.check_forward(model.config, input_ids, model.dtype, model.device)
-    length = int(cache.length)  # the host's copy of the cache length picks each chunk's attention bucket
+    # the host's copy of the cache length, read once for the check: it picks each chunk's attention bucket
+    length = cache.check_forward(model.config, input_ids, model.dtype, model.device)
     for start, stop in chunks:
         attend = step_attend_len(length + start, stop - start, cache.cache_len)
         logits = model(input_ids[:, start:stop], positions[:, start:stop], cache, attention_mask[:, start:stop],
@@ -606,9 +606,11 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step = check_first_step(first_step, max_new_tokens)
     device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
-    cache._check_write_range(max_new_tokens)  # refused up front, not after decoding part of the budget
+    # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
+    # attention bucket
+    length = cache._check_write_range(max_new_tokens)
     positions = cache.next_positions()[:, None]  # [B, 1], the positions of last_tokens
-    check_positions(config, int(positions.max()) + 1, max_new_tokens, int(cache.length) + max_new_tokens)
+    check_positions(config, int(positions.max()) + 1, max_new_tokens, length + max_new_tokens)
     _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, return_logits, device)
     forced = None
     if forced_tokens is not None:
@@ -635,7 +637,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     step_logits: list[torch.Tensor] = []
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = launched = 0
-    length, bucket = int(cache.length), None  # the host's copy of the cache length picks each step's bucket
+    bucket = None
     all_done = bool(eos) and all(t in eos for t in last_tokens)
     in_flight: collections.deque[_InFlight] = collections.deque()  # launched steps whose tokens are not read yet
     host_copies = _HostCopies(len(last_tokens) + 1, device, replayed)
