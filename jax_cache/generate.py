@@ -522,7 +522,7 @@ def prefill(model: Mistral, input_ids: jax.Array | np.ndarray, attention_mask: j
     validate_attention_mask(mask_np, tuple(ids_np.shape))  # right padding would make [:, -1] a pad's logits
     positions_np = positions_from_mask(mask_np)  # [B, T]; padding at -1
     chunks = prefill_chunks(ids_np.shape[1], chunk_size)
-    model.check_inputs(input_ids, positions_np, attention_mask)
+    model.check_inputs(input_ids, positions_np, attention_mask, mask_checked=True)
     # the host's copy of the cache length, read once for the check: it picks each chunk's attention bucket
     length = cache.check_forward(model.config, input_ids, model.dtype, model.device)
     graph, params = split_model(model)

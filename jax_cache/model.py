@@ -260,8 +260,10 @@ class Mistral(nnx.Module):
         return project(x, head), cache  # [B, S or K, V]
 
     def check_inputs(self, input_ids: jax.Array | np.ndarray, positions: jax.Array | np.ndarray,
-                     attention_mask: jax.Array | np.ndarray | None) -> None:
-        """Checks of ids, positions and mask before dispatch (they read values, so they wait for the device)."""
+                     attention_mask: jax.Array | np.ndarray | None, mask_checked: bool = False) -> None:
+        """Checks of ids, positions and mask before dispatch (they read values, so they wait for the device).
+        `mask_checked`: the caller validated the mask already (prefill, as a whole prompt), so its values are not
+        read again."""
         for name, array in (("input_ids", input_ids), ("positions", positions), ("attention_mask", attention_mask)):
             if not isinstance(array, (jax.Array, np.ndarray)) and (array is not None or name != "attention_mask"):
                 raise InputError(f"{name} must be a [batch, seq_len] jax or numpy array, not {type(array).__name__}")
@@ -278,7 +280,7 @@ class Mistral(nnx.Module):
             if array is not None and tuple(array.shape) != tuple(input_ids.shape):
                 raise InputError(f"{name} has shape {list(array.shape)} but input_ids has "
                                  f"{list(input_ids.shape)}; they must match")
-        if attention_mask is not None:  # 0/1, left-padded; a chunk of a longer prompt may be all padding in a row
+        if attention_mask is not None and not mask_checked:  # 0/1, left-padded; a chunk may be all padding in a row
             validate_attention_mask(np.asarray(attention_mask), tuple(input_ids.shape), whole_prompt=False)
         positions = np.asarray(positions)  # as given: an int64 position past int32 must not wrap on the way in
         valid = positions if attention_mask is None else positions[np.asarray(attention_mask).astype(bool)]

@@ -26,9 +26,11 @@ import torch
 import jax_cache.backend as jb
 import jax_cache.cache as jc
 import jax_cache.generate as jg
+import jax_cache.model as jm
 import torch_cache.backend as tb
 import torch_cache.cache as tc
 import torch_cache.generate as tg
+import torch_cache.model as tm
 from jax_cache.model import Mistral as JaxMistral
 from parity_tests.conftest import WINDOW
 from parity_tests.test_cli_bad_inputs import copy_checkpoint, edit_config, rewrite_tensors
@@ -947,3 +949,27 @@ def test_item13_a_device_the_framework_cannot_use_is_named_before_loading(checkp
     module = tb if backend == "torch" else jb
     with refused(InputError, "device='nope' is not usable by this"):
         module.load(checkpoints["gqa"], device="nope")
+
+
+def test_a_prefill_validates_its_mask_once(side, monkeypatch):
+    """prefill validates the whole prompt's mask (0/1, left-padded, a token per row) before its first chunk; the
+    model's input check after it no longer reads the mask again. Counted at validate_attention_mask, wherever the
+    tower calls it; the cache refuses the prompt after the input checks, so nothing runs."""
+    import twincache.generation
+
+    model_module, generate_module = (tm, tg) if side.name == "torch" else (jm, jg)
+    validated: list[tuple[int, ...]] = []
+
+    def counted(mask: np.ndarray, shape: tuple[int, ...], whole_prompt: bool = True) -> None:
+        validated.append(tuple(mask.shape))
+        twincache.generation.validate_attention_mask(mask, shape, whole_prompt)
+
+    for module in (model_module, generate_module):
+        monkeypatch.setattr(module, "validate_attention_mask", counted)
+    cache = side.make_cache("static", batch=2, length=3)  # 4 columns do not fit: refused after the input checks
+    mask = [[0, 1, 1, 1], [1, 1, 1, 1]]
+    ids, mask = ((torch.tensor([[0, 5, 6, 7], [4, 5, 6, 7]]), torch.tensor(mask)) if side.name == "torch" else
+                 (jnp.asarray([[0, 5, 6, 7], [4, 5, 6, 7]], jnp.int32), jnp.asarray(mask, jnp.int32)))
+    with refused(CacheError, "writing 4 tokens at columns 0..3 is outside", side=side, cache=cache):
+        generate_module.prefill(side.model, ids, mask, cache)
+    assert validated == [(2, 4)], f"the mask was validated {len(validated)} times"

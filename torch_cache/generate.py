@@ -503,7 +503,7 @@ def prefill(model: Mistral, input_ids: torch.Tensor, attention_mask: torch.Tenso
     validate_attention_mask(mask_np, tuple(input_ids.shape))  # right padding would make [:, -1] a pad's logits
     positions = torch.from_numpy(positions_from_mask(mask_np)).to(input_ids.device).long()  # [B, T]
     chunks = prefill_chunks(input_ids.shape[1], chunk_size)
-    model.check_inputs(input_ids, positions, attention_mask)
+    model.check_inputs(input_ids, positions, attention_mask, mask_checked=True)
     # the host's copy of the cache length, read once for the check: it picks each chunk's attention bucket
     length = cache.check_forward(model.config, input_ids, model.dtype, model.device)
     for start, stop in chunks:

@@ -255,9 +255,10 @@ class Mistral(nn.Module):
         # [B, S or K, V], the whole batch on every rank
         return self.parallel.gather_logits(project(x, head, self._packed_head))
 
-    def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     attention_mask: torch.Tensor | None) -> None:
-        """Eager-only checks of ids, positions and mask (they read values, so they would sync a GPU)."""
+    def check_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None,
+                     mask_checked: bool = False) -> None:
+        """Eager-only checks of ids, positions and mask (they read values, so they would sync a GPU). `mask_checked`:
+        the caller validated the mask already (prefill, as a whole prompt), so its values are not read again."""
         for name, tensor in (("input_ids", input_ids), ("positions", positions), ("attention_mask", attention_mask)):
             if not isinstance(tensor, torch.Tensor) and (tensor is not None or name != "attention_mask"):
                 raise InputError(f"{name} must be a [batch, seq_len] torch.Tensor, not {type(tensor).__name__}")
@@ -275,7 +276,7 @@ class Mistral(nn.Module):
             if tensor is not None and tuple(tensor.shape) != tuple(input_ids.shape):
                 raise InputError(f"{name} has shape {list(tensor.shape)} but input_ids has "
                                  f"{list(input_ids.shape)}; they must match")
-        if attention_mask is not None:  # 0/1, left-padded; a chunk of a longer prompt may be all padding in a row
+        if attention_mask is not None and not mask_checked:  # 0/1, left-padded; a chunk may be all padding in a row
             validate_attention_mask(attention_mask.cpu().numpy(), tuple(input_ids.shape), whole_prompt=False)
         valid = positions if attention_mask is None else positions[attention_mask.bool()]
         if valid.numel():
