@@ -49,13 +49,34 @@ def test_short_compiled_soak_has_no_recompiles_finite_logits_and_flat_rss(tiny_m
     assert record["steps"] == STEPS and record["mode"] == mode
     assert record["length"] == 16 + STEPS, "prompt + one column per decode step (16 is a whole JAX prompt bucket)"
     assert record["ring_wraps"] >= 10 and record["cache_len"] == record["window"] == 32
-    assert record["graphs_at_first_step"] <= 1  # compiled (or reused) once, at the first step
+    assert record["decode_compiles"] <= 1  # the step compiled (or reused) once, at the first step
     assert record["recompiles_after_first"] == 0
     assert record["finite"] is True
     assert record["cache_ok"] is True
     assert record["rss_growth_mb"] < RSS_GROWTH_LIMIT_MB
     assert record["rss_peak_mb"] - record["rss_start_mb"] < RSS_GROWTH_LIMIT_MB
     assert record["ok"] is True
+
+
+def test_a_planted_recompile_is_reported_by_the_soak(tiny_model_dir, monkeypatch):
+    """The soak's compile count is the framework's (JAX's jitted executables). Planted: each step reads exactly its
+    live slots (no attention buckets), a new static attend_len per step, as transformers #44609's Python-int length
+    was: each of the 2 steps compiles the step (slot counts 17 and 18 of a 19-slot ring, reached nowhere else). The
+    second compile comes before the first step's token reaches the soak (the step loop dispatches one ahead), which
+    a count taken at that token missed."""
+    import jax_cache.generate as jg
+
+    read: list[int] = []
+
+    def live_slots(length: int, num_new: int, cache_len: int) -> int:
+        read.append(min(length + num_new, cache_len))
+        return read[-1]
+
+    monkeypatch.setattr(jg, "step_attend_len", live_slots)
+    record = soak("jax", steps=2, model_dir=tiny_model_dir, prompt_len=16, mode="step")
+    assert sorted(set(read[1:])) == [17, 18] and record["cache_len"] == 19, (read, record)  # read[0]: the prefill's
+    assert record["decode_compiles"] == 2 and record["recompiles_after_first"] == 1, record
+    assert record["ok"] is False and record["finite"] and record["cache_ok"]
 
 
 def _one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str, str]:
