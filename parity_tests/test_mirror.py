@@ -1,7 +1,7 @@
-"""The two towers mirror each other (docs/design.md §1): the same modules, public names, classes and methods, and the
-same parameter names in the same order, each optional in both or in neither. Every difference a framework forces is
-listed below with its reason; any other drift fails here, and so does a listed difference that no longer exists. Only
-names and signatures are read.
+"""The two towers mirror each other (docs/design.md §1): the same modules, public names, classes and methods, and
+module-level private helpers, with the same parameter names in the same order, each optional in both or in neither.
+Every difference a framework forces is listed below with its reason; any other drift fails here, and so does a listed
+difference that no longer exists. Only names and signatures are read.
 """
 
 from __future__ import annotations
@@ -104,6 +104,55 @@ JAX_ONLY_PARAMS = {
     "generate.generate": ("fused",),  # the tower's own decode knob, as torch's `compile`
     "generate.continue_generation": ("fused",),
 }
+# Module-level private helpers only one tower has (module._name, wrapped ones such as jitted or cached functions
+# included) -> why. A helper both towers have is compared like a public function (same parameters, same order).
+_PACKED = "as projection.pack_projections: when and how a compiled CPU step reads a weight's oneDNN-packed copy"
+_NOISE = ("torch's sampling noise: Gumbel noise from a counter-based hash (lowbias32) of the seed, the step and each "
+          "entry's index, computed inside the compiled step with no RNG state; JAX draws with jax.random's keys")
+_TENSOR_STEP = ("torch's compiled step takes every setting as a tensor (eos ids, forcing, key, noise bits), so greedy, "
+                "forced and sampled steps of one kind share a graph; JAX's steps take them static (kind, eos) or "
+                "traced (knobs) and choose with _pick")
+_TORCH_STEP = "torch.compile's decode step and dynamo's guard check, which steady steps may skip (docs/design.md §5)"
+_IN_FLIGHT = ("two torch steps in flight on a GPU and CUDA graphs replaying into the same buffers (docs/design.md "
+              "§7.31); JAX dispatches asynchronously by itself and returns new arrays")
+_EXACT_SUMS = ("top-p's masses summed exactly in float32 (docs/design.md §5): JAX has no float64 by default; torch "
+               "sums them in float64")
+_JITTED = ("a jitted JAX prefill, step or block, or their shared body (torch prefills eagerly and compiles its step "
+           "with _decode_one_fn)")
+TORCH_ONLY_HELPERS = {
+    "model._aligned": "safetensors' CPU tensors are not 64-byte aligned: torch copies them once so the handoff shares "
+                      "them zero-copy with XLA (docs/design.md §7.10); JAX copies every weight into its own arrays",
+    **{f"projection.{name}": _PACKED for name in ("_cpu_vendor", "_multiply_sum_max_rows", "_multiply_sum_rows",
+                                                   "_packed_min_rows", "_packed_rows_from", "_packed_linear_shape",
+                                                   "_reads_packed")},
+    **{f"generate.{name}": _NOISE for name in ("_mul32", "_hash32", "_fold_in", "_index_bits", "_gumbel", "_draw")},
+    **{f"generate.{name}": _TENSOR_STEP for name in ("_choose", "_first_tokens", "_eos_tensor", "_no_draw_args",
+                                                      "_sampling_bits")},
+    **{f"generate.{name}": _TORCH_STEP for name in ("_decode_one_fn", "_entry_function", "_guard_skip_wanted",
+                                                     "_can_skip_guards")},
+    **{f"generate.{name}": _IN_FLIGHT for name in ("_overlap_wanted", "_outputs_replayed", "_rolled_back_if_unread",
+                                                    "_roll_back")},
+}
+JAX_ONLY_HELPERS = {
+    "model._ordered_after": "a data dependency that orders a cache write after the attention that reads the old "
+                            "buffers plus the new tokens, so XLA updates them in place and copies none (docs/design.md "
+                            "§7.2); torch writes in place in program order",
+    "projection._contract": "XLA-CPU streams a float32 weight faster as the dot's left operand (docs/design.md §7.35); "
+                            "torch calls its linear kernels",
+    **{f"generate.{name}": _EXACT_SUMS for name in ("_grid", "_split", "_sum_exactly", "_prefix_sums_exactly")},
+    "generate._top_p_cutoff": "as generate.TOP_P_CANDIDATES: top-p's cut among the top tokens first",
+    "generate._sample": "sample() with a static kind and traced knobs, as the jitted steps take them; torch's "
+                        "compiled step draws with _draw",
+    "generate._pick": "a step's choice of tokens with a static kind and eos and traced knobs; torch's _choose does "
+                      "the same with every setting a tensor, in another order (the two cannot share a signature)",
+    "generate._is_eos": "eos ids as a compile-time constant; torch's step takes them as a tensor (_eos_tensor)",
+    **{f"generate.{name}": _JITTED for name in ("_prefill", "_decode_step", "_sampled_step", "_fused_decode",
+                                                 "_forward_last")},
+    "generate._placed": _JAX_SPMD,
+    "generate._on_rows": _JAX_SPMD,
+    "sharding._view": f"{_JAX_SPMD}: the (data, model_kv, model_copy) view arrays are placed on",
+    "sharding._named": f"{_JAX_SPMD}: specs written as XLA hands them back, so a second call does not recompile",
+}
 RENAMED_PARAMS: dict[str, str] = {}  # none today: both towers take a key and fold the step into it
 METHOD_NAMES = {"forward": "__call__"}  # torch modules compute in forward, NNX modules in __call__
 
@@ -161,10 +210,22 @@ def public_surface(tower: str, module_name: str) -> dict[str, object]:
             for member, member_value in members(value).items():
                 surface[f"{module_name}.{name}.{member}"] = member_value
     for name, value in vars(module).items():  # private module-level functions, compared where both have them
-        if name.startswith("_") and not name.startswith("__") and inspect.isfunction(value):
-            if value.__module__ == module.__name__:
+        if name.startswith("_") and not name.startswith("__") and is_function(value):
+            if inspect.unwrap(value).__module__ == module.__name__:
                 surface[f"{module_name}.{name}"] = value
     return surface
+
+
+def is_function(value: object) -> bool:
+    """A function, or one wrapped by a decorator that keeps it as __wrapped__ (jax.jit, functools.lru_cache,
+    contextlib.contextmanager)."""
+    return inspect.isfunction(inspect.unwrap(value)) if callable(value) else False
+
+
+def private_helpers(tower: str, module_name: str) -> set[str]:
+    """module._name of each private module-level function the tower's module defines."""
+    return {name for name in public_surface(tower, module_name)
+            if name.count(".") == 1 and name.split(".")[1].startswith("_")}
 
 
 def is_public(qualified: str) -> bool:
@@ -201,6 +262,19 @@ def test_mirror_public_names_are_the_same_but_for_the_listed_framework_differenc
 
 
 @pytest.mark.parametrize("module_name", MODULES)
+def test_mirror_private_helpers_are_in_both_towers_but_for_the_listed_ones(module_name):
+    """A module-level private helper is in both towers' same module (its signature then compared below), or listed
+    with the reason only one tower needs it."""
+    torch_side, jax_side = (private_helpers(tower, module_name) for tower in TOWERS)
+    for only, allowed, tower in ((torch_side - jax_side, TORCH_ONLY_HELPERS, "torch_cache"),
+                                 (jax_side - torch_side, JAX_ONLY_HELPERS, "jax_cache")):
+        unlisted = only - set(allowed)
+        assert not unlisted, f"{tower} only, and not listed as a one-tower helper: {sorted(unlisted)}"
+        stale = {name for name in allowed if name.startswith(f"{module_name}.") and name not in only}
+        assert not stale, f"listed as a {tower} helper, but in both towers or gone: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("module_name", MODULES)
 def test_mirror_signatures_name_the_same_parameters_in_the_same_order(module_name):
     torch_side, jax_side = (public_surface(tower, module_name) for tower in TOWERS)
     compared = 0
@@ -208,7 +282,7 @@ def test_mirror_signatures_name_the_same_parameters_in_the_same_order(module_nam
         ours, theirs = torch_side[name], jax_side[name]
         if isinstance(ours, (str, int, tuple)) and "." in name.removeprefix(f"{module_name}."):
             assert ours == theirs, f"{name}: class constant {ours!r} (torch) != {theirs!r} (jax)"
-        if not (inspect.isfunction(ours) or isinstance(ours, (classmethod, staticmethod))):
+        if not (is_function(ours) or isinstance(ours, (classmethod, staticmethod))):
             continue  # properties and constants by name; classes member by member; type aliases name framework types
         torch_params = [(RENAMED_PARAMS.get(p, p), kind, default) for p, kind, default in parameters(ours)
                         if p not in TORCH_ONLY_PARAMS.get(name, ())]
