@@ -50,7 +50,7 @@ def test_short_compiled_soak_has_no_recompiles_finite_logits_and_flat_rss(tiny_m
     assert record["length"] == 16 + STEPS, "prompt + one column per decode step (16 is a whole JAX prompt bucket)"
     assert record["ring_wraps"] >= 10 and record["cache_len"] == record["window"] == 32
     assert record["decode_compiles"] <= 1  # the step compiled (or reused) once, at the first step
-    assert record["recompiles_after_first"] == 0
+    assert record["recompiles"] == 0
     assert record["finite"] is True
     assert record["cache_ok"] is True
     assert record["rss_growth_mb"] < RSS_GROWTH_LIMIT_MB
@@ -75,8 +75,21 @@ def test_a_planted_recompile_is_reported_by_the_soak(tiny_model_dir, monkeypatch
     monkeypatch.setattr(jg, "step_attend_len", live_slots)
     record = soak("jax", steps=2, model_dir=tiny_model_dir, prompt_len=16, mode="step")
     assert sorted(set(read[1:])) == [17, 18] and record["cache_len"] == 19, (read, record)  # read[0]: the prefill's
-    assert record["decode_compiles"] == 2 and record["recompiles_after_first"] == 1, record
+    assert record["decode_compiles"] == 2 and record["recompiles"] == 1, record
     assert record["ok"] is False and record["finite"] and record["cache_ok"]
+
+
+def test_a_filling_ring_compiles_once_per_attention_bucket_and_is_ok(tiny_model_dir, monkeypatch):
+    """A ring of more than 2 * ATTEND_BLOCK slots reads a shorter prefix while it fills (twincache/buckets.py): one
+    compiled step per bucket reached is expected, not a recompile. Here a 77-slot ring (window 128, bounded by the
+    soak's 16 + 60 + 1 columns) with 8-slot blocks: the steps filling slots 17-32 read 32 slots, the rest all 77."""
+    import twincache.buckets
+
+    monkeypatch.setattr(twincache.buckets, "ATTEND_BLOCK", 8)
+    record = soak("jax", steps=60, model_dir=tiny_model_dir, prompt_len=16, mode="step", sliding_window=128)
+    assert record["cache_len"] == 77 and record["decode_buckets"] == 2, record
+    assert record["decode_compiles"] == 2 and record["recompiles"] == 0, record
+    assert record["ok"] is True and record["cache_ok"], record
 
 
 def _one_line(capsys: pytest.CaptureFixture, argv: list[str]) -> tuple[int, str, str]:
@@ -98,7 +111,7 @@ def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     assert record["backend"] == "torch" and record["steps"] == 80 and record["mode"] == "eager"
     assert record["finite"] and record["cache_ok"] and record["ok"]
     assert set(record) >= {"rss_start_mb", "rss_end_mb", "rss_growth_mb", "first_step_s", "decode_tok_s",
-                           "recompiles_after_first"}
+                           "recompiles"}
     assert record["decode_tok_s"] > 0
     # A soak shorter than the window: its ring holds prompt + steps + 1 slots (the capacity generate asks for), one
     # never written. One step is the first step, so no steady speed was measured.
@@ -113,7 +126,7 @@ def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     record = json.loads(out)
     assert record["backend"] == "jax" and record["steps"] == 80 and record["mode"] == "step"
     assert record["dtype"] == "float16"
-    assert record["recompiles_after_first"] == 0 and record["finite"] and record["cache_ok"] and record["ok"]
+    assert record["recompiles"] == 0 and record["finite"] and record["cache_ok"] and record["ok"]
 
 
 @pytest.mark.parametrize("argv, expected", [
