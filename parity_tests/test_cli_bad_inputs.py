@@ -141,7 +141,7 @@ def _build_checkpoints(root: Path, good: Path, no_window: Path, sharded: Path) -
     d = dirs["config_missing_field"] = copy_checkpoint(good, root / "config_missing_field")
     edit_config(d, lambda raw: raw.pop("hidden_size"))
     d = dirs["model_type"] = copy_checkpoint(good, root / "model_type")
-    edit_config(d, lambda raw: raw.__setitem__("model_type", "llama"))
+    edit_config(d, lambda raw: raw.__setitem__("model_type", "qwen2"))
     d = dirs["rope_scaling"] = copy_checkpoint(good, root / "rope_scaling")
     edit_config(d, lambda raw: raw.__setitem__("rope_scaling", {"rope_type": "linear", "factor": 2.0}))
     d = dirs["rope_parameters"] = copy_checkpoint(good, root / "rope_parameters")
@@ -170,7 +170,7 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "wrong_shape": ("wrong_shape", [], "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], but "
                                        "config.json implies [32, 64]"),
     # 17. unsupported config: the field named
-    "model_type": ("model_type", [], "model_type='llama' is not supported"),
+    "model_type": ("model_type", [], "model_type='qwen2' is not supported"),
     "rope_scaling": ("rope_scaling", [], "config field rope_scaling="),
     "rope_parameters": ("rope_parameters", [], "config field rope_parameters="),
     "hidden_act": ("hidden_act", [], "config field hidden_act='gelu' is not supported"),

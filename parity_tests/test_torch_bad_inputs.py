@@ -364,7 +364,7 @@ def test_16_checkpoint_missing_a_tensor_or_with_a_wrong_shape(checkpoints, tmp_p
 
 
 @pytest.mark.parametrize(("edit", "fragments"), [
-    ({"model_type": "llama"}, ["model_type='llama'", "'mistral'"]),
+    ({"model_type": "qwen2"}, ["model_type='qwen2'", "'mistral' and 'llama'"]),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ["rope_scaling", "linear"]),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, ["rope_parameters", "yarn"]),
     ({"attention_bias": True}, ["attention_bias=True"]),

@@ -1,4 +1,7 @@
-"""`MistralConfig`: the frozen subset of an HF Mistral config.json that both backends compute exactly."""
+"""`MistralConfig`: the frozen subset of an HF Mistral or Llama config.json that both backends compute exactly.
+
+A Llama (model_type "llama") without RoPE scaling or biases is a Mistral without a sliding window: its config is read
+into the same MistralConfig, with transformers' LlamaConfig defaults for absent fields."""
 
 from __future__ import annotations
 
@@ -15,6 +18,10 @@ INT32_MAX = 2**31 - 1  # positions, cache columns and lengths are int32 in both 
 HF_DEFAULT_WINDOW = 4096
 HF_DEFAULT_MAX_POSITIONS = 4096 * 32
 HF_DEFAULT_KV_HEADS = 8
+# ... and its LlamaConfig, where it differs (absent num_key_value_heads: one per query head; no window ever)
+HF_LLAMA_DEFAULT_MAX_POSITIONS = 2048
+HF_LLAMA_DEFAULT_BOS = 1
+MODEL_TYPES = ("mistral", "llama")
 
 # Keys that change the computation in ways twincache does not implement. A non-default value is refused.
 _UNSUPPORTED_IF_SET: dict[str, Any] = {
@@ -163,8 +170,19 @@ class MistralConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"config.json must hold a JSON object of fields, not {_type_name(raw)}")
         model_type = raw.get("model_type")
-        if model_type != "mistral":
-            raise ConfigError(f"config model_type={model_type!r} is not supported; twincache implements 'mistral' only")
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"config model_type={model_type!r} is not supported; twincache implements 'mistral' and "
+                              "'llama' (without RoPE scaling or biases) only")
+        # A Llama's pretraining_tp is not read: transformers 5 ignores it (4.x split each projection into that many
+        # slices, the same sums in another order)
+        llama = model_type == "llama"
+        if llama and raw.get("sliding_window") is not None:
+            # transformers' LlamaForCausalLM attends to every position in its forward but its generate's DynamicCache
+            # keeps only the window (from config.sliding_window): no one model matches both
+            raise ConfigError(f"config field sliding_window={raw['sliding_window']!r} is not supported in a "
+                              "model_type 'llama' config (transformers' LlamaForCausalLM ignores it in its forward "
+                              "but crops its generate cache to it); remove it or set it to null for Llama's full "
+                              "attention, or set model_type 'mistral' for a windowed model")
         for key in ("attention_bias", "mlp_bias"):
             if key in raw and not isinstance(raw[key], bool):
                 raise ConfigError(f"config field {key}={raw[key]!r} must be true or false, not {_type_name(raw[key])}")
@@ -198,6 +216,9 @@ class MistralConfig:
                 raise ConfigError(f"config.json lacks the required field {name!r}")
         hidden = _positive_integer("hidden_size", raw["hidden_size"])
         heads = _positive_integer("num_attention_heads", raw["num_attention_heads"])
+        if llama and hidden % heads:  # transformers' LlamaConfig refuses it too, even with an explicit head_dim
+            raise ConfigError(f"config hidden_size={hidden} is not a multiple of num_attention_heads={heads}; a "
+                              "model_type 'llama' config needs it to be (transformers' LlamaConfig refuses it)")
 
         def optional(name: str, default: Any) -> Any:  # absent or null: HF's default (a JSON value, checked below)
             return default if raw.get(name) is None else raw[name]
@@ -208,17 +229,20 @@ class MistralConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            # absent: transformers' default, 8 (Mistral-7B's); null: one per query head, as transformers reads it
-            num_key_value_heads=optional("num_key_value_heads", heads) if "num_key_value_heads" in raw
+            # absent: transformers' default, 8 (Mistral-7B's), or for a Llama one per query head; null: one per
+            # query head, as transformers reads it
+            num_key_value_heads=optional("num_key_value_heads", heads) if "num_key_value_heads" in raw or llama
             else HF_DEFAULT_KV_HEADS,
             head_dim=optional("head_dim", hidden // heads),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
-            # absent, as in transformers' MistralConfig: a 4,096 window (null: none) and 4096 * 32 positions
-            sliding_window=raw.get("sliding_window", HF_DEFAULT_WINDOW),
-            max_position_embeddings=raw.get("max_position_embeddings", HF_DEFAULT_MAX_POSITIONS),
+            # absent, as in transformers' MistralConfig: a 4,096 window (null: none) and 4096 * 32 positions; as in
+            # its LlamaConfig: no window (null, checked above) and 2,048 positions
+            sliding_window=None if llama else raw.get("sliding_window", HF_DEFAULT_WINDOW),
+            max_position_embeddings=raw.get("max_position_embeddings", HF_LLAMA_DEFAULT_MAX_POSITIONS if llama
+                                            else HF_DEFAULT_MAX_POSITIONS),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            bos_token_id=raw.get("bos_token_id"),
+            bos_token_id=raw.get("bos_token_id", HF_LLAMA_DEFAULT_BOS) if llama else raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id", 2),
             pad_token_id=raw.get("pad_token_id"),
         )
@@ -247,7 +271,8 @@ class MistralConfig:
             raise ConfigError(f"{path}: {err}; fix or remove the file") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json that transformers' MistralForCausalLM reads back to the same model."""
+        """The config.json that transformers' MistralForCausalLM reads back to the same model (a Llama's too: it is
+        written as the Mistral it computes, sliding_window null)."""
         fields = dataclasses.asdict(self)
         if isinstance(self.eos_token_id, tuple):
             fields["eos_token_id"] = list(self.eos_token_id)  # as transformers writes a list of ids
