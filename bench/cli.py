@@ -44,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "bf16, GPU only; trained / trained-bf16: the trained default model (SmolLM2-135M, "
                              "window 64) in fp32 / bf16 on CPU")
     parser.add_argument("--model", type=Path, default=None,
-                        help="run the preset's workload on this HF Mistral checkpoint directory or .gguf file instead "
+                        help="run the preset's workload on this HF Mistral or Llama directory or .gguf file instead "
                              "of its own weights (EOS off, so every run decodes its full budget); with "
                              "--prefill-memory, the checkpoint directory to sweep")
     parser.add_argument("--sliding-window", type=int, default=None,

@@ -328,10 +328,10 @@ class Mistral(nnx.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: jnp.dtype = jnp.float32,
                         mesh: Mesh | None = None) -> Mistral:
-        """Load an HF Mistral checkpoint directory (safetensors only, torch not needed) or a GGUF file, converting
-        to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted. On
-        `mesh`, each device reads only its own slice of every safetensors tensor (as each host would, on many
-        hosts); a GGUF is dequantized whole, then placed."""
+        """Load an HF Mistral or Llama checkpoint directory (safetensors only, torch not needed) or a GGUF file,
+        converting to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted.
+        On `mesh`, each device reads only its own slice of every safetensors tensor (as each host would, on many hosts);
+        a GGUF is dequantized whole, then placed."""
         if mesh is None and jnp.dtype(dtype) == jnp.float32 and default_device().platform == "cpu":
             gguf = open_gguf(path) if is_gguf_file(path) else None
             config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)

@@ -1,8 +1,9 @@
 """The oracle of `twincache generate`'s tokens: transformers' own greedy `generate` on the same checkpoint directory.
 
-It borrows nothing of the code it judges: it imports neither tower, nor twincache, nor twincache_app, and it reads
-the directory with `MistralForCausalLM.from_pretrained` (its config.json, generation_config.json and weights, EOS
-included). Each prompt runs alone and unpadded, so transformers makes its own positions, mask and sliding-window cache.
+It borrows nothing of the code it judges: it imports neither tower, nor twincache, nor twincache_app, and it reads the
+directory with `AutoModelForCausalLM.from_pretrained` (its config.json, generation_config.json and weights, EOS
+included), which builds the class config.json names: MistralForCausalLM, or LlamaForCausalLM for a Llama. Each prompt
+runs alone and unpadded, so transformers makes its own positions, mask and sliding-window cache.
 
 A greedy token is a fact only where the choice is clear: random tiny models have near-tied logits, where two correct
 fp32 implementations may pick differently. So every token the oracle gives is checked, here, against transformers'
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import MistralForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 MARGIN = 1e-4  # float64 top-1 minus top-2 logit, at every step; fp32 rounding on these models is ~1e-6
 
@@ -24,7 +25,7 @@ def greedy(checkpoint: Path, prompts: list[list[int]], max_new_tokens: int) -> l
     """transformers' greedy continuation of each prompt (alone) on `checkpoint`, in fp32: up to `max_new_tokens` ids,
     ending at the checkpoint's EOS (included) when it comes sooner. Fails unless each id is the float64 argmax of its
     step by more than MARGIN."""
-    return greedy_of(MistralForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(), prompts,
+    return greedy_of(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(), prompts,
                      max_new_tokens)
 
 

@@ -1,5 +1,6 @@
-"""The tests' judge: transformers' MistralForCausalLM in float64 (the truth) and in the dtype under test (the floor),
-through the rule of `twincache parity` (twincache/parity_metrics.py, explained in docs/design.md §4).
+"""The tests' judge: transformers' MistralForCausalLM (LlamaForCausalLM for a Llama directory) in float64 (the truth)
+and in the dtype under test (the floor), through the rule of `twincache parity` (twincache/parity_metrics.py,
+explained in docs/design.md §4).
 
 Its inputs are built independently of the code it judges: each row runs alone and unpadded (transformers makes its
 own positions and mask), and the positions a cache must hold come from the sequence length alone. Nothing here
@@ -15,17 +16,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import MistralForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from twincache import parity_metrics
 from twincache.parity_metrics import Distance
 from twincache_app import parity
 
 
-def load_transformers(checkpoint: Path, dtype: str, **overrides: object) -> MistralForCausalLM:
-    """transformers' own copy of a checkpoint; sdpa keeps float64 attention in float64."""
-    return MistralForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), attn_implementation="sdpa",
-                                              **overrides).eval()
+def load_transformers(checkpoint: Path, dtype: str, **overrides: object) -> PreTrainedModel:
+    """transformers' own copy of a checkpoint, of the class its config.json names; sdpa keeps float64 attention in
+    float64."""
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=getattr(torch, dtype), attn_implementation="sdpa",
+                                                **overrides).eval()
 
 
 class Judge:
@@ -35,7 +37,7 @@ class Judge:
         self.dtype = dtype
         self.truth = load_transformers(checkpoint, "float64", **overrides)
         self.floor = load_transformers(checkpoint, dtype, **overrides)
-        self.window = self.truth.config.sliding_window
+        self.window = getattr(self.truth.config, "sliding_window", None)  # a LlamaConfig has none
 
     def oracles(self, prompts: list[list[int]], tokens: list[list[int]]) -> tuple[parity.Oracle, parity.Oracle]:
         return (parity.transformers_oracle(self.truth, prompts, tokens, "transformers float64"),

@@ -178,8 +178,8 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "config_not_json": ("config_not_json", [], "config.json is not valid JSON"),
     # 18. only pickled weights: refused, with how to convert
     "only_bin": ("only_bin", [], "holds only pickled weights (pytorch_model.bin); twincache never unpickles. Convert "
-                                 "once with transformers: MistralForCausalLM.from_pretrained(dir).save_pretrained(dir, "
-                                 "safe_serialization=True)"),
+                                 "once with transformers: AutoModelForCausalLM.from_pretrained(dir)"
+                                 ".save_pretrained(dir, safe_serialization=True)"),
     # 19. truncated or corrupted safetensors
     "truncated": ("truncated", [], "model.safetensors is truncated: tensors need"),
     "corrupted_header": ("corrupted_header", [], "is corrupted: its safetensors header is not valid JSON"),

@@ -21,7 +21,7 @@ from twincache.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT_DIRS = ["twincache", "torch_cache", "jax_cache", "bench"]
-CONVERT_HINT = "MistralForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+CONVERT_HINT = "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
 
 
 BACKENDS = ["torch", "jax"]

@@ -327,10 +327,10 @@ class Mistral(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", mesh: DeviceMesh | None = None) -> Mistral:
-        """Load an HF Mistral checkpoint directory (safetensors only) or a GGUF file, converting to `dtype` on
+        """Load an HF Mistral or Llama checkpoint directory (safetensors only) or a GGUF file, converting to `dtype` on
         `device`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted. On `mesh`,
-        this rank reads only its slice of every safetensors tensor, onto its own device (a GGUF is dequantized
-        whole, then sliced)."""
+        this rank reads only its slice of every safetensors tensor, onto its own device (a GGUF is dequantized whole,
+        then sliced)."""
         gguf = open_gguf(path) if is_gguf_file(path) else None
         config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
         if mesh is not None:

@@ -1,4 +1,5 @@
-"""Checkpoint directories: find and validate safetensors files, and the tensors a Mistral checkpoint must hold.
+"""Checkpoint directories: find and validate safetensors files, and the tensors a Mistral checkpoint must hold (a
+Llama checkpoint holds the same names and shapes).
 
 Framework-neutral: each backend opens the files this module validated with safetensors' own loader.
 Pickled `.bin` weights are never opened.
@@ -37,11 +38,11 @@ def load_config(path: str | Path) -> MistralConfig:
             return open_gguf(path).config
         raise CheckpointError(not_a_checkpoint(path))
     if path.exists() and not path.is_dir():  # a device, a FIFO or a socket: nothing a checkpoint can be
-        raise CheckpointError(f"checkpoint {path} is not a regular file or a directory; give an HF Mistral "
-                              "checkpoint directory or a .gguf file")
+        raise CheckpointError(f"checkpoint {path} is not a regular file or a directory; give an HF Mistral or "
+                              "Llama checkpoint directory or a .gguf file")
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist; give an HF Mistral checkpoint directory or a "
-                              ".gguf file")
+        raise CheckpointError(f"checkpoint {path} does not exist; give an HF Mistral or Llama checkpoint directory "
+                              "or a .gguf file")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"checkpoint directory {path} has no config.json")
     config = MistralConfig.from_json(path / "config.json")
@@ -62,7 +63,7 @@ def not_a_checkpoint(path: Path) -> str:
         what = "a config file; give the directory that holds it"
     else:
         what = f"not a GGUF file (it starts with {head[:4]!r}, not {b'GGUF'!r})"
-    return f"{path} is a file, {what}; a checkpoint is an HF Mistral checkpoint directory or a .gguf file"
+    return f"{path} is a file, {what}; a checkpoint is an HF Mistral or Llama checkpoint directory or a .gguf file"
 
 
 def _layer_shapes(config: MistralConfig) -> dict[str, tuple[int, ...]]:
@@ -209,7 +210,7 @@ def tensor_files(model_dir: str | Path) -> tuple[dict[str, Path], dict[str, tupl
         if pickled:
             raise CheckpointError(
                 f"{model_dir} holds only pickled weights ({', '.join(pickled)}); twincache never unpickles. "
-                "Convert once with transformers: MistralForCausalLM.from_pretrained(dir)"
+                "Convert once with transformers: AutoModelForCausalLM.from_pretrained(dir)"
                 ".save_pretrained(dir, safe_serialization=True)")
         raise CheckpointError(f"{model_dir} has no {SINGLE_FILE} or {INDEX_FILE}")
     files: dict[str, Path] = {}
@@ -250,9 +251,9 @@ def check_tensor_shapes(config: MistralConfig, stored: dict[str, tuple[int, ...]
     for name, shape in iter_expected_tensor_shapes(config):
         if name not in stored:
             bare = name.removeprefix("model.")
-            hint = (f"; it holds {bare}: a base model's save (MistralModel), without the 'model.' prefix of "
-                    "MistralForCausalLM's names. Load it with transformers' MistralForCausalLM.from_pretrained and "
-                    "save_pretrained it again" if bare != name and bare in stored else "")
+            hint = (f"; it holds {bare}: a base model's save (MistralModel, LlamaModel), without the 'model.' "
+                    "prefix of a ForCausalLM's names. Load it with transformers' AutoModelForCausalLM.from_pretrained "
+                    "and save_pretrained it again" if bare != name and bare in stored else "")
             raise CheckpointError(f"checkpoint {model_dir} is missing tensor {name} (expected shape {list(shape)})"
                                   + hint)
         if tuple(stored[name]) != shape:

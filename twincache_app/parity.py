@@ -1,12 +1,13 @@
 """`twincache parity`: every implementation's distance to the float64 truth, beside transformers' own (the floor).
 
-The reference is transformers' MistralForCausalLM in float64: the float64 model chooses the greedy continuation of
-each prompt itself, then one uncached forward per row over prompt + continuation gives the reference logits of every
-step and the reference K/V of every position. Each implementation (torch eager and compiled, JAX step and fused,
-with each cache) is teacher-forced with that continuation through its real decode path (its backend's `generate(...,
-mode=..., forced_tokens=...)`, from the registry), and its step logits and final cache are compared with the
-reference. The floor is transformers in the dtype under test, run the same uncached way. The verdict rule lives in
-twincache/parity_metrics.py and is explained, with its calibration, in docs/design.md §4 and docs/parity.md.
+The reference is transformers' MistralForCausalLM (LlamaForCausalLM for a Llama directory) in float64: the float64 model
+chooses the greedy continuation of each prompt itself, then one uncached forward per row over prompt + continuation
+gives the reference logits of every step and the reference K/V of every position. Each implementation (torch eager and
+compiled, JAX step and fused, with each cache) is teacher-forced with that continuation through its real decode path
+(its backend's `generate(..., mode=..., forced_tokens=...)`, from the registry), and its step logits and final cache are
+compared with the reference. The floor is transformers in the dtype under test, run the same uncached way. The verdict
+rule lives in twincache/parity_metrics.py and is explained, with its calibration, in docs/design.md §4 and
+docs/parity.md.
 
 The reference shares no code with the product: each row runs alone and unpadded, so transformers builds its own
 positions and mask, and its K/V come from hooks on its own projections and rotary embedding. Without transformers,
@@ -120,8 +121,9 @@ def transformers_greedy(hf_model: Any, prompt: list[int], steps: int) -> list[in
 def transformers_oracle(hf_model: Any, prompts: list[list[int]], tokens: list[list[int]], source: str) -> Oracle:
     """Uncached forwards of `hf_model`, one per row over prompt + tokens; K/V captured from its own modules."""
     import torch
-    from transformers.models.mistral.modeling_mistral import apply_rotary_pos_emb
 
+    # its own model's rotary function (modeling_mistral's or modeling_llama's)
+    apply_rotary_pos_emb = sys.modules[type(hf_model).__module__].apply_rotary_pos_emb
     device = next(hf_model.parameters()).device
     layers = hf_model.model.layers
     captured: dict[str, Any] = {}
@@ -198,10 +200,11 @@ def torch_cache_oracle(model: Any, prompts: list[list[int]], tokens: list[list[i
 def float64_reference(model: Any, prompts: list[list[int]], steps: int,
                       why_not_transformers: str = NOT_INSTALLED) -> Reference:
     """The truth: the float64 model's own greedy continuation of each prompt, then its uncached outputs over it.
-    `model` is transformers' MistralForCausalLM in float64, or (fallback) torch_cache's Mistral in float64."""
+    `model` is transformers' MistralForCausalLM (or LlamaForCausalLM) in float64, or (fallback) torch_cache's Mistral
+    in float64."""
     if _is_transformers(model):
         tokens = [transformers_greedy(model, prompt, steps) for prompt in prompts]
-        oracle = transformers_oracle(model, prompts, tokens, "transformers MistralForCausalLM, float64, uncached")
+        oracle = transformers_oracle(model, prompts, tokens, f"transformers {type(model).__name__}, float64, uncached")
     else:
         tokens = [torch_cache_greedy(model, prompt, steps) for prompt in prompts]
         oracle = torch_cache_oracle(model, prompts, tokens,
@@ -214,7 +217,7 @@ def floor_oracle(model: Any, prompts: list[list[int]], tokens: list[list[int]], 
                  why_not_transformers: str = NOT_INSTALLED) -> Oracle:
     """The floor's outputs: transformers (or, as the fallback, torch_cache) in the dtype under test, uncached."""
     if _is_transformers(model):
-        return transformers_oracle(model, prompts, tokens, f"transformers MistralForCausalLM, {dtype}, uncached")
+        return transformers_oracle(model, prompts, tokens, f"transformers {type(model).__name__}, {dtype}, uncached")
     return torch_cache_oracle(model, prompts, tokens,
                               f"torch_cache Mistral, {dtype}, uncached ({why_not_transformers})")
 
@@ -592,9 +595,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "parity", help="measure torch_cache and jax_cache against the float64 truth, beside transformers",
         description="Teacher-forced parity over every decode step. The reference is transformers' "
-                    "MistralForCausalLM in float64 (uncached, over the prompt plus its own greedy continuation); the "
-                    "floor is transformers in --dtype. Each implementation passes when every metric is within its "
-                    f"factor of the floor ({factors}; in fp32 an absolute allowance where the floor is near 0) and no "
+                    "MistralForCausalLM (LlamaForCausalLM for a Llama) in float64 (uncached, over the prompt plus its "
+                    "own greedy continuation); the floor is transformers in --dtype. Each implementation passes "
+                    f"when every metric is within its factor of the floor ({factors}; in fp32 an absolute allowance "
+                    "where the floor is near 0) and no "
                     "greedy divergence happens at a decisive step (one whose float64 top-1 margin exceeds twice the "
                     "max |Δlogit| bound there), and so must torch vs JAX directly. Exit 0 when every row passes, 1 "
                     "when one does not, 2 on bad input. See docs/design.md §4.")

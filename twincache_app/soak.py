@@ -164,8 +164,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        + "; ".join(f"{b.name}: {b.streaming_modes[0]}" for b in BACKENDS.values())
                                        + ")")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"decode steps (default {DEFAULT_STEPS})")
-    parser.add_argument("--model", type=Path, help="HF Mistral checkpoint directory or .gguf file (default: the "
-                                                   "default model, SmolLM2-135M-Instruct with a window of 64)")
+    parser.add_argument("--model", type=Path, help="HF Mistral or Llama checkpoint directory or .gguf file (default: "
+                                                   "the default model, SmolLM2-135M-Instruct with a window of 64)")
     parser.add_argument("--sliding-window", type=int, help="run with this sliding window instead of the model's "
                                                            "(needed for a model without one, like most GGUFs)")
     parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
