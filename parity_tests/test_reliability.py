@@ -86,9 +86,10 @@ class TorchSide(Side):
         with torch.inference_mode():
             return self.model(torch.tensor(ids), torch.as_tensor(np.asarray(positions)), cache)
 
-    def step(self, ids: list[list[int]], positions: object, cache: Any) -> Any:
-        return tg.decode_step_fn(self.model, compile=False)(torch.tensor(ids), torch.as_tensor(np.asarray(positions)),
-                                                            cache)
+    def step(self, ids: list[list[int]], positions: object, cache: Any, attend_len: int | None = None) -> Any:
+        # the compiled step (the default), whose model skips its own checks: every refusal must come before dispatch
+        return tg.decode_step_fn(self.model)(torch.tensor(ids), torch.as_tensor(np.asarray(positions)), cache,
+                                             attend_len)
 
     @staticmethod
     def arrays(cache: Any) -> list[np.ndarray]:
@@ -119,8 +120,8 @@ class JaxSide(Side):
     def forward(self, ids: list[list[int]], positions: object, cache: Any) -> Any:
         return self.model(jnp.asarray(ids, jnp.int32), np.asarray(positions), cache)
 
-    def step(self, ids: list[list[int]], positions: object, cache: Any) -> Any:
-        return jg.decode_step_fn(self.model)(jnp.asarray(ids, jnp.int32), np.asarray(positions), cache)
+    def step(self, ids: list[list[int]], positions: object, cache: Any, attend_len: int | None = None) -> Any:
+        return jg.decode_step_fn(self.model)(jnp.asarray(ids, jnp.int32), np.asarray(positions), cache, attend_len)
 
     @staticmethod
     def arrays(cache: Any) -> list[np.ndarray]:
@@ -183,6 +184,26 @@ def test_item1_cache_for_another_window_is_refused_everywhere(side, other_window
         side.forward([[5]], [[3]], cache)
     with refused(CacheError, *fragments, side=side, cache=cache):
         side.step([[5]], [[3]], cache)
+
+
+def test_item13_the_decode_step_refuses_before_dispatch(side):
+    """decode_step_fn's step (torch: compiled, where the model's own checks are skipped) refuses what would be an
+    out-of-bounds kernel read or write, a silently wrong step (live keys hidden by a short attend_len) or a position
+    the cache cannot hold, before anything runs: nothing compiles and the cache is unchanged."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    full = side.fill(side.make_cache("static", length=4), 4)
+    with refused(CacheError, "columns 4..4", "capacity [0, 4)", side=side, cache=full):
+        side.step([[5]], [[4]], full)
+    cache = side.fill(side.make_cache("static"), 3)  # 3 live slots of 24
+    with refused(InputError, VOCAB + 9, side=side, cache=cache):
+        side.step([[VOCAB + 9]], [[3]], cache)
+    with refused(InputError, -5, side=side, cache=cache):
+        side.step([[5]], [[-5]], cache)
+    with refused(CacheError, "attend_len=1", "4 live slots", side=side, cache=cache):
+        side.step([[5]], [[3]], cache, attend_len=1)
+    with refused(CacheError, "batch", side=side, cache=cache):
+        side.step([[5], [6]], [[3], [3]], cache)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "a refused step compiled"
 
 
 def test_item1_a_ring_on_a_model_without_a_window_is_refused(side, checkpoints):

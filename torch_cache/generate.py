@@ -28,7 +28,7 @@ from torch_cache.cache import StaticCache, available_memory, make_cache, memory_
 from torch_cache.inductor_cpu import batched_kernels
 from torch_cache.model import Mistral
 from torch_cache.projection import pack_projections
-from twincache import cache_checks, phases
+from twincache import buckets, cache_checks, phases
 from twincache.buckets import step_attend_len
 from twincache.config import MistralConfig
 from twincache.errors import NonFiniteLogitsError
@@ -473,11 +473,18 @@ def _roll_back(cache: StaticCache, steps: int) -> None:
 def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]` fp32,
     compiled once per model: the graph generate runs (its greedy choice unused here). `attend_len` is the step's
-    attention bucket (twincache.buckets; None: every slot)."""
+    attention bucket (twincache.buckets; None: every slot). Inputs, cache and bucket are checked before dispatch."""
     decode_one = _decode_one_fn(model, compile)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
              attend_len: int | None = None) -> torch.Tensor:
+        # The model's own checks are skipped inside the compiled step, where a write past the capacity or an id past
+        # the vocabulary is an out-of-bounds kernel read and a short attend_len silently hides live keys: refuse them
+        # (and bad positions, batch, dtype) before dispatch, as generate does up front.
+        model.check_inputs(input_ids, positions, None)
+        length = cache.check_forward(model.config, input_ids, model.dtype, model.device)
+        if attend_len is not None:
+            buckets.check_attend_len(attend_len, length, 1, cache.cache_len)
         device = input_ids.device
         if compile:  # batched CPU steps read packed weights (torch_cache/projection.py), checked once per call
             pack_projections(model, input_ids.shape[0])
