@@ -20,7 +20,7 @@ donation is consumed: using it again raises StaleCacheError instead of JAX's bar
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import jax
@@ -198,7 +198,15 @@ class StaticCache(BufferSizes):
         return self.replace(slot_positions=slot_positions, length=self.length + num_new)
 
     def reset(self) -> StaticCache:
-        """An empty cache of the same type, shapes and placement: using it is identical to using a fresh one."""
+        """An empty cache of the same type, shapes and placement: using it is identical to using a fresh one. The
+        buffers are donated and emptied in place, as torch's reset() empties its own, so this cache is consumed (use
+        the returned one) and no second cache's memory is taken; a consumed cache gets fresh buffers."""
+        arrays = self.arrays()
+        if not any(array.is_deleted() for array in arrays):
+            *buffers, slot_positions, length = _emptier(arrays)(arrays)
+            layers = self.num_layers
+            return self.replace(keys=buffers[:layers], values=buffers[layers:], slot_positions=slot_positions,
+                                length=length)
         places = self._placements(self.num_layers, self.num_kv_heads)
         return self.replace(keys=[jnp.zeros_like(k, device=places[0]) for k in self.keys],
                             values=[jnp.zeros_like(v, device=places[0]) for v in self.values],
@@ -291,6 +299,30 @@ class SlidingWindowCache(StaticCache):
         # One token overwrites the slot of position q - W, which its query cannot see; several would overwrite
         # keys that earlier queries of the same chunk still need.
         return num_new == 1
+
+
+def _emptied(arrays: list[jax.Array]) -> list[jax.Array]:
+    """A cache's arrays ([*keys, *values, slot_positions, length]) emptied: zeros, every slot -1, length 0."""
+    *buffers, slot_positions, length = arrays
+    return [*(jnp.zeros_like(buffer) for buffer in buffers), jnp.full_like(slot_positions, -1), jnp.zeros_like(length)]
+
+
+_empty_in_place = jax.jit(_emptied, donate_argnums=0, keep_unused=True)  # kept: their buffers are reused
+_mesh_emptiers: dict[tuple[NamedSharding, ...], Callable[[list[jax.Array]], list[jax.Array]]] = {}
+
+
+def _emptier(arrays: list[jax.Array]) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """`_emptied` jitted with the arrays donated, so XLA writes the empty cache into their buffers. On a mesh each
+    output keeps its input's sharding (a constant's is XLA's choice otherwise: it could replicate the K/V); on one
+    device no sharding is named, so an uncommitted cache stays uncommitted (docs/design.md §7.29)."""
+    shardings = tuple(array.sharding for array in arrays)
+    if not all(isinstance(placement, NamedSharding) for placement in shardings):
+        return _empty_in_place
+    named = cast(tuple[NamedSharding, ...], shardings)
+    if named not in _mesh_emptiers:
+        _mesh_emptiers[named] = jax.jit(_emptied, donate_argnums=0, keep_unused=True,
+                                          out_shardings=list(named))
+    return _mesh_emptiers[named]
 
 
 def device_label(array: jax.Array) -> str:

@@ -137,6 +137,21 @@ def test_decode_steps_update_the_cache_in_place_by_donation(model, traces, kind,
         "every cache array, the length included, is donated to the step's output and nothing else is"
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_cache_given_to_generate_is_emptied_in_place_and_consumed(model, fused):
+    """generate(cache=c) empties c by donation, as torch's reset() empties its own in place: c is consumed, and the
+    result's cache holds c's buffers, so a server reusing one cache holds one cache's memory, not two."""
+    cache = make_cache("static", model.config, 2, 40)
+    first = pointers(cache)  # the K/V and slot_positions (the length scalar: see written_in_place)
+    result = jg.generate(model, PROMPTS, 4, cache=cache, fused=fused)
+    assert all(array.is_deleted() for array in written_in_place(cache)), "the given cache must be consumed"
+    assert pointers(result.cache) == first, "the result's cache must hold the given cache's buffers"
+    length = int(result.cache.length)
+    again = jg.generate(model, PROMPTS, 4, cache=result.cache, fused=fused)
+    assert again.token_ids == result.token_ids and int(again.cache.length) == length
+    assert pointers(again.cache) == first
+
+
 def buffer_copies(hlo: str, buffer_shape: tuple[int, ...]) -> list[str]:
     """Lines of optimized HLO that copy an array of the K/V buffer's shape."""
     shape = "[" + ",".join(map(str, buffer_shape)) + "]"

@@ -134,6 +134,9 @@ TORCH_ONLY_HELPERS = {
                                                     "_roll_back")},
 }
 JAX_ONLY_HELPERS = {
+    **{f"cache.{name}": "reset() empties a JAX cache by donating its buffers to a jitted emptying (on a mesh keeping "
+                        "each array's sharding); torch's reset() writes its buffers in place"
+       for name in ("_emptied", "_emptier", "_empty_in_place")},
     "model._ordered_after": "a data dependency that orders a cache write after the attention that reads the old "
                             "buffers plus the new tokens, so XLA updates them in place and copies none (docs/design.md "
                             "§7.2); torch writes in place in program order",

@@ -37,7 +37,7 @@ def bench_model(workload: Workload, backend: Backend) -> Any:
 
 class BackendImpl(Impl):
     """One backend in one decode mode. Caches are built once per shape and passed back in (a server keeps them):
-    torch writes them in place at fixed addresses; JAX's reset() gives the donated cache fresh buffers each run."""
+    torch writes them in place at fixed addresses; JAX's reset() empties the donated buffers in place each run."""
 
     backend: ClassVar[Backend]
     mode: ClassVar[str]
