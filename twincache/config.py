@@ -20,7 +20,7 @@ HF_DEFAULT_MAX_POSITIONS = 4096 * 32
 HF_DEFAULT_KV_HEADS = 8
 # ... and its LlamaConfig, where it differs (absent num_key_value_heads: one per query head; no window ever)
 HF_LLAMA_DEFAULT_MAX_POSITIONS = 2048
-HF_LLAMA_DEFAULT_BOS = 1
+HF_DEFAULT_BOS = 1  # both configs' (null: none)
 MODEL_TYPES = ("mistral", "llama")
 
 # Keys that change the computation in ways twincache does not implement. A non-default value is refused.
@@ -242,7 +242,7 @@ class MistralConfig:
             max_position_embeddings=raw.get("max_position_embeddings", HF_LLAMA_DEFAULT_MAX_POSITIONS if llama
                                             else HF_DEFAULT_MAX_POSITIONS),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            bos_token_id=raw.get("bos_token_id", HF_LLAMA_DEFAULT_BOS) if llama else raw.get("bos_token_id"),
+            bos_token_id=raw.get("bos_token_id", HF_DEFAULT_BOS),
             eos_token_id=raw.get("eos_token_id", 2),
             pad_token_id=raw.get("pad_token_id"),
         )
