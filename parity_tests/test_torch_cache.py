@@ -248,3 +248,20 @@ def test_reset_then_reuse_equals_fresh_cache(kind):
     for a, b in zip(buffers(used), buffers(fresh)):
         assert torch.equal(a, b), "a reset cache must behave exactly like a fresh one"
     assert pointers(used) == ptrs
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding_window"])
+@pytest.mark.parametrize("max_cache_len", [16, 8192], ids=["plain_zeros", "huge_page_arena"])
+def test_a_cache_holds_plain_tensors_wherever_it_is_built(kind, max_cache_len):
+    """generate builds its cache inside inference mode; make_cache, README's API and the JAX handoff build one outside
+    it. dynamo guards on a tensor's inference-ness, so caches of the two kinds compiled the same decode step twice
+    (toward its recompile limit), and an inference tensor cannot be written outside inference mode: every cache
+    holds plain tensors. 8,192 slots x 64 floats are 2 MiB a buffer: the huge-page arena (host_buffers)."""
+    config = tiny_config(window=4, head_dim=64)
+    with torch.inference_mode():
+        inside = make_cache(kind, config, 1, max_cache_len)
+    outside = make_cache(kind, config, 1, max_cache_len)
+    assert [t.is_inference() for t in buffers(inside)] == [False] * len(buffers(inside))
+    assert [t.is_inference() for t in buffers(outside)] == [False] * len(buffers(outside))
+    inside.reset()  # written outside inference mode: refused on an inference tensor
+    assert int(inside.length) == 0

@@ -146,8 +146,9 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     dynamo caches compiled code per code object and reuses a graph for another model of the same shapes, so this
     model has a shape no other test uses (3 layers): its first decode step must compile. The first generation counts
     dynamo graphs around a generation that wraps the window 4 times; the second uses a new cache object and another
-    prompt length under torch.compiler.set_stance("fail_on_recompile"), and so does a third, teacher-forced one
-    (forced_tokens feed the same compiled step).
+    prompt length under torch.compiler.set_stance("fail_on_recompile"), and so do one on a ring generate builds
+    itself (inside inference mode, where the others were built outside it) and a teacher-forced one (forced_tokens feed
+    the same compiled step).
     """
     directory = save_hf_checkpoint(tmp_path_factory.mktemp("compiled") / "three_layers", seed=21, num_hidden_layers=3)
     compiled_model = Mistral.from_pretrained(directory)
@@ -163,6 +164,9 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with torch.compiler.set_stance("fail_on_recompile"):
         second = generate(compiled_model, [second_prompt], new_tokens, cache=second_cache, compile=True,
                           return_logits=True)
+        # generate's own ring, built inside its inference mode, has the user-made rings' shape: the same graph
+        own = generate(compiled_model, [second_prompt], new_tokens, cache="sliding_window", compile=True)
+    assert own.token_ids == second.token_ids
     after_second = graph_stats()
     forced_tokens = [list(reversed(first.token_ids[0]))]
     with torch.compiler.set_stance("fail_on_recompile"):

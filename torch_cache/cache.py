@@ -61,14 +61,18 @@ class StaticCache(BufferSizes):
                                       available_memory(device), memory_label(device), shards)
         local = (rows, kv_heads, cache_len, config.head_dim)  # this rank's shard on a mesh
         layers = config.num_hidden_layers
-        if device.type == "cpu":  # a step streams its K/V as it does its weights: from 2 MiB pages
-            buffers = host_buffers([local] * (2 * layers), dtype)
-            self.keys, self.values = buffers[:layers], buffers[layers:]
-        else:
-            self.keys = [torch.zeros(local, dtype=dtype, device=device) for _ in range(layers)]
-            self.values = [torch.zeros(local, dtype=dtype, device=device) for _ in range(layers)]
-        self.slot_positions = torch.full((batch_size, cache_len), -1, dtype=torch.int32, device=device)
-        self.length = torch.zeros((), dtype=torch.int32, device=device)
+        # Plain tensors wherever the cache is built (inside generate's inference mode or outside it, as make_cache,
+        # README's API and the handoff build one): dynamo guards on a tensor's inference-ness, so one of each kind
+        # compiled the same decode step twice; and a plain tensor can be written in and out of inference mode.
+        with torch.inference_mode(False):
+            if device.type == "cpu":  # a step streams its K/V as it does its weights: from 2 MiB pages
+                buffers = host_buffers([local] * (2 * layers), dtype)
+                self.keys, self.values = buffers[:layers], buffers[layers:]
+            else:
+                self.keys = [torch.zeros(local, dtype=dtype, device=device) for _ in range(layers)]  # [B, Hkv, L, D]
+                self.values = [torch.zeros(local, dtype=dtype, device=device) for _ in range(layers)]  # [B, Hkv, L, D]
+            self.slot_positions = torch.full((batch_size, cache_len), -1, dtype=torch.int32, device=device)  # [B, L]
+            self.length = torch.zeros((), dtype=torch.int32, device=device)  # []
         for buffer in self.arrays():
             torch._dynamo.mark_static_address(buffer)  # cudagraphs may keep pointers to these across replays
 
