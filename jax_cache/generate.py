@@ -34,6 +34,7 @@ from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
+    allocated_cache_len,
     announce_compile,
     append_tokens,
     check_budget,
@@ -554,8 +555,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused` decodes in jitted blocks
     of steps (`on_token` then receives a block's steps when it ends); `fused=False` one jitted step at a time. The
     prompt is prefilled in chunks of `prefill_chunk` columns. `result.max_cache_len` is the capacity planned for this
-    generation's tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too
-    (docs/design.md §5).
+    generation's tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too, rounded
+    up to a size class (docs/design.md §5).
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
@@ -587,8 +588,9 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
-        # Without a given max_cache_len, the cache also holds the bucket's extra padding columns.
-        cache_len = planned_len if max_cache_len else bucket + max_new_tokens
+        # Without a given max_cache_len, the cache also holds the bucket's extra padding columns, rounded up to a
+        # size class as torch_cache's is: every budget in the class runs the same executables (docs/design.md §5).
+        cache_len = planned_len if max_cache_len else allocated_cache_len(config, kind, bucket + max_new_tokens)
         cache = make_cache(kind, config, batch, cache_len, model.dtype, model.mesh)
     if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
         no_logits = jnp.zeros((len(prompt_ids), 0, config.vocab_size), jnp.float32) if return_logits else None

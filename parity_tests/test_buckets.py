@@ -32,7 +32,7 @@ from torch_cache.cache import make_cache as torch_cache
 from torch_cache.model import Mistral as TorchMistral
 from twincache import buckets
 from twincache.buckets import attend_len, decode_buckets, step_attend_len
-from twincache.generation import SamplingParams
+from twincache.generation import SamplingParams, cache_size_class
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,6 +84,47 @@ def test_decode_runs_group_the_steps_by_their_bucket(length, steps, cache_len):
     assert [bucket for bucket, count in runs for _ in range(count)] == per_step
     assert all(a != b for (a, _), (b, _) in zip(runs, runs[1:])), "one run per bucket"
     assert per_step[0] == step_attend_len(length, 1, cache_len)
+
+
+# --- cache size classes: a cache generate sizes itself is one shape for every total in its class -------------------
+
+def test_a_cache_size_class_holds_what_is_needed_with_under_a_quarter_more_and_there_are_few():
+    """Every total compiled its own decode step (torch) and executables (JAX) when a tower allocated exactly
+    prompt + max_new_tokens slots; rounded up to classes, a process meets at most 4 per octave, under 25% extra K/V
+    (at least 16 slots: every shorter total is one class), and never past a limit that the total itself is not past."""
+    slots = [cache_size_class(needed) for needed in range(1, 5000)]
+    for needed, allocated in enumerate(slots, 1):
+        assert needed <= allocated, needed
+        assert allocated == 16 if needed <= 16 else 4 * (allocated - needed) < needed, (needed, allocated)
+    assert slots == sorted(slots)
+    for octave in range(4, 12):
+        classes = {allocated for allocated in slots if 2 ** octave <= allocated < 2 ** (octave + 1)}
+        assert len(classes) <= 4, (octave, sorted(classes))
+    for limit in (8, 40, 64):
+        for needed in range(1, 100):
+            assert needed <= cache_size_class(needed, limit) <= max(needed, limit), (needed, limit)
+
+
+@pytest.mark.parametrize("tower", ["torch", "jax"])
+def test_a_cache_generate_sizes_itself_is_one_shape_for_every_total_in_its_class(gqa, tower):
+    """max_new_tokens=0 builds the cache and decodes nothing (no compile in either tower). JAX pads a prompt past one
+    prefill chunk (5 columns here) to whole chunks, so in both towers prompts of 33, 36 and 40 tokens need 33 to 40
+    columns, one class, and 41 the next. The result reports the planned capacity; a max_cache_len given is allocated as
+    asked; a ring rounded past its window is the window's ring (window 8 here, unbounded: capacity None)."""
+    if tower == "torch":
+        model, make = TorchMistral.from_pretrained(gqa), functools.partial(tg.generate, compile=False)
+    else:
+        model, make = JaxMistral.from_pretrained(gqa), jg.generate
+
+    def build(prompt_len: int, kind: str, **kwargs: object):
+        return make(model, [list(range(3, 3 + prompt_len))], 0, cache=kind, prefill_chunk=5, **kwargs)
+
+    results = [build(prompt_len, "static") for prompt_len in (33, 36, 40, 41)]
+    assert [result.cache.cache_len for result in results] == [40, 40, 40, 48]
+    assert [result.max_cache_len for result in results] == [33, 36, 40, 41], "the planned capacity"
+    assert build(33, "static", max_cache_len=33).cache.cache_len == 33, "a max_cache_len given is never rounded"
+    ring = build(3, "sliding_window").cache
+    assert (ring.cache_len, ring.capacity) == (model.config.sliding_window, None)
 
 
 # --- the read: a NaN past the bucket never reaches the logits --------------------------------------------------------
@@ -421,7 +462,8 @@ def test_torch_compiled_steady_cpu_steps_call_the_entry_the_checked_step_ran(tor
     checked_code = [codes[max(i for i in range(step + 1) if how[i] == "checked")] for step in range(len(how))]
     assert all(code is checked for code, checked in zip(codes, checked_code)), "an entry step ran another entry"
     assert len({id(code) for code in codes}) == 2  # the symbolic partial bucket's graph and the whole cache's
-    assert len(entries_read) == how.count("checked") == 5  # one read after each bucket's checked step
+    # two reads per bucket's checked step: before it (the variant limit, _make_room) and after it (its entry)
+    assert len(entries_read) == 2 * how.count("checked") == 10
 
 
 @pytest.mark.parametrize("entries", ["unlisted", "first fails its guards", "force_eager"])

@@ -292,7 +292,7 @@ def test_prompt_bucket_is_a_power_of_two_at_least_16_capped_by_the_room():
 def test_bucket_padding_does_not_change_tokens(model):
     prompt = make_prompt(13)
     padded = jg.generate(model, [prompt], 10, cache="static")  # bucket 16: 3 padding columns
-    assert padded.cache.max_cache_len == 16 + 10
+    assert padded.cache.max_cache_len == 28, "16 + 10 columns, rounded up to a size class (docs/design.md §5)"
     assert padded.max_cache_len == 13 + 10, "the planned capacity, as torch_cache reports it (docs/design.md §5)"
     exact = jg.generate(model, [prompt], 10, cache=StaticCache(model.config, 1, 13 + 10))  # no room for a bucket
     assert exact.max_cache_len == 23

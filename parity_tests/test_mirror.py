@@ -113,6 +113,8 @@ _TENSOR_STEP = ("torch's compiled step takes every setting as a tensor (eos ids,
                 "forced and sampled steps of one kind share a graph; JAX's steps take them static (kind, eos) or "
                 "traced (knobs) and choose with _pick")
 _TORCH_STEP = "torch.compile's decode step and dynamo's guard check, which steady steps may skip (docs/design.md §5)"
+_VARIANT_LIMIT = ("dynamo's recompile limit on the torch step's code, whose entries are dropped before a compile "
+                  "would pass it (docs/design.md §5); JAX's jit caches have no such limit")
 _IN_FLIGHT = ("two torch steps in flight on a GPU and CUDA graphs replaying into the same buffers (docs/design.md "
               "§7.31); JAX dispatches asynchronously by itself and returns new arrays")
 _EXACT_SUMS = ("top-p's masses summed exactly in float32 (docs/design.md §5): JAX has no float64 by default; torch "
@@ -129,7 +131,9 @@ TORCH_ONLY_HELPERS = {
     **{f"generate.{name}": _TENSOR_STEP for name in ("_choose", "_first_tokens", "_eos_tensor", "_no_draw_args",
                                                       "_sampling_bits")},
     **{f"generate.{name}": _TORCH_STEP for name in ("_decode_one_fn", "_entry_function", "_guard_skip_wanted",
-                                                     "_can_skip_guards")},
+                                                     "_can_skip_guards", "_dynamo_entries", "_frame_locals",
+                                                     "_guards_pass")},
+    **{f"generate.{name}": _VARIANT_LIMIT for name in ("_variant_limit", "_must_make_room", "_make_room")},
     **{f"generate.{name}": _IN_FLIGHT for name in ("_overlap_wanted", "_outputs_replayed", "_rolled_back_if_unread",
                                                     "_roll_back")},
 }

@@ -7,7 +7,10 @@ module-scoped `compiled` fixture, on one model, so the second reuses the first o
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -16,9 +19,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from parity_tests.conftest import WINDOW, save_hf_checkpoint
+from torch_cache import generate as torch_generate
 from torch_cache.cache import SlidingWindowCache, StaticCache, make_cache
 from torch_cache.generate import generate, sample
 from torch_cache.model import Mistral
+from twincache.errors import ResourceError
 from twincache.generation import SamplingParams
 
 ATOL = 1e-5
@@ -147,8 +152,9 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     model has a shape no other test uses (3 layers): its first decode step must compile. The first generation counts
     dynamo graphs around a generation that wraps the window 4 times; the second uses a new cache object and another
     prompt length under torch.compiler.set_stance("fail_on_recompile"), and so do one on a ring generate builds
-    itself (inside inference mode, where the others were built outside it) and a teacher-forced one (forced_tokens feed
-    the same compiled step).
+    itself (inside inference mode, where the others were built outside it), two on rings it sizes for totals under
+    the window (another max_new_tokens each: one size class) and a teacher-forced one (forced_tokens feed the same
+    compiled step).
     """
     directory = save_hf_checkpoint(tmp_path_factory.mktemp("compiled") / "three_layers", seed=21, num_hidden_layers=3)
     compiled_model = Mistral.from_pretrained(directory)
@@ -166,7 +172,11 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
                           return_logits=True)
         # generate's own ring, built inside its inference mode, has the user-made rings' shape: the same graph
         own = generate(compiled_model, [second_prompt], new_tokens, cache="sliding_window", compile=True)
+        # and so do rings it sizes for 2 + 4 and 2 + 5 tokens, under the window: rounded up, they are its ring
+        short = [generate(compiled_model, [first_prompt[:2]], budget, cache="sliding_window", compile=True)
+                 for budget in (4, 5)]
     assert own.token_ids == second.token_ids
+    assert short[1].token_ids[0][:4] == short[0].token_ids[0]
     after_second = graph_stats()
     forced_tokens = [list(reversed(first.token_ids[0]))]
     with torch.compiler.set_stance("fail_on_recompile"):
@@ -223,6 +233,43 @@ def test_a_compiled_generation_writes_the_keys_and_values_an_eager_one_writes(co
             diff = max_abs_diff(written, expected)
             assert diff <= ATOL, f"layer {layer_idx} {name}: compiled vs eager {diff:.3g}"
     assert torch.equal(compiled["cache"].slot_positions, eager_cache.slot_positions)
+
+
+def test_a_step_at_dynamo_s_limit_drops_its_compiled_variants_and_keeps_running(monkeypatch, caplog):
+    """Every cache shape, batch, bucket and sampling kind is one compiled entry of the one decode step code, and the
+    entry past dynamo's recompile_limit raised FailOnRecompileLimitHit (fullgraph=True): a long-running process
+    stopped decoding. _DecodeSteps drops the code's entries first, and only when the call would compile. Run on a
+    step of the same machinery with dynamo's eager backend and a limit of 2 (no inductor compile)."""
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True, dynamic=False)
+    steps = torch_generate._DecodeSteps(compiled, contextlib.ExitStack, compiled=True)
+    entries = functools.partial(torch._C._dynamo.eval_frame._debug_get_cache_entry_list, step.__code__)
+
+    def notices() -> list[str]:
+        return [record.getMessage() for record in caplog.records if record.name == "twincache"]
+
+    # (torch.compile's config patch: monkeypatch's undo hides a torch config entry)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2):
+            with caplog.at_level(logging.WARNING, logger="twincache"):
+                assert steps(torch.zeros(1)).tolist() == [1] and steps(torch.zeros(2)).tolist() == [1, 1]
+                assert steps(torch.zeros(1)).tolist() == [1], "a variant it holds, at the limit"
+                assert len(entries()) == 2 and notices() == [], "nothing to drop for a call that compiles nothing"
+                with torch.inference_mode(), pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+                    compiled(torch.zeros(3))  # what the step raised
+                assert steps(torch.zeros(3)).tolist() == [1, 1, 1]
+            assert len(entries()) == 1, "the old entries were dropped, the new one compiled"
+            assert notices() == [
+                "the compiled decode step reached dynamo's limit of 2 variants in this process; dropped them, so each "
+                "variant used again compiles again"]
+            steps(torch.zeros(4))
+            monkeypatch.delattr(torch._dynamo, "reset_code")  # a torch that cannot drop them: a clear refusal
+            with pytest.raises(ResourceError, match="holds 2 variants .* dynamo's limit of 2"):
+                steps(torch.zeros(5))
+    finally:
+        torch._C._dynamo.eval_frame.reset_code(step.__code__)
 
 
 @pytest.mark.parametrize("kind", ["static", "sliding_window"])

@@ -31,12 +31,14 @@ from torch_cache.projection import pack_projections
 from twincache import buckets, cache_checks, phases
 from twincache.buckets import step_attend_len
 from twincache.config import MistralConfig
-from twincache.errors import NonFiniteLogitsError
+from twincache.errors import NonFiniteLogitsError, ResourceError
 from twincache.generation import (
+    NOTICES,
     PREFILL_CHUNK,
     GenerationResult,
     SamplingParams,
     TokenCallback,
+    allocated_cache_len,
     announce_compile,
     append_tokens,
     check_budget,
@@ -244,7 +246,8 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
     if model not in _compiled_decode:
         # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype, bucket
         # kind) a process decodes with is one entry; the default limit of 8 would make the 9th a hard error under
-        # fullgraph=True. The tests count the compiles of a generation with fail_on_recompile.
+        # fullgraph=True. The tests count the compiles of a generation with fail_on_recompile. At the limit, _make_room
+        # drops the step's entries before another compile instead of failing (docs/design.md §5).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
         # Static shapes (batch and cache sizes specialise), but the bucket is symbolic where this torch can say so:
         # one graph then serves every partial bucket, and the whole cache is one more (docs/design.md §7.13).
@@ -305,33 +308,92 @@ def _can_skip_guards() -> bool:
             and "skip_guard_eval_unsafe" in inspect.signature(torch.compiler.set_stance).parameters)
 
 
+def _dynamo_entries(compiled: object) -> tuple[types.FunctionType, list[object]] | None:
+    """The function that `compiled` (a torch.compile of it) compiles, and its code object's cache entries, most
+    recently run first; None where this torch does not list a code object's entries."""
+    original = getattr(compiled, "_torchdynamo_orig_callable", None)
+    entries_of = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if not isinstance(original, types.FunctionType) or entries_of is None:
+        return None
+    return original, list(entries_of(original.__code__))
+
+
+def _frame_locals(original: types.FunctionType, args: Sequence[object]) -> dict[str, object]:
+    """What dynamo's guards read of a call of `original` with `args`: the arguments and the closure."""
+    own = original.__code__
+    frame_locals = dict(zip(own.co_varnames, args))
+    frame_locals.update(zip(own.co_freevars, (cell.cell_contents for cell in original.__closure__ or ())))
+    return frame_locals
+
+
+def _guards_pass(entry: object, frame_locals: dict[str, object]) -> bool | None:
+    """Whether a cache entry's guards pass for a call's frame; None where this torch's guard manager checks
+    differently."""
+    try:
+        return bool(entry.guard_manager.check(frame_locals))  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a torch whose guard manager checks differently
+        return None
+
+
 def _entry_function(compiled: object, args: Sequence[object]) -> _DecodeOne | None:
     """The code dynamo ran at the last call of the compiled function `compiled`, with `args`, as a plain function of
     the same arguments and closure (docs/design.md §7.34): its code object's most recent cache entry (dynamo moves the
     entry whose guards pass to the front), if that entry's guards pass for `args`. Calling it runs the entry's
     bytecode (gathering the graph's inputs, calling the compiled graph, returning its outputs) without dynamo's frame
     evaluation, guard lookup or stance. None where this torch does not list a code object's entries, the entry's
-    code does not take the original's arguments, or its guards fail (the call ran another entry, or none)."""
-    original = getattr(compiled, "_torchdynamo_orig_callable", None)
-    entries_of = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
-    if not isinstance(original, types.FunctionType) or entries_of is None:
+    code does not take the original's arguments, or its guards fail (the call ran another entry, or none; or this
+    torch checks guards differently: the stance path instead)."""
+    found = _dynamo_entries(compiled)
+    if found is None:
         return None
-    entries = entries_of(original.__code__)
+    original, entries = found
     entry = entries[0] if entries else None
     code, own = getattr(entry, "code", None), original.__code__
     if not isinstance(code, types.CodeType) or (code.co_argcount, code.co_kwonlyargcount, code.co_freevars) != (
             own.co_argcount, own.co_kwonlyargcount, own.co_freevars) or len(args) != own.co_argcount:
         return None
-    frame_locals = dict(zip(own.co_varnames, args))  # what dynamo's guards read: the arguments and the closure
-    frame_locals.update(zip(own.co_freevars, (cell.cell_contents for cell in original.__closure__ or ())))
-    try:
-        passes = bool(entry.guard_manager.check(frame_locals))  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001 - a torch whose guard manager checks differently: the stance path instead
-        return None
-    if not passes:
+    if not _guards_pass(entry, _frame_locals(original, args)):
         return None
     return types.FunctionType(code, original.__globals__, original.__name__, original.__defaults__,
                               original.__closure__)
+
+
+def _variant_limit() -> int:
+    """The compiled entries one code object may hold before dynamo refuses another (FailOnRecompileLimitHit under
+    fullgraph=True): its recompile_limit, or its cap over all of a code object's regions where that is lower."""
+    config = torch._dynamo.config
+    return min(config.recompile_limit, getattr(config, "accumulated_recompile_limit", config.recompile_limit))
+
+
+def _must_make_room(entries: Sequence[object], frame_locals: dict[str, object], limit: int) -> bool:
+    """Whether a call would compile one entry too many: its code holds `limit` entries or more, and none of them is
+    known to pass this call's guards (one that cannot tell counts as failing: dropping the entries costs compiles
+    again, reaching the limit a failed generation)."""
+    return len(entries) >= limit and not any(_guards_pass(entry, frame_locals) for entry in entries)
+
+
+def _make_room(compiled: object, args: Sequence[object]) -> None:
+    """Before a call of the compiled decode step that may compile: if a new entry would pass dynamo's limit for the
+    step's code (every model, cache shape, batch, dtype, bucket and sampling kind a process decodes with is one, and
+    all models share the code), drop the code's entries and log one line, so that a long-running process keeps
+    decoding (each variant used again compiles again) where it raised FailOnRecompileLimitHit. Where this torch
+    cannot drop them, refuse the call with what to do. Checks guards only at the limit: a list's length otherwise."""
+    found = _dynamo_entries(compiled)
+    if found is None:
+        return
+    original, entries = found
+    limit = _variant_limit()
+    if len(entries) < limit or not _must_make_room(entries, _frame_locals(original, args), limit):
+        return
+    reset_code = getattr(torch._dynamo, "reset_code", None)
+    if reset_code is None:
+        raise ResourceError(f"the compiled decode step holds {len(entries)} variants (cache shapes, batches, sampling "
+                            f"kinds, buckets), dynamo's limit of {limit} in one process, and this torch "
+                            f"({torch.__version__}) cannot drop them; restart the process, raise "
+                            "torch._dynamo.config.recompile_limit, or decode with compile=False")
+    reset_code(original.__code__)
+    NOTICES.warning("the compiled decode step reached dynamo's limit of %d variants in this process; dropped them, "
+                    "so each variant used again compiles again", limit)
 
 
 class _DecodeSteps:
@@ -376,6 +438,7 @@ class _DecodeSteps:
                 _last_step_run = token
                 if not skip:
                     steady[0] = None
+                    _make_room(self.compiled_step, args)  # a step that may compile: under the lock, as every step
                     outputs = self.step(*args)
                     if skip_allowed and self.entry_calls and evaluated:  # under the lock: no other step ran since
                         steady[0] = _entry_function(self.compiled_step, args)
@@ -530,7 +593,9 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
-    object to reuse (it is reset first). `on_token` receives each step's tokens, one per row. The prompt is prefilled
+    object to reuse (it is reset first); a cache built here without `max_cache_len` has prompt + max_new_tokens slots
+    rounded up to a size class, and `result.max_cache_len` reports the planned capacity (docs/design.md §5).
+    `on_token` receives each step's tokens, one per row. The prompt is prefilled
     in chunks of `prefill_chunk` columns. Every input is validated before a given cache is touched: a refused call
     changes nothing.
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
@@ -559,8 +624,10 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         cache.reset()
         planned_len = cache.max_cache_len
     else:
-        kind, cache_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
-        planned_len = cache_len  # reported as planned: a ring holds only min(W, it) slots (docs/design.md §5)
+        kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
+        # reported as planned; a cache sized here is rounded up to a size class, so that every total in the class
+        # runs one compiled step, and a ring holds only min(W, it) slots (docs/design.md §5)
+        cache_len = planned_len if max_cache_len is not None else allocated_cache_len(config, kind, planned_len)
         cache = make_cache(kind, config, batch, cache_len, dtype, device, model.mesh)
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives

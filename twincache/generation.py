@@ -98,7 +98,7 @@ class GenerationResult:
     """What `generate` returns, in both backends. Ids are plain lists so the CLI can print them as JSON."""
 
     cache_kind: str  # "static" or "sliding_window"
-    max_cache_len: int
+    max_cache_len: int  # the capacity planned for the generation; a cache the tower sized is rounded up (`cache`)
     prompt_ids: list[list[int]]  # per row, without padding
     token_ids: list[list[int]]  # per row, generated ids up to and including its EOS
     prefill_s: float
@@ -403,6 +403,32 @@ def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, m
                          f"{cache_kind} cache capacity max_cache_len={max_cache_len}; raise max_cache_len "
                          f"(--max-cache-len) to at least {needed}{why}, or generate fewer tokens")
     return cache_kind, max_cache_len
+
+
+# A cache a tower sizes itself (no max_cache_len, no cache object given) is rounded up to a size class, so that one
+# compiled decode step serves every prompt + max_new_tokens in the class: its buffers' shape is what torch's graph
+# specialises on and what JAX's executables are keyed by (docs/design.md §5, "Cache size classes").
+CACHE_CLASSES_PER_OCTAVE = 4  # a power of two; 4: classes m * 2^e, m in 4..7, under 25% extra slots
+MIN_CACHE_SLOTS = 16  # every shorter cache is one class (at most 15 extra slots)
+
+
+def cache_size_class(needed: int, limit: int | None = None) -> int:
+    """The slots a tower allocates for a cache it sizes itself that must hold `needed` columns: the smallest
+    m * 2^e >= needed with m in [4, 8) (CACHE_CLASSES_PER_OCTAVE per octave, so the extra slots are under a quarter of
+    `needed`), at least MIN_CACHE_SLOTS, and at most `limit` (a ring's window, a static cache's
+    max_position_embeddings) unless `needed` itself is past it."""
+    needed = check_count("needed", needed, minimum=1)
+    step = 1 << max(needed.bit_length() - CACHE_CLASSES_PER_OCTAVE.bit_length(), 0)  # 2^e: needed / step in [4, 8)
+    rounded = max(-(-needed // step) * step, MIN_CACHE_SLOTS)
+    return max(needed, min(rounded, limit)) if limit is not None else rounded
+
+
+def allocated_cache_len(config: MistralConfig, cache_kind: str, needed: int) -> int:
+    """The max_cache_len a tower builds a cache of `cache_kind` with when it sizes it itself for `needed` columns:
+    `cache_size_class`, never longer than the window for a ring (rounded up to the window, it is the full-window ring:
+    capacity None) nor past max_position_embeddings for a static cache (no position reaches those slots)."""
+    window = config.sliding_window if cache_kind == "sliding_window" else None
+    return cache_size_class(needed, window or config.max_position_embeddings)
 
 
 NOTICES = logging.getLogger("twincache")  # progress a person waits on; the CLI prints it on stderr (not with --json)
