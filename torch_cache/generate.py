@@ -16,7 +16,6 @@ import inspect
 import threading
 import time
 import types
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -218,7 +217,10 @@ def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, for
 
 
 _DecodeOne = Callable[..., tuple[torch.Tensor, ...]]
-_compiled_decode: weakref.WeakKeyDictionary[Mistral, _DecodeSteps] = weakref.WeakKeyDictionary()
+# The attribute of a model that holds its compiled decode step. On the model, not in a table keyed by it: the step's
+# closure holds the model, so a WeakKeyDictionary's value kept its key alive, and a dropped model (its weights and
+# packed copies) was never freed; on the model it is a reference cycle, which the gc collects with it.
+_DECODE_STEPS = "_twincache_decode_steps"
 # In a CPU step, a pointwise result of more ops than this is written out once before the reductions that read it,
 # instead of recomputed inside each (inductor's CPU default: 50). `small` and the trained model in bfloat16 over a
 # 1,024-slot cache decoded 13-25% faster at 8; short contexts and float32 the same, and float32 gives the same values
@@ -243,7 +245,8 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
 
     if not compile:
         return _DecodeSteps(decode_one, contextlib.ExitStack, compiled=False)
-    if model not in _compiled_decode:
+    steps: _DecodeSteps | None = getattr(model, _DECODE_STEPS, None)
+    if steps is None:
         # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype, bucket
         # kind) a process decodes with is one entry; the default limit of 8 would make the 9th a hard error under
         # fullgraph=True. The tests count the compiles of a generation with fail_on_recompile. At the limit, _make_room
@@ -280,9 +283,9 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
             settings.enter_context(batched_kernels())
             return settings
 
-        _compiled_decode[model] = _DecodeSteps(compiled, compile_settings, compiled=True,
-                                               entry_calls=model.device.type == "cpu")
-    return _compiled_decode[model]
+        steps = _DecodeSteps(compiled, compile_settings, compiled=True, entry_calls=model.device.type == "cpu")
+        setattr(model, _DECODE_STEPS, steps)
+    return steps
 
 
 # Every compiled decode step of the process runs under this lock: dynamo's stance (which skips guards) is process-wide,
