@@ -247,7 +247,8 @@ def test_errors_are_one_line_exit_2_without_traceback(checkpoints, tmp_path, cap
 
 
 @pytest.mark.parametrize("backend, flags, notice", [
-    ("jax", [], "twincache: compiling the decode step with XLA (once per process)..."),
+    ("jax", [], "twincache: compiling the decode step with XLA, unless this process already has it for this cache "
+                "shape, batch and sampling kind..."),
     ("torch", ["--mode", "eager"], None),  # nothing compiles
     ("jax", ["--json"], None),  # --json prints one object and nothing else
 ])

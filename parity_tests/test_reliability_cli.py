@@ -175,7 +175,8 @@ def test_a_tiny_temperature_prints_the_greedy_tokens(broken, capsys, backend):
 
 @pytest.mark.parametrize(("backend", "flags", "notice"), [
     ("torch", ["--mode", "eager"], ""),
-    ("jax", [], "twincache: compiling the decode step with XLA (once per process)...\n"),
+    ("jax", [], "twincache: compiling the decode step with XLA, unless this process already has it for this cache "
+                "shape, batch and sampling kind...\n"),
 ], ids=["torch_streaming", "jax_fused"])
 def test_a_closed_pipe_ends_quietly(tiny_model_dir, tmp_path, backend, flags, notice):
     """`twincache generate | head -c 0`: the reader is gone before the first write. Exit 141 (128 + SIGPIPE, what a
