@@ -7,9 +7,11 @@ backends draw random numbers differently, so only greedy tokens can be compared 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from flax import nnx
 
 import jax_cache.generate as jg
 import torch_cache.generate as tg
-from jax_cache.cache import StaticCache
+from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
 from torch_cache.cache import StaticCache as TorchStaticCache
 from torch_cache.model import Mistral as TorchMistral
@@ -187,6 +189,39 @@ def test_from_torch_model_equals_the_jax_loader(checkpoints, jax_model):
     chex.assert_trees_all_equal(nnx.state(own), nnx.state(jax_model))
     ours = jg.generate(own, PROMPTS, N1, cache="sliding_window")
     assert ours.token_ids == jg.generate(jax_model, PROMPTS, N1, cache="sliding_window").token_ids
+
+
+def test_a_handed_over_model_and_cache_compile_only_what_native_ones_do(checkpoints, torch_model, jax_model, caplog):
+    """from_dlpack commits its arrays, and a committed input commits a jitted call's outputs: a model from from_torch
+    or a cache from cache_from_torch was another signature of the prefill and the step (each compiled again), and
+    the cache a step returned stayed committed, so a generate in it compiled its prefill and eager ops again
+    (docs/design.md §7.29). A native control runs each call's shapes first; the handed-over runs then compile nothing,
+    eager ops included (JAX's own compile log). The shapes of the tests above, so the control is mostly cached; those
+    tests hand caches over too, and a committed variant they compiled first would hide one here (compiled code is
+    per process), so the handed-over arrays' committedness is also compared with jax_cache's own."""
+    native, config = Mistral.from_pretrained(checkpoints["gqa"]), torch_model.config
+    handed = [interop.cache_from_torch(tg.generate(torch_model, PROMPTS, N1, cache="sliding_window", max_cache_len=64,
+                                                   compile=False).cache, config) for _ in range(2)]
+    natives = [make_cache("sliding_window", config, 2, 64) for _ in range(2)]
+
+    def committed(model: Mistral, caches: list[StaticCache]) -> set[bool]:
+        return {array.committed for array in jax.tree.leaves((nnx.state(model), [cache.arrays() for cache in caches]))}
+
+    def run(model: Mistral, cache: StaticCache, fused: bool) -> None:
+        jg.generate(model, PROMPTS, N1, cache="sliding_window", max_cache_len=64, fused=fused)
+        result = jg.continue_generation(model, cache, [5, 6], N2, fused=fused)  # then a generation in its cache:
+        jg.generate(model, PROMPTS, N1, cache=result.cache, fused=fused)
+
+    arrays_given = committed(jax_model, handed), committed(native, natives)
+    for fused, cache in zip((False, True), natives, strict=True):
+        run(native, cache, fused)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        for fused, cache in zip((False, True), handed, strict=True):
+            run(jax_model, cache, fused)
+    compiled = [record.getMessage()[:120] for record in caplog.records if "Compiling" in record.getMessage()]
+    assert compiled == [], f"a handed-over model and cache compiled beyond the native control: {compiled}"
+    crossed, own = arrays_given
+    assert crossed == own, f"committed: handed-over arrays {crossed}, jax_cache's own {own}"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -2,7 +2,8 @@
 
 Weights move zero-copy through DLPack where dtype and device allow (JAX then reads torch's memory: do not modify
 the torch weights in place afterwards). Caches are copied, because torch writes its caches in place while JAX
-treats arrays as immutable.
+treats arrays as immutable. Both arrive uncommitted, as jax_cache's own arrays are, so a handed-over model or cache
+compiles only what a native one does (docs/design.md §7.29).
 
 A generation continues on the other tower with that tower's `continue_generation(model, cache, last_tokens, n,
 sampling=..., first_step=generated)`: `first_step`, the tokens generated so far, keeps a seeded generation at its
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax._src import array as jax_array
 from jax.sharding import Mesh
 
 import torch_cache.cache as torch_caches
@@ -32,12 +34,31 @@ from twincache.errors import CacheError, InputError
 
 
 def _to_jax(tensor: torch.Tensor) -> jax.Array:
-    """Zero-copy through DLPack when possible; a host copy otherwise (e.g. torch on a device JAX does not see)."""
+    """Zero-copy through DLPack when possible; a host copy otherwise (e.g. torch on a device JAX does not see).
+    Uncommitted either way (_uncommitted)."""
     tensor = tensor.detach()
     try:
-        return jax.dlpack.from_dlpack(tensor.contiguous())
+        shared = jax.dlpack.from_dlpack(tensor.contiguous())
     except Exception:  # noqa: BLE001 - DLPack refuses some devices/dtypes: fall back to a copy
         return jnp.asarray(tensor.float().cpu().numpy()).astype(_jax_dtype(tensor.dtype))
+    return _uncommitted(shared)
+
+
+def _uncommitted(array: jax.Array) -> jax.Array:
+    """The same device buffer as an uncommitted array, like every array jax_cache makes (docs/design.md §7.29).
+    from_dlpack commits its result, and a committed input commits a jitted call's outputs: a handed-over weight or
+    cache was another jit signature for the prefill and the step (each compiled twice), and the cache a step
+    returned stayed committed. No copy: the new array holds the buffer (and so torch's memory) alive.
+    An array on another device than the default stays committed: JAX places uncommitted inputs on the default one."""
+    if (not isinstance(array, jax_array.ArrayImpl) or not array.committed
+            or array.devices() != {jax_caches.default_device()}):
+        return array
+    # JAX's own re-wrap of single-device buffers (pxla.batched_device_put); no public API sets `committed`. Should a
+    # JAX release change it, the array stays committed: more compiles, the same values (test_handoff.py says which).
+    try:
+        return jax_array.ArrayImpl(array.aval, array.sharding, [array], committed=False, _skip_checks=True)
+    except (TypeError, ValueError):
+        return array
 
 
 def _to_torch(array: jax.Array, device: torch.device) -> torch.Tensor:
@@ -122,7 +143,8 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
     _check_handoff(cache, torch_caches.StaticCache, config, "cache_from_torch")
     jax_cache = jax_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
                                       _jax_dtype(cache.dtype), mesh)
-    # Both caches list their arrays in the same order (ARRAY_FIELDS); each copy is an owned JAX buffer.
+    # Both caches list their arrays in the same order (ARRAY_FIELDS); each copy is an owned JAX buffer, uncommitted as
+    # make_cache's (_to_jax) unless placed on a mesh below.
     copies = [jnp.array(_to_jax(t.clone())) for t in cache.arrays()]
     if mesh is not None:
         placements = jax_sharding.cache_shardings(mesh, jax_cache.num_layers, jax_cache.num_kv_heads)
