@@ -414,7 +414,8 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     about FUSED_BLOCK_SECONDS.
 
     Bounded blocks return to Python often, so tokens stream a block at a time and Ctrl-C is seen between blocks:
-    `on_block(tokens [B, n] numpy, logits [B, n, V] or None)` after each block that ran n > 0 steps. Block k + 1 is
+    `on_block(tokens [B, n] numpy, logits [B, block_steps, V] or None)` after each block that ran n > 0 steps (its
+    logits are the first n of the block's; sliced here, each n would compile a slice). Block k + 1 is
     queued before block k's tokens are read, so the device does not wait for the host. `forced` ([B, num_steps]
     int32, on the host) as in `decode_body`. Returns (the final state, steps run, the first non-finite step or -1,
     untimed seconds, untimed steps): what is not steady decoding, as the step mode counts it: compiling, and the first
@@ -461,7 +462,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             # Steps this block ran; a step whose logits were not finite ends the loop, and its token is not handed on.
             ran = (step_after if non_finite_step < 0 else non_finite_step) - first_step - done
             if ran:
-                on_block(np.asarray(tokens)[:, :ran], logits[:, :ran] if return_logits else None)
+                on_block(np.asarray(tokens)[:, :ran], logits if return_logits else None)
             now = time.perf_counter()
             if not first_read:  # the first block: the fused mode's first step
                 first_read, untimed_s, untimed_steps = True, now - start, ran
@@ -476,6 +477,18 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
                 break
         queued = pending
     return state, done, non_finite_step, untimed_s, untimed_steps
+
+
+@functools.partial(jax.jit, donate_argnames=("out",))
+def _write_logits(out: jax.Array, logits: jax.Array, at: int, count: int) -> jax.Array:
+    """`out` [B, N, V] with its steps at .. at + count - 1 set to the first `count` of `logits` ([B, n, V], or one
+    step [B, V]). `at` and `count` are traced and `out` donated (written in place): one executable per shapes,
+    whatever a call's blocks are (a fused block's size follows wall time, and a slice or concatenate per size compiled
+    on every call)."""
+    steps = logits[:, None] if logits.ndim == 2 else logits  # [B, n, V]
+    offsets = jnp.arange(steps.shape[1])  # [n]
+    rows = jnp.where(offsets < count, at + offsets, out.shape[1])  # [n]: the steps past `count` land out of range
+    return out.at[:, rows].set(steps, mode="drop")
 
 
 def decode_step_fn(model: Mistral) -> DecodeStep:
@@ -657,19 +670,26 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     key, kind, knobs = jax.random.key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
     state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, first_step)
     tokens: list[list[int]] = [[] for _ in range(batch)]
-    logits_per_step: list[jax.Array] = []
+    # [B, N, V]: each step or block is written in at its step (_write_logits); on a mesh, rows on `data` as the logits
+    placement = None if cache.mesh is None else sharding.batch_sharding(cache)
+    out_logits = (jnp.zeros((batch, max_new_tokens, config.vocab_size), jnp.float32, device=placement)
+                  if return_logits else None)
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
     all_done = bool(eos) and all(t in eos for t in last_tokens)
     if fused and max_new_tokens and not all_done:
+        taken = 0  # steps of the blocks before this one (a row that ended appends no token, but has its logits)
+
         def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
+            nonlocal out_logits, taken
+            if out_logits is not None:
+                assert block_logits is not None  # decode_fused hands a block's logits on whenever return_logits
+                out_logits = _write_logits(out_logits, block_logits, taken, block_tokens.shape[1])
+            taken += block_tokens.shape[1]
             for row_ids in block_tokens.T.tolist():  # one step's tokens per column
                 append_tokens(tokens, row_ids, eos, last_tokens)
                 if on_token is not None:
                     on_token(row_ids)
-            if return_logits:
-                assert block_logits is not None  # decode_fused hands a block's logits on whenever return_logits
-                logits_per_step.append(block_logits)
 
         decode_start = time.perf_counter()
         state, decode_steps, non_finite_step, first_step_s, untimed_steps = decode_fused(
@@ -712,25 +732,24 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             stamp = now
             if decode_steps == 1:
                 phases.enter("decode")
-            if return_logits:
-                logits_per_step.append(logits[:, None])
+            if out_logits is not None:
+                out_logits = _write_logits(out_logits, logits, decode_steps - 1, 1)
             append_tokens(tokens, row_ids, eos, last_tokens)
             if on_token is not None:
                 on_token(row_ids)
             if all_done or decode_steps == max_new_tokens:
                 break
-    step_logits = None
-    if return_logits:
-        empty = jnp.zeros((batch, 0, config.vocab_size), jnp.float32)
-        step_logits = jnp.concatenate([empty, *logits_per_step], axis=1)  # [B, steps, V]
+    # [B, steps, V]: sliced only when decoding ended before the budget (the same ending repeats the same slice)
+    step_logits = out_logits if out_logits is None or decode_steps == max_new_tokens else out_logits[:, :decode_steps]
     return GenerationResult(state.cache.kind, state.cache.max_cache_len, [[] for _ in tokens], tokens, 0.0,
                             first_step_s, decode_s, decode_steps, timed_steps, step_logits, state.cache,
                             "fused" if fused else "step")
 
 
 def _check_outputs_fit(batch: int, steps: int, vocab_size: int, return_logits: bool) -> None:
-    """Returned logits ([batch, steps, vocab] float32) are kept per step or block and concatenated once more at the
-    end: refuse what cannot fit before anything is compiled or run."""
+    """Returned logits ([batch, steps, vocab] float32) are written into one such array and copied once more at the
+    end (generate prepends the prefill's; a generation that ends early is sliced): refuse what cannot fit before
+    anything is compiled or run."""
     if not return_logits:
         return
     device = default_device()

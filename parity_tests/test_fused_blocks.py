@@ -8,11 +8,15 @@ hands on no garbage token; and every block of every budget runs one compiled exe
 
 from __future__ import annotations
 
+import logging
+
+import jax
 import numpy as np
 import pytest
 
 import jax_cache.generate as jg
 from jax_cache.model import Mistral
+from parity_tests.conftest import record_fused_blocks
 from parity_tests.test_cli_bad_inputs import copy_checkpoint, rewrite_tensors
 from parity_tests.test_jax_generate import count_forward_traces, with_eos
 from twincache.errors import NonFiniteLogitsError
@@ -70,6 +74,29 @@ def test_every_block_of_every_budget_runs_one_executable(model, blocks_of, monke
         assert result.decode_steps == new_tokens - 1 and all(len(row) == new_tokens for row in result.token_ids)
     assert len(jg._fused_executables) - before <= 1
     assert traced[1] <= 1, f"the loop body was traced {traced[1]} times"
+
+
+def test_return_logits_compiles_nothing_when_a_call_repeats_in_other_blocks(model, blocks_of, monkeypatch, caplog):
+    """A fused block's size follows wall time, so a repeated call splits its steps into other blocks: each block's
+    logits are written into one array (jg._write_logits, offsets traced), where slicing each block to its steps and
+    concatenating them compiled 2-3 ops on most calls. The repeat, and the step mode's, compile nothing (JAX's compile
+    log) and give the same logits. A budget no other test here decodes: compiled code is per process, and the other
+    tests' blocks would have compiled a variant per block size (an offset or size made static, say) before this."""
+    blocks_of(BLOCK)
+    monkeypatch.setattr(jg, "FIRST_BLOCK_STEPS", 2)
+    sizes = record_fused_blocks(monkeypatch, jg)
+    monkeypatch.setattr(jg, "FUSED_BLOCK_SECONDS", 1e9)  # blocks as fast steps size them
+    new_tokens = NEW_TOKENS - 2
+    first, stepped = run(model, "fused", new_tokens=new_tokens)[0], run(model, "step", new_tokens=new_tokens)[0]
+    first_sizes = sizes[:]
+    monkeypatch.setattr(jg, "FUSED_BLOCK_SECONDS", 1e-9)  # ... and as slow steps do
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        again, step_again = run(model, "fused", new_tokens=new_tokens)[0], run(model, "step", new_tokens=new_tokens)[0]
+    compiled = [record.getMessage()[:120] for record in caplog.records if "Compiling" in record.getMessage()]
+    assert sizes[len(first_sizes):] != first_sizes, f"the blocks were not split otherwise: {sizes}"
+    assert compiled == [], f"a repeated return_logits call compiled: {compiled}"
+    np.testing.assert_array_equal(np.asarray(again.step_logits), np.asarray(first.step_logits))
+    np.testing.assert_array_equal(np.asarray(step_again.step_logits), np.asarray(stepped.step_logits))
 
 
 def test_rows_stop_at_their_own_eos_mid_block(model, blocks_of):

@@ -157,6 +157,9 @@ JAX_ONLY_HELPERS = {
                                                  "_forward_last")},
     "generate._placed": _JAX_SPMD,
     "generate._on_rows": _JAX_SPMD,
+    "generate._write_logits": "return_logits writes each step or block into one donated array with traced offsets: "
+                              "a JAX slice or concatenate compiles per shape, and a fused block's size follows wall "
+                              "time; torch stacks its steps eagerly",
     "sharding._view": f"{_JAX_SPMD}: the (data, model_kv, model_copy) view arrays are placed on",
     "sharding._named": f"{_JAX_SPMD}: specs written as XLA hands them back, so a second call does not recompile",
 }
