@@ -512,13 +512,18 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
 
 def prompt_bucket(prompt_len: int, room: int | None, chunk_size: int = PREFILL_CHUNK) -> int:
     """The columns a prompt is left-padded to, so that one process compiles few prefills: a power of two (>= 16) up
-    to one chunk, and beyond it a whole number of chunks, each of the one chunk shape. `room` caps it (then a first,
-    shorter chunk takes the remainder: one more shape)."""
+    to one chunk, and beyond it a whole number of chunks, each of the one chunk shape. `room` caps it: to the largest
+    power of two in [prompt_len, room] when one is (so every room up to the next power shares a prefill; the room
+    itself compiled a prefill per max_new_tokens near a caller-sized cache's capacity), else to the room (a longer
+    prompt's first, shorter chunk then takes the remainder: one more shape)."""
     if prompt_len <= chunk_size:
         bucket = min(max(MIN_PROMPT_BUCKET, 1 << (prompt_len - 1).bit_length()), chunk_size)
     else:
         bucket = -(-prompt_len // chunk_size) * chunk_size
-    return max(prompt_len, min(bucket, room)) if room is not None else bucket
+    if room is None or bucket <= room:
+        return bucket
+    power = 1 << (room.bit_length() - 1) if room > 0 else 0  # the largest power of two <= room
+    return power if prompt_len <= power <= chunk_size else max(prompt_len, room)
 
 
 def prefill(model: Mistral, input_ids: jax.Array | np.ndarray, attention_mask: jax.Array | np.ndarray,

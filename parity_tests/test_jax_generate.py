@@ -287,6 +287,12 @@ def test_prompt_bucket_is_a_power_of_two_at_least_16_capped_by_the_room():
     assert jg.prompt_bucket(13, 13) == 13  # no room for padding: the exact length
     assert jg.prompt_bucket(13, 14) == 14
     assert jg.prompt_bucket(20, 100) == 32
+    # Near a caller-sized cache's capacity the room (capacity - max_new_tokens) caps the bucket, rounded down to a
+    # power of two that holds the prompt: every room from 8 to 15 shares the bucket 8, not a prefill per room.
+    for room in range(5, 16):
+        assert 5 <= jg.prompt_bucket(5, room) <= room
+    assert {jg.prompt_bucket(5, room) for room in range(8, 16)} == {8}
+    assert jg.prompt_bucket(5, 7) == 7  # no power of two in [5, 7]: the room
 
 
 def test_bucket_padding_does_not_change_tokens(model):
