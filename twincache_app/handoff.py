@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax._src import array as jax_array
 from jax.sharding import Mesh
 
 import torch_cache.cache as torch_caches
@@ -50,13 +49,17 @@ def _uncommitted(array: jax.Array) -> jax.Array:
     cache was another jit signature for the prefill and the step (each compiled twice), and the cache a step
     returned stayed committed. No copy: the new array holds the buffer (and so torch's memory) alive.
     An array on another device than the default stays committed: JAX places uncommitted inputs on the default one."""
-    if (not isinstance(array, jax_array.ArrayImpl) or not array.committed
-            or array.devices() != {jax_caches.default_device()}):
-        return array
     # JAX's own re-wrap of single-device buffers (pxla.batched_device_put); no public API sets `committed`. Should a
-    # JAX release change it, the array stays committed: more compiles, the same values (test_handoff.py says which).
+    # JAX release move or change it, the array stays committed: more compiles, the same values (test_handoff.py says
+    # which).
     try:
-        return jax_array.ArrayImpl(array.aval, array.sharding, [array], committed=False, _skip_checks=True)
+        from jax._src.array import ArrayImpl
+    except ImportError:
+        return array
+    if not isinstance(array, ArrayImpl) or not array.committed or array.devices() != {jax_caches.default_device()}:
+        return array
+    try:
+        return ArrayImpl(array.aval, array.sharding, [array], committed=False, _skip_checks=True)
     except (TypeError, ValueError):
         return array
 
