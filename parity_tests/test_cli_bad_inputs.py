@@ -153,6 +153,8 @@ def _build_checkpoints(root: Path, good: Path, no_window: Path, sharded: Path) -
     edit_config(d, lambda raw: raw.__setitem__("hidden_act", "gelu"))
     d = dirs["nan_weights"] = copy_checkpoint(good, root / "nan_weights")
     rewrite_tensors(d, lambda t: t["lm_head.weight"].__setitem__((5,), float("nan")))
+    d = dirs["only_sentencepiece"] = copy_checkpoint(good, root / "only_sentencepiece")
+    (d / "tokenizer.model").write_bytes(b"\x0a")  # named only: twincache must not try to read it
     dirs["good"], dirs["no_window"] = good, no_window
     return dirs
 
@@ -188,6 +190,10 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "header_bad_dtype": ("header_bad_dtype", [], "is corrupted: safetensors rejects its header"),
     # a checkpoint without tokenizer.json needs ids
     "no_tokenizer_no_ids": ("good", ["--prompt", "hello"], "has no tokenizer.json; pass token ids with --prompt-ids"),
+    "only_sentencepiece": ("only_sentencepiece", ["--prompt", "hello"],
+                           "has no tokenizer.json, only tokenizer.model (SentencePiece), which twincache does not "
+                           "read; write tokenizer.json beside it with transformers (pip install sentencepiece, then "
+                           "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"),
     # 7. token id out of range
     "token_id_too_large": ("good", ["--prompt-ids", f"1,{VOCAB}"], f"token id {VOCAB} outside the vocabulary [0, "
                                                                    f"{VOCAB})"),

@@ -69,6 +69,11 @@ class Tokenizer:
     def _from_dir(cls, model_dir: Path) -> Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
+            if (model_dir / "tokenizer.model").is_file():  # a SentencePiece model, as older Llama/Mistral saves ship
+                raise CheckpointError(
+                    f"{model_dir} has no tokenizer.json, only tokenizer.model (SentencePiece), which twincache "
+                    "does not read; write tokenizer.json beside it with transformers (pip install sentencepiece, then "
+                    "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)), or pass token ids with --prompt-ids")
             raise CheckpointError(f"{model_dir} has no tokenizer.json; pass token ids with --prompt-ids instead")
         try:
             tokenizer = _HFTokenizer.from_file(str(path))
