@@ -34,9 +34,9 @@ from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
-    allocated_cache_len,
     announce_compile,
     append_tokens,
+    build_sized_cache,
     check_budget,
     check_first_step,
     check_positions,
@@ -608,8 +608,11 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
         # Without a given max_cache_len, the cache also holds the bucket's extra padding columns, rounded up to a
         # size class as torch_cache's is: every budget in the class runs the same executables (docs/design.md §5).
-        cache_len = planned_len if max_cache_len else allocated_cache_len(config, kind, bucket + max_new_tokens)
-        cache = make_cache(kind, config, batch, cache_len, model.dtype, model.mesh)
+        def build(slots: int) -> StaticCache:
+            return make_cache(kind, config, batch, slots, model.dtype, model.mesh)
+
+        cache = build(planned_len) if max_cache_len else build_sized_cache(build, config, kind,
+                                                                            bucket + max_new_tokens)
     if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
         no_logits = jnp.zeros((len(prompt_ids), 0, config.vocab_size), jnp.float32) if return_logits else None
         return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,

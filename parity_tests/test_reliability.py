@@ -612,6 +612,19 @@ def test_item7_the_figure_is_compared_with_what_is_available(side, monkeypatch):
         side.generate([PROMPT] * 3, 400, cache="sliding_window", return_logits=True)  # 2 x 3 x 400 x 128 x 4 B
 
 
+def test_item7_a_size_class_that_does_not_fit_falls_back_to_the_slots_needed(side, monkeypatch):
+    """A cache generate sizes itself is rounded up to a size class (65 columns: 80 slots, twincache.generation);
+    when those extra slots are what does not fit in memory, it is built with the 65 needed, not refused. 516 B a slot
+    (above): 40,000 B hold 77 slots. 64 prompt tokens are one JAX prompt bucket, so both towers need 64 + 1."""
+    prompt = [(7 * i) % VOCAB for i in range(64)]
+    assert side.generate([prompt], 1, cache="static").cache.max_cache_len == 80  # the size class, memory permitting
+    monkeypatch.setattr(cache_checks, "host_available_bytes", lambda: 40_000)
+    result = side.generate([prompt], 1, cache="static")
+    assert result.cache.max_cache_len == 65 and result.max_cache_len == 65
+    with refused(ResourceError, "x 84 slots", "only 40.0 KB"):  # 84 needed do not fit either: refused, naming them
+        side.generate([prompt], 20, cache="static")
+
+
 @pytest.mark.parametrize("backend", list(SIDES))
 @pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_])
 def test_item4_integer_weights_are_refused_not_cast(checkpoints, tmp_path, backend, dtype):

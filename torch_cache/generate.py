@@ -37,9 +37,9 @@ from twincache.generation import (
     GenerationResult,
     SamplingParams,
     TokenCallback,
-    allocated_cache_len,
     announce_compile,
     append_tokens,
+    build_sized_cache,
     check_budget,
     check_first_step,
     check_positions,
@@ -630,8 +630,11 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         # reported as planned; a cache sized here is rounded up to a size class, so that every total in the class
         # runs one compiled step, and a ring holds only min(W, it) slots (docs/design.md §5)
-        cache_len = planned_len if max_cache_len is not None else allocated_cache_len(config, kind, planned_len)
-        cache = make_cache(kind, config, batch, cache_len, dtype, device, model.mesh)
+        def build(slots: int) -> StaticCache:
+            return make_cache(kind, config, batch, slots, dtype, device, model.mesh)
+
+        cache = build(planned_len) if max_cache_len is not None else build_sized_cache(build, config, kind,
+                                                                                        planned_len)
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
         no_logits = torch.zeros(len(prompt_ids), 0, config.vocab_size, device=device) if return_logits else None

@@ -12,12 +12,12 @@ import numbers
 import operator
 import re
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, SupportsIndex, cast
+from typing import Any, SupportsIndex, TypeVar, cast
 
 import numpy as np
 
 from twincache.config import INT32_MAX, MistralConfig
-from twincache.errors import CacheError, InputError
+from twincache.errors import CacheError, InputError, ResourceError
 
 CACHE_KINDS = ("static", "sliding_window")
 # jax.random.key keeps only a seed's low 32 bits (without x64), so seeds 2^32 apart would repeat a stream there;
@@ -429,6 +429,22 @@ def allocated_cache_len(config: MistralConfig, cache_kind: str, needed: int) -> 
     capacity None) nor past max_position_embeddings for a static cache (no position reaches those slots)."""
     window = config.sliding_window if cache_kind == "sliding_window" else None
     return cache_size_class(needed, window or config.max_position_embeddings)
+
+
+CacheT = TypeVar("CacheT")
+
+
+def build_sized_cache(build: Callable[[int], CacheT], config: MistralConfig, cache_kind: str, needed: int) -> CacheT:
+    """A cache a tower sizes itself for `needed` columns: `build(max_cache_len)` at its size class
+    (`allocated_cache_len`), or at `needed` when the class's extra slots are what does not fit in memory (build's
+    ResourceError): one more compiled shape, where a refusal would refuse a generation that fits."""
+    rounded = allocated_cache_len(config, cache_kind, needed)
+    try:
+        return build(rounded)
+    except ResourceError:
+        if rounded == needed:
+            raise
+        return build(needed)
 
 
 NOTICES = logging.getLogger("twincache")  # progress a person waits on; the CLI prints it on stderr (not with --json)
