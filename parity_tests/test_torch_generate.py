@@ -8,8 +8,10 @@ module-scoped `compiled` fixture, on one model, so the second reuses the first o
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
+import io
 import json
 import logging
 import shutil
@@ -227,6 +229,29 @@ def test_a_dropped_model_is_freed_after_its_step_was_made(checkpoints):
     del model, steps
     gc.collect()
     assert dropped() is None
+
+
+@pytest.mark.parametrize("duplicate", [copy.copy, copy.deepcopy, lambda m: torch.load(_saved(m), weights_only=False)])
+def test_a_copied_model_decodes_with_its_own_step(checkpoints, duplicate):
+    """The step's closure holds the model it was made for: a copy of a model whose step was made (copy.copy and
+    deepcopy copy its attributes, torch.save pickles them) must not decode with the original's weights, and the model
+    must still pickle (a local function does not)."""
+    model = Mistral.from_pretrained(checkpoints["gqa"])
+    steps = torch_generate._decode_one_fn(model, compile=True)
+    twin = duplicate(model)
+    twin_steps = torch_generate._decode_one_fn(twin, compile=True)
+    assert twin_steps is not steps
+    held = [cell.cell_contents for cell in twin_steps.compiled_step._torchdynamo_orig_callable.__closure__
+            if isinstance(cell.cell_contents, Mistral)]
+    assert held == [twin], "the copy's step decodes with the copy"
+    assert torch_generate._decode_one_fn(model, compile=True) is steps, "the original keeps its own step"
+
+
+def _saved(model: Mistral) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def test_a_dropped_model_is_freed_after_its_step_compiled(compiled):

@@ -16,6 +16,7 @@ import inspect
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -217,9 +218,9 @@ def _choose(logits: torch.Tensor, finished: torch.Tensor, eos: torch.Tensor, for
 
 
 _DecodeOne = Callable[..., tuple[torch.Tensor, ...]]
-# The attribute of a model that holds its compiled decode step. On the model, not in a table keyed by it: the step's
-# closure holds the model, so a WeakKeyDictionary's value kept its key alive, and a dropped model (its weights and
-# packed copies) was never freed; on the model it is a reference cycle, which the gc collects with it.
+# The attribute of a model that holds its compiled decode step (a _StepSlot). On the model, not in a table keyed by it:
+# the step's closure holds the model, so a WeakKeyDictionary's value kept its key alive, and a dropped model (its
+# weights and packed copies) was never freed; on the model it is a reference cycle, which the gc collects with it.
 _DECODE_STEPS = "_twincache_decode_steps"
 # In a CPU step, a pointwise result of more ops than this is written out once before the reductions that read it,
 # instead of recomputed inside each (inductor's CPU default: 50). `small` and the trained model in bfloat16 over a
@@ -245,7 +246,8 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
 
     if not compile:
         return _DecodeSteps(decode_one, contextlib.ExitStack, compiled=False)
-    steps: _DecodeSteps | None = getattr(model, _DECODE_STEPS, None)
+    slot = getattr(model, _DECODE_STEPS, None)
+    steps = slot.steps_of(model) if isinstance(slot, _StepSlot) else None
     if steps is None:
         # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype, bucket
         # kind) a process decodes with is one entry; the default limit of 8 would make the 9th a hard error under
@@ -284,8 +286,25 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
             return settings
 
         steps = _DecodeSteps(compiled, compile_settings, compiled=True, entry_calls=model.device.type == "cpu")
-        setattr(model, _DECODE_STEPS, steps)
+        setattr(model, _DECODE_STEPS, _StepSlot(model, steps))
     return steps
+
+
+class _StepSlot:
+    """A model's compiled decode step, kept on the model (_DECODE_STEPS) with the model it was made for. The step's
+    closure holds that model: a copy of the model (copy.copy shares the slot, deepcopy and pickle copy it) must not
+    decode with the original's weights, so the step serves only its own model, and a copied or pickled slot is empty
+    (a local function does not pickle)."""
+
+    def __init__(self, model: Mistral | None = None, steps: _DecodeSteps | None = None) -> None:
+        self._model = None if model is None else weakref.ref(model)
+        self._steps = steps
+
+    def steps_of(self, model: Mistral) -> _DecodeSteps | None:
+        return self._steps if self._model is not None and self._model() is model else None
+
+    def __reduce__(self) -> tuple[type[_StepSlot], tuple[()]]:
+        return _StepSlot, ()
 
 
 # Every compiled decode step of the process runs under this lock: dynamo's stance (which skips guards) is process-wide,
