@@ -297,3 +297,28 @@ def test_a_refusal_inside_torchs_ranks_reaches_the_user_as_one_line(checkpoints,
                  "--out", str(tmp_path / "out")]) == 2
     err = capfd.readouterr().err  # the rank's stderr too: it writes to this process's fd 2
     assert err.count("\n") == 1 and "NaN or Inf logits at generated token 0" in err and "unexpected" not in err, err
+
+
+def test_a_jax_adapter_after_a_failed_run_builds_a_cache_instead_of_reusing_a_consumed_one(tmp_path, monkeypatch):
+    """A JAX generate consumes the cache it is given (reset() donates it); a run that then fails leaves it consumed.
+    The adapter kept it, and every later run of that shape failed with StaleCacheError."""
+    import jax_cache.backend as jax_backend
+    from bench.impls import impl_registry
+    from bench.presets import resolve
+    from bench.workload import Workload
+
+    adapter = impl_registry()["jax_step"](Workload(resolve(PRESETS["tiny"]), "cpu", tmp_path, progress=False))
+    prompt = [5, 17, 42, 99]
+    first = adapter.generate([prompt], 4, "static", 32)
+    real = jax_backend.generate
+
+    def consume_then_fail(model, prompts, max_new_tokens, *, cache, **kwargs):
+        if not isinstance(cache, str):
+            cache.reset()  # what generate does first with a cache object: its buffers are donated
+        raise RuntimeError("a run that fails after taking its cache")
+
+    monkeypatch.setattr(jax_backend, "generate", consume_then_fail)
+    with pytest.raises(RuntimeError, match="fails after taking"):
+        adapter.generate([prompt], 4, "static", 32)
+    monkeypatch.setattr(jax_backend, "generate", real)
+    assert adapter.generate([prompt], 4, "static", 32).decode_steps == first.decode_steps

@@ -472,6 +472,20 @@ def test_cli_refuses_more_torch_ranks_than_cpu_cores_before_starting_any(checkpo
     assert main([*argv, "--mesh", "model=2"]) == 0 and started == [2]
 
 
+def test_the_cores_torch_ranks_share_are_those_this_process_may_run_on(monkeypatch):
+    """Under taskset or a container's cpuset a process may run on fewer cores than the host has: those are what its
+    ranks share (and the cap counts)."""
+    import os
+
+    from twincache_app import launch
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5}, raising=False)
+    assert launch.cpu_cores() == 2
+    monkeypatch.delattr(os, "sched_getaffinity")  # a platform without it (macOS)
+    assert launch.cpu_cores() == 64
+
+
 def test_cli_generate_on_a_mesh_prints_once_and_equals_one_device(mesh_runs):
     """torch launches its 2 processes itself and only rank 0 prints; JAX simulates the CPU devices it needs."""
     from torch_cache import backend

@@ -62,7 +62,9 @@ class BackendImpl(Impl):
         # fused loop hands its steps over a block at a time, so it has no steps to stamp.
         on_token = (lambda _: times.append(time.perf_counter())) if self.per_step_timing else None
         start = time.perf_counter()
-        result = tower.generate(model, prompts, new_tokens, mode=self.mode, cache=self._caches.get(key, cache),
+        # taken out while it runs: a JAX generate consumes the cache it is given, so after a failed run the next
+        # one builds its own instead of reusing a consumed one
+        result = tower.generate(model, prompts, new_tokens, mode=self.mode, cache=self._caches.pop(key, cache),
                                 max_cache_len=max_cache_len, on_token=on_token)
         wall_s = time.perf_counter() - start
         self._caches[key] = result.cache

@@ -53,7 +53,10 @@ def rank() -> int:
 def cpu_cores() -> int:
     """The cores torch's CPU ranks share: each rank's OpenMP threads are its share of them, and there are at most as
     many ranks as cores."""
-    return os.cpu_count() or 1
+    try:  # the cores this process may run on (taskset, a container's cpuset), not all the host's
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity call on this platform (macOS)
+        return os.cpu_count() or 1
 
 
 def simulate_cpu_devices(mesh: MeshShape) -> None:
