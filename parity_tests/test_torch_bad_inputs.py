@@ -319,6 +319,12 @@ def test_15_checkpoint_dir_missing_or_without_config_or_weights(checkpoints, tmp
     (no_config / "config.json").unlink()
     with refused(CheckpointError, "has no config.json"):
         Mistral.from_pretrained(no_config)
+    gguf_dir = tmp_path / "gguf_only"  # a GGUF downloaded into a folder: the message names the file to give instead
+    gguf_dir.mkdir()
+    (gguf_dir / "model.Q4_1.gguf").write_bytes(b"GGUF")
+    with refused(CheckpointError, "has no config.json", f"it holds {gguf_dir / 'model.Q4_1.gguf'}",
+                 "give a .gguf file's path"):
+        Mistral.from_pretrained(gguf_dir)
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     shutil.copy(checkpoints["gqa"] / "config.json", no_weights)

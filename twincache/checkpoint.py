@@ -44,7 +44,10 @@ def load_config(path: str | Path) -> MistralConfig:
         raise CheckpointError(f"checkpoint {path} does not exist; give an HF Mistral or Llama checkpoint directory "
                               "or a .gguf file")
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"checkpoint directory {path} has no config.json")
+        ggufs = sorted(str(file) for file in path.glob("*.gguf") if file.is_file())
+        more = " ..." if len(ggufs) > 3 else ""
+        hint = f"; it holds {', '.join(ggufs[:3])}{more}: give a .gguf file's path" if ggufs else ""
+        raise CheckpointError(f"checkpoint directory {path} has no config.json{hint}")
     config = MistralConfig.from_json(path / "config.json")
     generation = path / GENERATION_CONFIG
     # transformers' generate stops at this file's EOS ids when the directory has one (a GGUF has none to read)
