@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jax_cache import sharding
-from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers
+from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers, memory_label
 from jax_cache.projection import matmul_precision, project, stored_dtype
 from twincache import cache_checks
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
@@ -335,12 +335,15 @@ class Mistral(nnx.Module):
         if mesh is None and jnp.dtype(dtype) == jnp.float32 and default_device().platform == "cpu":
             gguf = open_gguf(path) if is_gguf_file(path) else None
             config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
+            _check_weights_fit(config, dtype)
             return cls.from_weights(config, _read_to_host(config, gguf, files, dtype))
         if is_gguf_file(path):
             checkpoint = open_gguf(path)
             config = checkpoint.config
             if mesh is not None:
                 sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
+            else:
+                _check_weights_fit(config, dtype)
             weights = {name: jnp.asarray(array, dtype) if mesh is None else
                        jax.device_put(jnp.asarray(array, dtype), sharding.weight_sharding(name, config, mesh))
                        for name, array in checkpoint.arrays()}
@@ -348,6 +351,8 @@ class Mistral(nnx.Module):
         config, files = open_checkpoint(path)
         if mesh is not None:
             sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
+        else:
+            _check_weights_fit(config, dtype)
         wanted = expected_tensor_shapes(config)
         weights = {}
         for file in sorted(set(files.values())):
@@ -364,6 +369,13 @@ class Mistral(nnx.Module):
                         weights[name] = jax.make_array_from_callback(
                             tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh), read)
         return cls.from_weights(config, weights, mesh)
+
+
+def _check_weights_fit(config: MistralConfig, dtype: jnp.dtype) -> None:
+    """Weights that cannot fit on the default device are refused before anything is read."""
+    device = default_device()
+    cache_checks.check_weights_fit(config, jnp.dtype(dtype), jnp.dtype(dtype).itemsize, available_memory(device),
+                                   memory_label(device))
 
 
 def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dict[str, Path],

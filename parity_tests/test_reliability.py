@@ -626,6 +626,29 @@ def test_item7_a_size_class_that_does_not_fit_falls_back_to_the_slots_needed(sid
 
 
 @pytest.mark.parametrize("backend", list(SIDES))
+@pytest.mark.parametrize(("dtype", "itemsize"), [("float32", 4), ("bfloat16", 2)])
+def test_item7_weights_larger_than_memory_are_refused_before_loading(checkpoints, monkeypatch, backend, dtype,
+                                                                     itemsize):
+    """A 7B checkpoint in float32 (29 GB) on a 24 GB host was read until the OS killed the process, with no message.
+    The weights' size is counted from the safetensors file's own tensors (not the code's list): one byte short of it
+    is refused, naming both figures and, in float32, what bfloat16 would need; exactly enough loads."""
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoints["gqa"] / "model.safetensors"), framework="numpy") as f:
+        parameters = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    needed = parameters * itemsize
+    mistral = SIDES[backend][1]
+    as_dtype = getattr(torch, dtype) if backend == "torch" else jnp.dtype(dtype)
+    monkeypatch.setattr(cache_checks, "host_available_bytes", lambda: needed - 1)
+    half = f"(--dtype bfloat16: {cache_checks.format_bytes(parameters * 2)})" if itemsize == 4 else "more memory"
+    with refused(ResourceError, f"{parameters:,} parameters in {dtype}", f"needs {cache_checks.format_bytes(needed)}",
+                 "host memory is available", half):
+        mistral.from_pretrained(checkpoints["gqa"], as_dtype)
+    monkeypatch.setattr(cache_checks, "host_available_bytes", lambda: needed)
+    assert mistral.from_pretrained(checkpoints["gqa"], as_dtype).config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("backend", list(SIDES))
 @pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_])
 def test_item4_integer_weights_are_refused_not_cast(checkpoints, tmp_path, backend, dtype):
     """A weight stored as integers (a quantized or damaged checkpoint) was cast to float without a word."""

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
 from torch_cache import sharding
-from torch_cache.cache import StaticCache, host_buffers
+from torch_cache.cache import StaticCache, available_memory, host_buffers, memory_label
 from torch_cache.projection import project, project_stacked
 from twincache import cache_checks
 from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
@@ -336,6 +336,8 @@ class Mistral(nn.Module):
         if mesh is not None:
             sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
             device = sharding.local_device(mesh)
+        else:
+            _check_weights_fit(config, dtype, torch.device(device))
         if mesh is None and torch.device(device).type == "cpu":
             return cls._assemble(config, _read_to_host(config, gguf, files, dtype), None)
         if gguf is not None:
@@ -355,6 +357,11 @@ class Mistral(nn.Module):
                     part = () if mesh is None else sharding.weight_slice(name, config, mesh)
                     state[name] = _aligned(f.get_slice(name)[part].to(dtype) if part else f.get_tensor(name).to(dtype))
         return cls._assemble(config, state, mesh)
+
+
+def _check_weights_fit(config: MistralConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Weights that cannot fit on `device` are refused before anything is read."""
+    cache_checks.check_weights_fit(config, dtype, dtype.itemsize, available_memory(device), memory_label(device))
 
 
 def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dict[str, Path],

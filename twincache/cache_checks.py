@@ -7,11 +7,13 @@ framework's own objects and printed as such.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, ResourceError
 from twincache.generation import INT32_MAX, check_count
@@ -107,6 +109,19 @@ def check_cache_fits(kind: str, num_layers: int, shape: tuple[int, int, int, int
                f"head_dim {head_dim} in {dtype}" + (f", split {shards} ways," if shards > 1 else ""),
                -(-needed // shards), available, memory,
                "lower max_cache_len (--max-cache-len) or max_new_tokens, or use the sliding_window cache")
+
+
+def check_weights_fit(config: MistralConfig, dtype: object, itemsize: int, available: int | None,
+                      memory: str) -> None:
+    """Refuse, before reading a byte of it, a model whose weights alone, in `dtype`, are larger than the `memory`
+    available (None: unknown, not checked): the OS would otherwise kill the process part way through loading, with no
+    message. A lower bound: what a loader holds beside the weights (one tensor being converted) is not counted."""
+    parameters = sum(math.prod(shape) for shape in expected_tensor_shapes(config).values())
+    needed = parameters * itemsize
+    half = f"load it in bfloat16 (--dtype bfloat16: {format_bytes(needed * 2 // itemsize)}), " if itemsize > 2 else ""
+    dtype_name = str(dtype).removeprefix("torch.")
+    check_fits(f"loading the weights ({parameters:,} parameters in {dtype_name})", needed, available, memory,
+               f"{half}use a machine or device with more memory free, or split the model over a mesh (--mesh)")
 
 
 def check_fits(what: str, needed: int, available: int | None, memory: str, advice: str) -> None:
