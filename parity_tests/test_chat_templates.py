@@ -115,13 +115,15 @@ def test_chat_prompt_equals_apply_chat_template(tmp_path, template, names):
 
 
 def test_gguf_special_tokens_and_chat_prompt_equal_transformers_gguf_loading(tmp_path):
-    """A GGUF's special tokens are its bos/eos/unknown/padding token ids' tokens, as transformers' GGUF loading reads
-    them; its chat template renders as there. (The ids are compared on directories above: transformers versions
+    """A GGUF's special tokens are its bos/eos/unknown/padding token ids' tokens (the ids read with gguf's reader, as
+    transformers 5.24 reads them; 5.17 misreads EOS: trained_model.with_gguf_special_tokens); its chat template renders
+    as transformers renders it. (The ids are compared on directories above: transformers versions
     differ on a SentencePiece GGUF's prefix space, test_gguf.py.)"""
     import gguf
     from transformers import AutoTokenizer
 
     from parity_tests.test_gguf import spm_tokenizer, spm_tokenizer_fields, write_spm_gguf
+    from parity_tests.trained_model import with_gguf_special_tokens
 
     fields = spm_tokenizer_fields(spm_tokenizer())
     V = gguf.GGUFValueType
@@ -129,7 +131,7 @@ def test_gguf_special_tokens_and_chat_prompt_equal_transformers_gguf_loading(tmp
                "tokenizer.chat_template": (TEMPLATES["special_tokens"] + TEMPLATES["tools_tojson"], V.STRING)}
     path = write_spm_gguf(tmp_path / "spm.gguf", fields)
     ours = Tokenizer.from_checkpoint(path)
-    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    theirs = with_gguf_special_tokens(AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name), path)
     assert ours.special_tokens == theirs.special_tokens_map
     assert set(ours.special_tokens) == {"bos_token", "eos_token", "unk_token", "pad_token"}
     for prompt in PROMPTS:

@@ -60,7 +60,27 @@ def gguf_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     gguf = _checked_gguf()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return with_gguf_special_tokens(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
+
+
+GGUF_SPECIAL_TOKEN_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                          "unk_token": "tokenizer.ggml.unknown_token_id",
+                          "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def with_gguf_special_tokens(tokenizer: Any, path: Path) -> Any:
+    """transformers' GGUF tokenizer with the special tokens the file names by id, read with gguf's reader (as
+    llama.cpp reads them). transformers 5.17 takes BOS for EOS and drops the padding token of a GGUF; 5.24 reads them
+    as the file says, and this changes nothing there."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    tokens = fields["tokenizer.ggml.tokens"]
+    for name, key in GGUF_SPECIAL_TOKEN_IDS.items():
+        if key in fields:
+            token_id = int(fields[key].parts[fields[key].data[0]][0])
+            setattr(tokenizer, name, bytes(tokens.parts[tokens.data[token_id]]).decode())
+    return tokenizer
 
 
 def build(root: Path, llama: Any = None, tokenizer: Any = None) -> dict[str, Path]:
