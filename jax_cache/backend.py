@@ -19,6 +19,7 @@ from jax_cache.cache import StaticCache
 from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
+from twincache.checkpoint import resolve_dtype
 from twincache.config import MistralConfig
 from twincache.errors import InputError
 from twincache.generation import (
@@ -37,7 +38,9 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
          mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: JAX's default
     device; "cuda" and "gpu" both mean the first GPU), or split over a `mesh` of the devices JAX sees
-    (docs/design.md §10). Needs no torch."""
+    (docs/design.md §10). Needs no torch. dtype "auto" is the checkpoint's stored dtype, as transformers'
+    from_pretrained picks it."""
+    dtype = resolve_dtype(dtype, path)
     if mesh is not None:
         return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)),
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))

@@ -15,6 +15,7 @@ from torch_cache.cache import StaticCache
 from torch_cache.generate import generate as _generate
 from torch_cache.inductor_cpu import start_compiler_probe
 from torch_cache.model import Mistral
+from twincache.checkpoint import resolve_dtype
 from twincache.config import MistralConfig
 from twincache.errors import InputError
 from twincache.generation import (
@@ -33,7 +34,9 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
          mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: CUDA when torch
     sees one), or this rank's part of it on a `mesh` of the torch.distributed world's processes
-    (docs/design.md §10)."""
+    (docs/design.md §10). dtype "auto" is the checkpoint's stored dtype, as transformers' from_pretrained picks
+    it."""
+    dtype = resolve_dtype(dtype, path)
     if mesh is not None:
         return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)),
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))

@@ -274,6 +274,40 @@ def check_tensor_shapes(config: MistralConfig, stored: dict[str, tuple[int, ...]
                               f"describe: {shown}; {hint}")
 
 
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_RUNNABLE_DTYPES = ("float32", "bfloat16", "float16")  # twincache.generation.DTYPES
+
+
+def stored_dtype(path: str | Path) -> str:
+    """The dtype transformers' from_pretrained(dtype="auto", its default) loads a checkpoint in: config.json's `dtype`
+    (`torch_dtype` in older files), else its weights' (the first floating-point tensor of the first file); float32 for
+    a GGUF, which transformers dequantizes. Refuses one twincache cannot run (float64), naming what to give instead."""
+    path = Path(path)
+    if path.is_file():
+        load_config(path)  # a GGUF, else the one-line refusal of what the file is
+        return "float32"
+    load_config(path)
+    raw = json.loads((path / "config.json").read_bytes())
+    named = raw.get("dtype", raw.get("torch_dtype"))
+    if isinstance(named, str) and named.removeprefix("torch.") in (*_RUNNABLE_DTYPES, "float64"):
+        dtype, source = named.removeprefix("torch."), "config.json's dtype"
+    else:
+        files, _ = tensor_files(path)
+        first_file = sorted(set(files.values()))[0]
+        header = read_safetensors_header(first_file)
+        stored = [header[name]["dtype"] for name in sorted(header) if header[name]["dtype"] in _SAFETENSORS_DTYPES]
+        dtype, source = _SAFETENSORS_DTYPES[stored[0]] if stored else "float32", f"the weights in {first_file.name}"
+    if dtype not in _RUNNABLE_DTYPES:
+        raise CheckpointError(f"{path} is stored in {dtype} ({source}); twincache runs float32, bfloat16 or float16: "
+                              "give --dtype float32")
+    return dtype
+
+
+def resolve_dtype(dtype: str, path: str | Path) -> str:
+    """A dtype name as given, or for "auto" the checkpoint's stored dtype (stored_dtype)."""
+    return stored_dtype(path) if dtype == "auto" else dtype
+
+
 def open_checkpoint(model_dir: str | Path) -> tuple[MistralConfig, dict[str, Path]]:
     """Config plus the validated name -> file map of a checkpoint directory; raises CheckpointError/ConfigError."""
     config = load_config(model_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from twincache import phases
-from twincache.checkpoint import load_config
+from twincache.checkpoint import load_config, resolve_dtype
 from twincache.config import MistralConfig, check_window_flag
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError, MeshError
@@ -27,6 +27,12 @@ from twincache_app.backends import BACKENDS, Backend, modes_help
 
 # With the default model's window of 64, the default prompt (13 tokens) plus 64 new tokens wraps the ring buffer.
 DEFAULT_PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+DTYPE_CHOICES = (*DTYPES, "auto")
+DTYPE_HELP = ("what the weights, activations and cache are held in (default float32, whatever the checkpoint stores); "
+              "auto: the stored dtype, as transformers' from_pretrained picks it by default (config.json's dtype, "
+              "else the weights'; float32 for a GGUF): bfloat16 for a bf16 checkpoint, at half the memory")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +61,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="format the prompt as one user message with the checkpoint's chat template (for "
                              "-Instruct models)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="what the weights, activations and cache are held in (default float32, whatever "
-                             "the checkpoint stores; transformers' from_pretrained keeps the stored dtype: give "
-                             "bfloat16 for a bf16 checkpoint to match it, at half the memory)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help=DTYPE_HELP)
     parser.add_argument("--mesh", type=mesh_argument,
                         help="split the model and its cache over devices: model=N[,data=M] (Megatron-style over N, "
                              "the batch over M; docs/design.md §10). torch starts N*M processes itself")
@@ -310,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
     with notices_on_stderr(not args.json):  # a first run converts the default model: seconds, said before
         model_path = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_path)
+    args.dtype = resolve_dtype(args.dtype, model_path)
     eos = config.eos_token_ids  # a row's text ends at any of them
     prompts, tokenizer = resolve_prompts(args, model_path)
     sampling = sampling_params(args, config)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from twincache import parity_metrics
-from twincache.checkpoint import load_config
+from twincache.checkpoint import load_config, resolve_dtype
 from twincache.default_model import default_model_dir
 from twincache.errors import InputError
 from twincache.generation import CACHE_KINDS, validate_prompts
@@ -617,6 +617,7 @@ def run(args: argparse.Namespace) -> int:
     impls = resolve_implementations(args.modes)
     model_dir = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_dir)
+    args.dtype = resolve_dtype(args.dtype, model_dir)
     prompts, _ = resolve_prompts(args, model_dir)  # several: one left-padded batch, each row against its own truth
     validate_prompts(prompts, config)
     if args.max_new_tokens < 1:

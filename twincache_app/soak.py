@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from twincache.buckets import decode_buckets
-from twincache.checkpoint import load_config
+from twincache.checkpoint import load_config, resolve_dtype
 from twincache.config import INT32_MAX, MistralConfig, check_window_flag
 from twincache.errors import CacheError, InputError, NonFiniteLogitsError
-from twincache.generation import DTYPES
 from twincache_app.backends import BACKENDS
+from twincache_app.generate_cmd import DTYPE_CHOICES, DTYPE_HELP
 
 DEFAULT_STEPS = 10_000
 DEFAULT_PROMPT_LEN = 16
@@ -79,6 +79,7 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
 
         model_dir = default_model_dir()
     config = load_config(model_dir)
+    dtype = resolve_dtype(dtype, model_dir)
     if sliding_window is not None:
         config = dataclasses.replace(config, sliding_window=sliding_window)
     if config.sliding_window is None:
@@ -169,10 +170,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sliding-window", type=int, help="run with this sliding window instead of the model's "
                                                            "(needed for a model without one, like most GGUFs)")
     parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="what the weights, activations and cache are held in (default float32, whatever "
-                             "the checkpoint stores; transformers' from_pretrained keeps the stored dtype: give "
-                             "bfloat16 for a bf16 checkpoint to match it, at half the memory)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help=DTYPE_HELP)
     parser.set_defaults(run=run)
 
 
