@@ -148,6 +148,19 @@ def hf_from_gguf(path: Path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0"])
+def test_dtype_auto_on_a_gguf_is_what_transformers_loads_it_in(tiny_ggufs, qtype):
+    """`--dtype auto` on a GGUF (twincache.checkpoint.stored_dtype): transformers dequantizes every tensor type to
+    float32 under its default dtype="auto", half-precision files included."""
+    from transformers import AutoModelForCausalLM
+
+    from twincache.checkpoint import stored_dtype
+
+    path = tiny_ggufs[qtype]
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="auto").dtype
+    assert stored_dtype(path) == str(theirs).removeprefix("torch.") == "float32"
+
+
 def torch_logits(path_or_model, ids: list[int]) -> np.ndarray:
     from torch_cache.cache import StaticCache
     from torch_cache.model import Mistral
