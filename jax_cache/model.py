@@ -62,10 +62,13 @@ class RMSNorm(nnx.Module):
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
                  dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """cos/sin for the rotate-half layout, computed in fp32 from positions [B, S]. Each [B, 1, S, D]."""
-    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(jnp.float32) / head_dim
+    """cos/sin for the rotate-half layout, computed in fp32 from positions [B, S] (as transformers computes them in
+    every dtype), or in float64 for a float64 model (with jax_enable_x64), as torch_cache's float64 parity reference
+    does. Each [B, 1, S, D]."""
+    compute = jnp.float64 if dtype == jnp.float64 else jnp.float32
+    exponents = jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(compute) / head_dim
     inv_freq = 1.0 / (theta ** exponents)  # [D/2]
-    freqs = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [B, S, D/2]
+    freqs = positions.astype(compute)[:, :, None] * inv_freq  # [B, S, D/2]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # [B, S, D]
     return jnp.cos(angles).astype(dtype)[:, None], jnp.sin(angles).astype(dtype)[:, None]
 

@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from parity_tests.conftest import save_hf_checkpoint
 from parity_tests.oracle import load_transformers
 from twincache import parity_metrics
 from twincache_app import cli, parity
@@ -204,3 +206,36 @@ def test_a_run_that_ignores_its_forced_tokens_is_named_where_it_strays():
     assert parity._first_difference([[4, 5, 6], [7, 8]], [[4, 5, 6], [7, 9]]) == "row 1, step 1: 8 where 9 was forced"
     assert parity._first_difference([[4, 5]], [[4, 5, 6]]) == "row 0, step 2: nothing where 6 was forced"
     assert parity._first_difference([[4]], [[4], [5]]) == "1 rows, not 2"
+
+
+def test_the_float64_truth_computes_rope_in_float64(checkpoints):
+    """transformers computes RoPE in float32 in every dtype, its float64 model included: a truth whose angles are off
+    by ~position x 6e-8 radians. Inside parity.float64_rope (where the truth runs) its rotary embedding gives exact
+    float64 cos/sin (numpy's, here), and the model is as it was afterwards."""
+    import torch
+
+    model = load_transformers(checkpoints["no_window"], "float64")
+    positions = torch.tensor([[0, 1, 17, 4095, 30000, 123457]])  # [1, S]
+    head_dim = 2 * model.model.rotary_emb.inv_freq.shape[-1]
+    angles = positions.numpy()[0, :, None] * 10000.0 ** (-np.arange(0, head_dim, 2) / head_dim)  # [S, D/2]
+    exact = np.concatenate([angles, angles], axis=-1)  # [S, D]
+    x = torch.zeros(1, dtype=torch.float64)
+    before = [t.clone() for t in model.model.rotary_emb(x, positions)]
+    with parity.float64_rope(model):
+        cos, sin = model.model.rotary_emb(x, positions)
+    assert cos.dtype == torch.float64 and abs(cos[0].numpy() - np.cos(exact)).max() < 1e-12
+    assert abs(sin[0].numpy() - np.sin(exact)).max() < 1e-12
+    assert abs(before[0][0].numpy() - np.cos(exact)).max() > 1e-4  # transformers' own float32 angles, as they were
+    assert all(torch.equal(a, b) for a, b in zip(before, model.model.rotary_emb(x, positions), strict=True))
+
+
+def test_jax_at_thousands_of_positions_is_within_bounds_of_the_float64_truth(tmp_path, capsys):
+    """2,500 positions: JAX rounds its float32 RoPE angles otherwise than transformers (XLA rewrites 1 / theta**e as
+    theta**-e), as close to exact RoPE as transformers' own. Against a truth with transformers' float32 RoPE, which the
+    floor shares, jax:step was 13x past the floor's K/V error here (17x in its logits at 5,000 positions)."""
+    directory = save_hf_checkpoint(tmp_path / "long", seed=3, sliding_window=None, max_position_embeddings=4096)
+    ids = ",".join(str(3 + (i * 37) % 120) for i in range(2500))
+    code = cli.main(["parity", "--model", str(directory), "--prompt-ids", ids, "--max-new-tokens", "4", "--cache",
+                     "static", "--modes", "jax:step", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"], [(row["name"], row["failed"]) for row in report["rows"]]

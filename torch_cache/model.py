@@ -67,10 +67,13 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for the rotate-half layout, computed in fp32 from positions [B, S]. Each [B, 1, S, D]."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
+    """cos/sin for the rotate-half layout, computed in fp32 from positions [B, S] (as transformers computes them in
+    every dtype), or in float64 for a float64 model: the fallback parity reference, exact as twincache_app.parity's
+    float64 transformers is (fp32 angles are off by ~position x 6e-8). Each [B, 1, S, D]."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).to(compute) / head_dim
     inv_freq = 1.0 / (theta ** exponents)  # [D/2]
-    freqs = positions.float()[:, :, None] * inv_freq  # [B, S, D/2]
+    freqs = positions.to(compute)[:, :, None] * inv_freq  # [B, S, D/2]
     angles = torch.cat([freqs, freqs], dim=-1)  # [B, S, D]
     return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
 
