@@ -207,3 +207,20 @@ def test_cli_parity_on_a_llama_dir_judges_by_transformers_llama(llama_dirs, caps
     assert report["floor"] == "transformers LlamaForCausalLM, float32, uncached"
     assert report["passed"] and report["reference_self_disagreements"] == 0
     assert [row["name"] for row in report["rows"]] == ["transformers (floor)", "torch:eager"]
+
+
+@pytest.mark.parametrize("backend, mode", [("torch", "eager"), ("jax", "step")])
+def test_a_negative_pad_token_id_runs_as_transformers_runs_it(llama_dirs, tmp_path, capsys, backend, mode):
+    """pad_token_id -1, as the original LLaMA conversions wrote it (LlamaConfig's first default): transformers loads
+    the directory and decodes with it (its embedding counts a negative padding_idx from the end; no output changes).
+    twincache refused it as outside the vocabulary; a left-padded batch now decodes transformers' tokens, row by row."""
+    directory = shutil.copytree(llama_dirs["gqa"], tmp_path / "pad_minus_one")
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, "pad_token_id": -1}))
+    expected = greedy_of(LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), PROMPTS, NEW_TOKENS)
+    ids = [arg for prompt in PROMPTS for arg in ("--prompt-ids", ",".join(map(str, prompt)))]
+    code = cli.main(["generate", "--model", str(directory), *ids, "--max-new-tokens", str(NEW_TOKENS),
+                     "--backend", backend, "--mode", mode, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert [row["token_ids"] for row in json.loads(out)["rows"]] == expected

@@ -223,6 +223,14 @@ class MistralConfig:
         def optional(name: str, default: Any) -> Any:  # absent or null: HF's default (a JSON value, checked below)
             return default if raw.get(name) is None else raw[name]
 
+        pad_token_id = raw.get("pad_token_id")
+        vocab_size = _positive_integer("vocab_size", raw["vocab_size"])
+        if isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool) and -vocab_size <= pad_token_id < 0:
+            # The original LLaMA conversions write pad_token_id -1 (LlamaConfig's first default). transformers loads
+            # it (its embedding counts a negative padding_idx from the end, which changes no output) and never feeds
+            # it to the model; twincache only fills masked padding with the pad id: -1 there is no pad id (null)
+            pad_token_id = None
+
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=hidden,
@@ -244,7 +252,7 @@ class MistralConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             bos_token_id=raw.get("bos_token_id", HF_DEFAULT_BOS),
             eos_token_id=raw.get("eos_token_id", 2),
-            pad_token_id=raw.get("pad_token_id"),
+            pad_token_id=pad_token_id,
         )
 
     @classmethod
