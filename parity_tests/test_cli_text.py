@@ -94,3 +94,20 @@ def test_sampling_flags_without_a_temperature_get_one_note(model, capsys, flags)
     capsys.readouterr()  # transformers' loading bar
     assert cli.main([*argv, *flags, "--temperature", "0.7"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_json_record_says_how_its_tokens_were_drawn(model, capsys):
+    """--json with --temperature: the record names the sampling settings (null when greedy), and a run given the
+    record's settings draws the record's tokens again. The record had none of them: a sampled record could not be told
+    from a greedy one, nor drawn again."""
+    argv = ["generate", "--model", str(model), "--mode", "eager", "--max-new-tokens", "12", "--json", "--prompt",
+            "あい"]
+    assert cli.main([*argv, "--temperature", "1.5", "--top-k", "40", "--top-p", "0.95", "--seed", "7"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["sampling"] == {"temperature": 1.5, "top_k": 40, "top_p": 0.95, "seed": 7}
+    again = [f"--{key.replace('_', '-')}={value}" for key, value in record["sampling"].items()]
+    assert cli.main([*argv, *again]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == record["token_ids"]
+    assert cli.main(argv) == 0
+    greedy_record = json.loads(capsys.readouterr().out)
+    assert greedy_record["sampling"] is None and greedy_record["token_ids"] != record["token_ids"]

@@ -350,6 +350,8 @@ def run(args: argparse.Namespace) -> int:
             "backend": args.backend, "mode": result.mode, "cache": result.cache_kind, "model": str(model_path),
             "mesh": None if args.mesh is None else str(args.mesh),
             "dtype": args.dtype, "sliding_window": config.sliding_window, "max_cache_len": result.max_cache_len,
+            # null: greedy; else what drew the tokens, so that the record says how to draw them again
+            "sampling": None if sampling.greedy else dataclasses.asdict(sampling),
             **(rows[0] if len(rows) == 1 else {}),  # one prompt: its row's fields at the top level, too
             "batch": len(rows), "rows": rows,
             "load_s": round(load_s, 6), "prefill_s": round(result.prefill_s, 6),
