@@ -142,7 +142,9 @@ def test_without_the_memory_for_float32_copies_the_weights_stay_as_they_are(chec
     import jax_cache.model as jax_model
 
     widened = Mistral.from_pretrained(checkpoints["gqa"], jnp.float16)
-    monkeypatch.setattr(jax_model, "available_memory", lambda device: 1000)  # bytes
+    # room for the float16 weights themselves (the load's own check), not for float32 copies of their matrices
+    fp16_bytes = sum(array.size * 2 for array in load_file(str(checkpoints["gqa"] / "model.safetensors")).values())
+    monkeypatch.setattr(jax_model, "available_memory", lambda device: fp16_bytes)  # bytes
     narrow = Mistral.from_pretrained(checkpoints["gqa"], jnp.float16)
     assert {variable.get_value().dtype for _, variable in nnx.to_flat_state(nnx.state(narrow))} == {
         jnp.dtype("float16")}
