@@ -111,3 +111,30 @@ def test_the_json_record_says_how_its_tokens_were_drawn(model, capsys):
     assert cli.main(argv) == 0
     greedy_record = json.loads(capsys.readouterr().out)
     assert greedy_record["sampling"] is None and greedy_record["token_ids"] != record["token_ids"]
+
+
+def test_an_eos_that_is_an_ordinary_token_ends_the_text_alike_streamed_and_in_json(model, tmp_path, capsys):
+    """A checkpoint whose EOS id is an ordinary token of its tokenizer.json (not a special one, so decoding does not
+    skip it): the streamed text left the EOS out while the JSON record's text kept its character. Both are now the
+    text of the tokens before the EOS, as the `tokenizers` library decodes transformers' greedy tokens up to it."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    prompt = tokenizer.encode("あい").ids
+    reply = greedy(model, [prompt], 8)[0]
+    eos = reply[3]  # the 4th greedy token becomes the EOS: the reply then ends at its first occurrence
+    end = reply.index(eos)
+    directory = Path(shutil.copytree(model, tmp_path / "ordinary_eos"))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    (directory / "generation_config.json").unlink(missing_ok=True)
+    expected = tokenizer.decode(reply[:end])
+    assert tokenizer.decode(reply[:end + 1]) != expected, "the EOS's own text would show if kept"
+    argv = ["generate", "--model", str(directory), "--mode", "eager", "--max-new-tokens", "8", "--prompt", "あい"]
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert cli.main([*argv, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["token_ids"] == reply[:end + 1] and record["text"] == expected

@@ -342,7 +342,10 @@ def run(args: argparse.Namespace) -> int:
         result = tower.generate(model, prompts, args.max_new_tokens, mode=mode, cache=args.cache,
                                 max_cache_len=args.max_cache_len, sampling=sampling,
                                 on_token=print_delta if streaming else None)
-    texts = [tokenizer.decode(ids) if tokenizer is not None else None for ids in result.token_ids]
+    # A row's text ends before its EOS, as the stream leaves it out: an EOS that is an ordinary token of the
+    # tokenizer (not a special one, which decoding skips) would otherwise show its text here and not there.
+    texts = [tokenizer.decode(ids[:-1] if ids and ids[-1] in eos else ids) if tokenizer is not None else None
+             for ids in result.token_ids]
     if args.json:
         rows = [{"prompt_ids": prompt, "token_ids": ids, "text": text}
                 for prompt, ids, text in zip(prompts, result.token_ids, texts, strict=True)]
