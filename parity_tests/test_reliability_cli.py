@@ -94,6 +94,10 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     "positions_past_max": ("short_positions", ["--max-new-tokens", "6"],
                            "max_new_tokens=6 from position 3 would reach position 8, but this model's "
                            "max_position_embeddings=8 allows positions up to 7; generate at most 5 new tokens"),
+    "positions_full": ("short_positions", ["--prompt-ids", "1,2,3,4,5,6,7,8", "--max-new-tokens", "1"],
+                       "max_new_tokens=1 from position 8 would reach position 8, but this model's "
+                       "max_position_embeddings=8 allows positions up to 7; the 8 tokens given leave no position "
+                       "for a new token; give at most 7 tokens to generate 1"),
     "huge_static_cache": ("gqa", ["--cache", "static", "--max-cache-len", "1000000000"],
                           "a static cache of 2 layers x batch 1 x 2 kv heads x 1000000000 slots x head_dim 16 in"),
     "huge_budget_static": ("gqa", ["--cache", "static", "--max-new-tokens", "100000000"],

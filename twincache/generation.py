@@ -332,9 +332,16 @@ def check_positions(config: MistralConfig, first_position: int, max_new_tokens: 
                          f"max_position_embeddings={limit} allows positions up to {limit - 1}; give a prompt of at "
                          f"most {limit} tokens, new tokens included")
     if max_new_tokens and last_position >= limit:
+        if first_position < limit:
+            advice = f"generate at most {limit - first_position} new tokens"
+        elif max_new_tokens < limit:  # the tokens given fill every position: "at most 0 new tokens" is no advice
+            advice = (f"the {first_position} tokens given leave no position for a new token; give at most "
+                      f"{limit - max_new_tokens} tokens to generate {max_new_tokens}")
+        else:
+            advice = f"generate at most {limit - 1} new tokens (after a one-token prompt)"
         raise InputError(f"max_new_tokens={max_new_tokens} from position {first_position} would reach position "
                          f"{last_position}, but this model's max_position_embeddings={limit} allows positions up to "
-                         f"{limit - 1}; generate at most {max(limit - first_position, 0)} new tokens")
+                         f"{limit - 1}; {advice}")
     if max_new_tokens and last_position > INT32_MAX:
         raise InputError(f"max_new_tokens={max_new_tokens} from position {first_position} would reach position "
                          f"{last_position}, past {INT32_MAX}, the int32 limit of positions; generate at most "
