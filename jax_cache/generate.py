@@ -49,7 +49,7 @@ from twincache.generation import (
     validate_attention_mask,
     validate_forced_tokens,
 )
-from twincache.mesh import keep_rows, pad_batch, pad_rows
+from twincache.mesh import keep_rows, pad_batch, pad_continuation, pad_rows
 
 MIN_PROMPT_BUCKET = 16
 # The fused mode's blocks (docs/design.md §5). Every block runs one compiled loop whose outputs hold up to
@@ -662,6 +662,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)
     first_step = check_first_step(first_step, max_new_tokens)
+    rows = len(last_tokens)  # generate on a data split keeps its padding rows in the cache (pad_batch)
+    if model.mesh is not None:
+        last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
+                                                 sharding.mesh_shape(model.mesh).data, on_token)
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
     # attention bucket
@@ -672,7 +676,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     batch = len(last_tokens)
     forced = None  # [B, N] int32 on the host: sliced there per step or block, a device slice per start would compile
     if forced_tokens is not None:
-        forced = validate_forced_tokens(forced_tokens, batch, max_new_tokens, config)
+        forced = pad_rows(validate_forced_tokens(forced_tokens, rows, max_new_tokens, config), batch)
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, kind, knobs = jax.random.key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
@@ -749,9 +753,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                 break
     # [B, steps, V]: sliced only when decoding ended before the budget (the same ending repeats the same slice)
     step_logits = out_logits if out_logits is None or decode_steps == max_new_tokens else out_logits[:, :decode_steps]
-    return GenerationResult(state.cache.kind, state.cache.max_cache_len, [[] for _ in tokens], tokens, 0.0,
-                            first_step_s, decode_s, decode_steps, timed_steps, step_logits, state.cache,
-                            "fused" if fused else "step")
+    return keep_rows(GenerationResult(state.cache.kind, state.cache.max_cache_len, [[] for _ in tokens], tokens, 0.0,
+                                      first_step_s, decode_s, decode_steps, timed_steps, step_logits, state.cache,
+                                      "fused" if fused else "step"), rows)
 
 
 def _check_outputs_fit(batch: int, steps: int, vocab_size: int, return_logits: bool) -> None:

@@ -52,7 +52,7 @@ from twincache.generation import (
     validate_attention_mask,
     validate_forced_tokens,
 )
-from twincache.mesh import keep_rows, pad_batch, pad_rows
+from twincache.mesh import keep_rows, pad_batch, pad_continuation, pad_rows
 from twincache.switches import switch
 
 MAX_DECODE_VARIANTS = 64
@@ -703,6 +703,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)
     first_step = check_first_step(first_step, max_new_tokens)
+    rows = len(last_tokens)  # generate on a data split keeps its padding rows in the cache (pad_batch)
+    if model.mesh is not None:
+        last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
+                                                 sharding.mesh_shape(model.mesh).data, on_token)
     device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
@@ -713,7 +717,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, return_logits, device)
     forced = None
     if forced_tokens is not None:
-        forced_np = validate_forced_tokens(forced_tokens, len(last_tokens), max_new_tokens, config)
+        forced_np = pad_rows(validate_forced_tokens(forced_tokens, rows, max_new_tokens, config),
+                             len(last_tokens))
         # [N, B]: step k's row forced[k] is contiguous, laid out as a sampled [B] is, so the compiled step's stride
         # guards hold and forcing never recompiles it
         forced = torch.from_numpy(forced_np.T.copy()).long().to(device)
@@ -786,8 +791,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     if return_logits:  # [B, steps, V]; steps is 0 when every row had already ended
         empty = torch.zeros(len(tokens), 0, config.vocab_size, device=device)
         logits_out = torch.stack(step_logits, dim=1) if step_logits else empty
-    return GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
-                            decode_s, decode_steps, timed_steps, logits_out, cache, "compiled" if compile else "eager")
+    return keep_rows(GenerationResult(cache.kind, cache.max_cache_len, [[] for _ in tokens], tokens, 0.0, first_step_s,
+                                      decode_s, decode_steps, timed_steps, logits_out, cache,
+                                      "compiled" if compile else "eager"), rows)
 
 
 def _check_outputs_fit(batch: int, steps: int, vocab_size: int, return_logits: bool, device: torch.device) -> None:

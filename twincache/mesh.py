@@ -159,6 +159,19 @@ def pad_batch(batch: Batch, data: int, on_token: TokenCallback | None) -> tuple[
     return padded, None if on_token is None else (lambda row_ids: on_token(row_ids[:rows]))
 
 
+def pad_continuation(last_tokens: list[int], cache_rows: int, data: int,
+                     on_token: TokenCallback | None) -> tuple[list[int], TokenCallback | None]:
+    """A continuation of a generation that pad_batch padded: generate's result leaves the copies of its last row out
+    but its cache keeps them, so the result's last tokens (one per real row) are given the copies' as well, the last
+    row's own (a copy decodes exactly as its row does), with an `on_token` that sees the real rows only. Any other
+    count of rows is left as given, for the cache's batch check to refuse."""
+    rows = len(last_tokens)
+    if rows >= cache_rows or rows + (-rows % data) != cache_rows:
+        return last_tokens, on_token
+    padded = last_tokens + [last_tokens[-1]] * (cache_rows - rows)
+    return padded, None if on_token is None else (lambda row_ids: on_token(row_ids[:rows]))
+
+
 def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
     """A per-row array [B, ...] as pad_batch pads its batch: copies of the last row appended up to `rows`."""
     return np.concatenate([array, np.repeat(array[-1:], rows - len(array), axis=0)])
@@ -178,5 +191,5 @@ def check_devices(mesh: MeshShape, available: int, where: str) -> None:
         raise MeshError(f"mesh {mesh} needs {mesh.devices} devices, but {where}; use a smaller mesh")
 
 
-__all__ = ["AXES", "MeshShape", "parse_mesh", "ShardPlan", "plan_shards", "check_batch", "pad_batch", "pad_rows",
-           "keep_rows", "check_devices"]
+__all__ = ["AXES", "MeshShape", "parse_mesh", "ShardPlan", "plan_shards", "check_batch", "pad_batch",
+           "pad_continuation", "pad_rows", "keep_rows", "check_devices"]

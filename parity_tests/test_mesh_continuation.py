@@ -1,0 +1,50 @@
+"""A generation continued on a data-split mesh whose batch generate padded (docs/design.md §10): generate's result
+holds the real rows only and its cache the padding copies too, so continuing from the result's last tokens, as the
+README shows, must decode the real rows on (not be refused for a batch of 3 against a cache of 4). JAX runs on 2
+simulated CPU devices in a subprocess, so the rest of the suite keeps one device; transformers' greedy generate of
+the whole length is the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import MistralForCausalLM
+
+from parity_tests.conftest import save_hf_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 5, 9, 7], [1, 5], [1, 8, 8]]  # 3 rows on data=2: generate pads a copy of the last row
+FIRST, MORE = 4, 5
+
+_WORKER = """
+import json, sys
+from jax_cache import backend, generate
+from twincache.mesh import parse_mesh
+model = backend.load(sys.argv[1], "float32", mesh=parse_mesh("data=2"))
+prompts = json.loads(sys.argv[2])
+for mode in ("step", "fused"):
+    first = backend.generate(model, prompts, {first}, mode=mode, cache="sliding_window")
+    more = generate.continue_generation(model, first.cache, [row[-1] for row in first.token_ids], {more},
+                                        fused=mode == "fused")
+    print(json.dumps([list(a) + list(b) for a, b in zip(first.token_ids, more.token_ids)]))
+"""
+
+
+def test_jax_continues_a_padded_batch_on_a_data_split(tmp_path):
+    model_dir = save_hf_checkpoint(tmp_path / "gqa", seed=3, sliding_window=4)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _WORKER.format(first=FIRST, more=MORE), str(model_dir),
+                           json.dumps(PROMPTS)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hf = MistralForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=FIRST + MORE, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:  # step, then fused
+        assert json.loads(line) == expected
