@@ -83,6 +83,7 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
         logits[f"case{index}_reference"] = reference.step_logits.numpy()
         record["cases"].append(case)
     record["chunked"] = chunked(checkpoints["gqa"], single["gqa"], meshes)
+    record["continued"] = continued(checkpoints["gqa"], single["gqa"], meshes[(2, 1)])
     (out / f"torch_rank{rank}.json").write_text(json.dumps(record))
     np.savez(out / f"torch_rank{rank}.npz", **logits)
     launch.finish_rank()
@@ -102,6 +103,19 @@ def chunked(checkpoint: Path, single: Mistral, meshes: dict[tuple, object]) -> l
         cases.append({"data": data, "model": model_ways, "chunk": CHUNK, "prompts": rows, "tokens": result.token_ids,
                       "reference_tokens": reference.token_ids})
     return cases
+
+
+def continued(checkpoint: Path, single: Mistral, mesh: object) -> dict[str, object]:
+    """3 rows on data=2 (generate pads a copy of the last row, which its result leaves out and its cache keeps),
+    4 tokens, then continue_generation from the result's last tokens for 5 more, as README shows: against one device
+    generating all 9 at once."""
+    rows = [[1, 5, 9, 7], [1, 5], [1, 8, 8]]
+    model = Mistral.from_pretrained(checkpoint, mesh=mesh)
+    first = tg.generate(model, rows, 4, cache="sliding_window", compile=False)
+    more = tg.continue_generation(model, first.cache, [row[-1] for row in first.token_ids], 5, compile=False)
+    reference = tg.generate(single, rows, 9, cache="sliding_window", compile=False)
+    return {"tokens": [a + b for a, b in zip(first.token_ids, more.token_ids, strict=True)],
+            "reference_tokens": reference.token_ids}
 
 
 if __name__ == "__main__":

@@ -412,6 +412,15 @@ def test_torch_a_chunked_prefill_on_a_mesh_decodes_as_one_device_prefilling_at_o
             assert case["tokens"] == case["reference_tokens"], (rank_record["rank"], case["data"], case["model"])
 
 
+def test_torch_continues_a_batch_that_generate_padded_on_a_data_split(mesh_runs):
+    """continue_generation from generate's result on data=2, 3 rows (the cache holds a 4th, padding copy): both ranks
+    decode the real rows on, as one device generating the whole length (it was refused: batch 3 against 4)."""
+    for rank_record in mesh_runs["torch"]:
+        case = rank_record["continued"]
+        assert len(case["tokens"]) == 3 and all(len(row) == 9 for row in case["tokens"])
+        assert case["tokens"] == case["reference_tokens"], rank_record["rank"]
+
+
 def test_torch_each_rank_holds_its_own_slice_of_the_weights_and_the_cache(mesh_runs):
     from safetensors.numpy import load_file
 
