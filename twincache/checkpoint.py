@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError
+from twincache.generation import DTYPES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -275,7 +276,6 @@ def check_tensor_shapes(config: MistralConfig, stored: dict[str, tuple[int, ...]
 
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-_RUNNABLE_DTYPES = ("float32", "bfloat16", "float16")  # twincache.generation.DTYPES
 
 
 def stored_dtype(path: str | Path) -> str:
@@ -283,21 +283,21 @@ def stored_dtype(path: str | Path) -> str:
     (`torch_dtype` in older files), else its weights' (the first floating-point tensor of the first file); float32 for
     a GGUF, which transformers dequantizes. Refuses one twincache cannot run (float64), naming what to give instead."""
     path = Path(path)
+    load_config(path)  # a GGUF or a checkpoint directory, else the one-line refusal of what the path is
     if path.is_file():
-        load_config(path)  # a GGUF, else the one-line refusal of what the file is
         return "float32"
-    load_config(path)
     raw = json.loads((path / "config.json").read_bytes())
     named = raw.get("dtype", raw.get("torch_dtype"))
-    if isinstance(named, str) and named.removeprefix("torch.") in (*_RUNNABLE_DTYPES, "float64"):
-        dtype, source = named.removeprefix("torch."), "config.json's dtype"
+    named = named.removeprefix("torch.") if isinstance(named, str) else None
+    if named in (*DTYPES, "float64"):
+        dtype, source = named, "config.json's dtype"
     else:
         files, _ = tensor_files(path)
         first_file = sorted(set(files.values()))[0]
         header = read_safetensors_header(first_file)
         stored = [header[name]["dtype"] for name in sorted(header) if header[name]["dtype"] in _SAFETENSORS_DTYPES]
         dtype, source = _SAFETENSORS_DTYPES[stored[0]] if stored else "float32", f"the weights in {first_file.name}"
-    if dtype not in _RUNNABLE_DTYPES:
+    if dtype not in DTYPES:
         raise CheckpointError(f"{path} is stored in {dtype} ({source}); twincache runs float32, bfloat16 or float16: "
                               "give --dtype float32")
     return dtype
