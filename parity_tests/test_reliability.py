@@ -381,14 +381,34 @@ def test_item4_tensors_the_config_does_not_describe_are_refused(checkpoints, tmp
     rewrite_tensors(stray, lambda t: t.__setitem__("model.extra_bias", np.zeros(3, np.float32)))
     with refused(CheckpointError, "model.extra_bias"):
         load(stray)
-    tied_with_head = copy_checkpoint(checkpoints["gqa"], tmp_path / "tied_with_head")  # untied weights, tied config
-    edit_config(tied_with_head, lambda raw: raw.__setitem__("tie_word_embeddings", True))
-    with refused(CheckpointError, "lm_head.weight", "tie_word_embeddings=true"):
-        load(tied_with_head)
     derived = copy_checkpoint(checkpoints["gqa"], tmp_path / "inv_freq")  # older checkpoints store these buffers
     rewrite_tensors(derived, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq",
                                                                    np.ones(8, np.float32)))
     load(derived)
+
+
+@pytest.mark.parametrize("backend", list(SIDES))
+def test_item4_a_tied_config_beside_a_stored_head_loads_as_transformers_does(checkpoints, tmp_path, backend, caplog):
+    """Some exporters write lm_head.weight beside tie_word_embeddings=true. transformers ties a head equal to the
+    embedding, and takes a different one as the model's own (warning that it will not tie them); twincache too."""
+    from transformers import MistralForCausalLM
+
+    equal = copy_checkpoint(checkpoints["tied"], tmp_path / "equal")
+    rewrite_tensors(equal, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].copy()))
+    different = copy_checkpoint(checkpoints["gqa"], tmp_path / "different")  # untied weights, tied config
+    edit_config(different, lambda raw: raw.__setitem__("tie_word_embeddings", True))
+    adapter, model_class = SIDES[backend]
+    for directory, tied in ((equal, True), (different, False)):
+        with torch.no_grad():
+            reference = MistralForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+            expected = reference(torch.tensor([PROMPT])).logits[0, -1].numpy()  # [V]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="twincache"):
+            model = model_class.from_pretrained(directory)
+        assert (model.lm_head is None) == tied  # an equal copy is not held twice
+        assert ("differs from the embedding" in caplog.text) == (not tied)
+        logits = adapter(model).generate([PROMPT], 1, return_logits=True).step_logits  # [1, 1, V]
+        np.testing.assert_allclose(np.asarray(logits)[0, 0], expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", list(SIDES))

@@ -7,6 +7,7 @@ Pickled `.bin` weights are never opened.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
@@ -18,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError
-from twincache.generation import DTYPES
+from twincache.generation import DTYPES, NOTICES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -312,5 +313,45 @@ def open_checkpoint(model_dir: str | Path) -> tuple[MistralConfig, dict[str, Pat
     """Config plus the validated name -> file map of a checkpoint directory; raises CheckpointError/ConfigError."""
     config = load_config(model_dir)
     files, shapes = tensor_files(model_dir)
+    config, files, shapes = stored_head(config, files, shapes, model_dir)
     check_tensor_shapes(config, shapes, model_dir)
     return config, files
+
+
+_HEAD, _EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def stored_head(config: MistralConfig, files: dict[str, Path], shapes: dict[str, tuple[int, ...]],
+                model_dir: str | Path) -> tuple[MistralConfig, dict[str, Path], dict[str, tuple[int, ...]]]:
+    """A tied config whose checkpoint also stores lm_head.weight (some exporters write both) loads as transformers
+    loads it: a head equal to the embedding stays tied (its copy is dropped from `files` and `shapes`, never read); a
+    different one is the model's own head, so the config is untied, with a notice, where transformers warns that it
+    will not tie them."""
+    if not config.tie_word_embeddings or _HEAD not in files or shapes[_HEAD] != shapes.get(_EMBEDDING):
+        return config, files, shapes  # nothing beside the tie, or a head of the wrong shape: check_tensor_shapes says
+    if _same_stored_bytes(files[_HEAD], _HEAD, files[_EMBEDDING], _EMBEDDING):
+        return (config, {name: path for name, path in files.items() if name != _HEAD},
+                {name: shape for name, shape in shapes.items() if name != _HEAD})
+    NOTICES.info("%s holds an lm_head.weight that differs from the embedding although config.json says "
+                 "tie_word_embeddings=true; using it as the output head, as transformers does (set "
+                 "tie_word_embeddings to false in config.json to silence this note)", model_dir)
+    return dataclasses.replace(config, tie_word_embeddings=False), files, shapes
+
+
+def _same_stored_bytes(path_a: Path, name_a: str, path_b: Path, name_b: str) -> bool:
+    """Whether two tensors of validated safetensors files are stored with the same dtype and bytes (equal bytes are
+    equal values; the reverse only matters for memory, as an untied copy of equal values gives the same logits)."""
+    entry_a, entry_b = read_safetensors_header(path_a)[name_a], read_safetensors_header(path_b)[name_b]
+    (start_a, end_a), (start_b, end_b) = entry_a["data_offsets"], entry_b["data_offsets"]
+    if entry_a["dtype"] != entry_b["dtype"] or end_a - start_a != end_b - start_b:
+        return False
+    chunk = 1 << 24  # compared a piece at a time: a 7B model's embedding is ~0.5 GB
+    with path_a.open("rb") as file_a, path_b.open("rb") as file_b:
+        for file, start in ((file_a, start_a), (file_b, start_b)):
+            (header_len,) = struct.unpack("<Q", file.read(8))
+            file.seek(8 + header_len + start)
+        for offset in range(0, end_a - start_a, chunk):
+            size = min(chunk, end_a - start_a - offset)  # never into the next tensor's bytes
+            if file_a.read(size) != file_b.read(size):
+                return False
+    return True

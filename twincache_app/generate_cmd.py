@@ -336,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
     load_start = time.perf_counter()
     backend.persist_compiles()
     tower = backend.module()
-    model = set_window(tower.load(model_path, args.dtype, mesh=args.mesh), args.sliding_window)
+    with notices_on_stderr(not args.json):  # what loading resolved (a stored head beside a tied config)
+        model = set_window(tower.load(model_path, args.dtype, mesh=args.mesh), args.sliding_window)
     load_s = time.perf_counter() - load_start  # with prefill_s, when the first token is printed
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
         result = tower.generate(model, prompts, args.max_new_tokens, mode=mode, cache=args.cache,
