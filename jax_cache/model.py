@@ -345,8 +345,7 @@ class Mistral(nnx.Module):
             config = checkpoint.config
             if mesh is not None:
                 sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
-            else:
-                _check_weights_fit(config, dtype)
+            _check_weights_fit(config, dtype, mesh)
             weights = {name: jnp.asarray(array, dtype) if mesh is None else
                        jax.device_put(jnp.asarray(array, dtype), sharding.weight_sharding(name, config, mesh))
                        for name, array in checkpoint.arrays()}
@@ -354,8 +353,7 @@ class Mistral(nnx.Module):
         config, files = open_checkpoint(path)
         if mesh is not None:
             sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
-        else:
-            _check_weights_fit(config, dtype)
+        _check_weights_fit(config, dtype, mesh)
         wanted = expected_tensor_shapes(config)
         weights = {}
         for file in sorted(set(files.values())):
@@ -374,11 +372,16 @@ class Mistral(nnx.Module):
         return cls.from_weights(config, weights, mesh)
 
 
-def _check_weights_fit(config: MistralConfig, dtype: jnp.dtype) -> None:
-    """Weights that cannot fit on the default device are refused before anything is read."""
-    device = default_device()
-    cache_checks.check_weights_fit(config, jnp.dtype(dtype), jnp.dtype(dtype).itemsize, available_memory(device),
-                                   memory_label(device))
+def _check_weights_fit(config: MistralConfig, dtype: jnp.dtype, mesh: Mesh | None = None) -> None:
+    """Weights that cannot fit on the default device are refused before anything is read; on `mesh`, each device's
+    share, and on CPU all of them together: its simulated devices share the host's memory."""
+    devices = [default_device()] if mesh is None else list(mesh.devices.flat)
+    share = None if mesh is None else sharding.shard_parameters(config, mesh)
+    if share is not None and devices[0].platform == "cpu":
+        devices, share = devices[:1], share * len(devices)  # one host's memory holds every device's share
+    for device in devices:
+        cache_checks.check_weights_fit(config, jnp.dtype(dtype), jnp.dtype(dtype).itemsize, available_memory(device),
+                                       memory_label(device), share)
 
 
 def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dict[str, Path],

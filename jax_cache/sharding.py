@@ -15,6 +15,7 @@ model-axis split uses both, so a device's query heads meet its own KV head. torc
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
 from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, check_devices, plan_shards
@@ -102,6 +104,12 @@ def weight_sharding(name: str, config: MistralConfig, mesh: Mesh) -> NamedShardi
     return _named(view, spec)
 
 
+def shard_parameters(config: MistralConfig, mesh: Mesh) -> int:
+    """How many of the model's parameters one device of `mesh` holds (each holds a shard of every weight's shape)."""
+    return sum(math.prod(weight_sharding(name, config, mesh).shard_shape(shape))
+               for name, shape in expected_tensor_shapes(config).items())
+
+
 def cache_shardings(mesh: Mesh, num_layers: int, num_kv_heads: int) -> list[NamedSharding]:
     """The sharding of each of a mesh cache's arrays, in `arrays()` order: K/V [B, Hkv, L, D] with B on `data` and
     the KV heads on `model`; slot_positions [B, L] following the batch; length replicated."""
@@ -169,5 +177,5 @@ def mesh_label(mesh: Mesh) -> str:
 
 
 __all__ = ["MODEL", "make_mesh", "mesh_shape", "plan", "kv_shards_per_device", "weight_sharding", "cache_shardings",
-           "batch_sharding", "replicated", "check_batch_size", "place", "place_cache", "shard_weights", "device_bytes",
-           "mesh_label"]
+           "batch_sharding", "replicated", "check_batch_size", "place", "place_cache", "shard_parameters",
+           "shard_weights", "device_bytes", "mesh_label"]

@@ -22,6 +22,8 @@ import jax_cache.generate as jg
 from jax_cache import backend, sharding
 from jax_cache.cache import StaticCache
 from jax_cache.model import Mistral
+from twincache import cache_checks
+from twincache.errors import ResourceError
 from twincache.generation import SamplingParams
 
 NEW_TOKENS = 20  # with the tests' window of 8 and prompts of up to 12 tokens: each ring wraps several times
@@ -69,7 +71,8 @@ def written_in_place(cache: StaticCache) -> list[jax.Array]:
 
 def main(out: Path, checkpoints: dict[str, Path]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    record: dict[str, object] = {"devices": jax.device_count(), "cases": [], "weights": {}}
+    record: dict[str, object] = {"devices": jax.device_count(), "cases": [], "weights": {},
+                              "weights_check": {}}
     logits: dict[str, np.ndarray] = {}
     single = {name: Mistral.from_pretrained(path) for name, path in checkpoints.items()}
     sharded: dict[tuple, Mistral] = {}
@@ -80,9 +83,12 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
             key = (name, data, model_ways)
             if key not in sharded:
                 sharded[key] = Mistral.from_pretrained(checkpoints[name], mesh=sharding.make_mesh(model_ways, data))
-                record["weights"][f"{name}@{data}x{model_ways}"] = {
-                    ".".join(map(str, path)): shard_bytes(variable.get_value())
-                    for path, variable in nnx.to_flat_state(nnx.state(sharded[key]))}
+                weights = {".".join(map(str, path)): shard_bytes(variable.get_value())
+                           for path, variable in nnx.to_flat_state(nnx.state(sharded[key]))}
+                record["weights"][f"{name}@{data}x{model_ways}"] = weights
+                record["weights_check"][f"{name}@{data}x{model_ways}"] = weights_check(
+                    checkpoints[name], sharded[key].mesh, sum(sum(entry["per_device"].values())
+                                                              for entry in weights.values()))
             model, vocab = sharded[key], single[name].config.vocab_size
             if (name, kind) not in references:  # one device, fused: the run every mesh is compared with
                 references[(name, kind)] = jg.generate(single[name], prompts(vocab), NEW_TOKENS, cache=kind,
@@ -116,6 +122,27 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
     record["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     (out / "jax.json").write_text(json.dumps(record))
     np.savez(out / "jax_logits.npz", **logits)
+
+
+def weights_check(path: Path, mesh: jax.sharding.Mesh, held: int) -> dict[str, object]:
+    """Load onto `mesh` again with the host reporting one byte less than the `held` bytes every device's shards of
+    the loaded weights add up to (the devices share the host's memory), then exactly that: the refusal, and the load."""
+    available = cache_checks.host_available_bytes
+    try:
+        cache_checks.host_available_bytes = lambda: held - 1
+        try:
+            Mistral.from_pretrained(path, mesh=mesh)
+            refused = None
+        except ResourceError as err:
+            refused = str(err)
+        cache_checks.host_available_bytes = lambda: held
+        try:
+            loaded: bool | str = Mistral.from_pretrained(path, mesh=mesh).mesh is mesh
+        except ResourceError as err:  # recorded, so that the test names it
+            loaded = str(err)
+    finally:
+        cache_checks.host_available_bytes = available
+    return {"held": held, "refused": refused, "loaded_with_exactly_that": loaded}
 
 
 def write_hlo(out: Path, model: Mistral, vocab: int, record: dict[str, object]) -> None:

@@ -28,6 +28,7 @@ import pytest
 
 from parity_tests import background, trained_model
 from parity_tests.conftest import save_hf_checkpoint
+from twincache import cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
 from twincache.generation import Batch, GenerationResult, SamplingParams
@@ -300,6 +301,21 @@ def test_jax_each_device_holds_its_share_of_the_cache_and_the_weights(mesh_runs)
                     (model if vocab % model == 0 else 1) if module in ("embed_tokens", "lm_head") else 1)
             held = measured["per_device"]
             assert len(held) == 8 and set(held.values()) == {measured["nbytes"] // ways}, (key, name, held)
+
+
+def test_weights_are_checked_against_memory_before_loading_on_a_mesh(mesh_runs):
+    """As on one device, a mesh's weights are checked before a byte is read: JAX's simulated devices all together
+    (they share the host's memory), each torch rank its own slice. With the host reporting one byte less than the
+    loaded weights were measured to hold (their shards' bytes), loading is refused, naming that figure; exactly
+    that loads."""
+    checks = [*mesh_runs["jax"]["weights_check"].values(),
+              *(case["weights_check"] for rank in range(2) for case in mesh_runs["torch"][rank]["cases"])]
+    assert len(checks) == 4 + 2 * 4
+    for check in checks:
+        assert check["refused"] is not None, check
+        assert "loading its shares of the weights on the mesh" in check["refused"], check
+        assert f"needs {cache_checks.format_bytes(check['held'])}" in check["refused"], check
+        assert check["loaded_with_exactly_that"] is True, check
 
 
 def test_jax_traces_and_compiles_once_per_shape(mesh_runs):

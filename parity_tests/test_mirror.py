@@ -90,7 +90,7 @@ TORCH_ONLY_PARAMS = {
     "cache.SlidingWindowCache.__init__": ("device",),
     "cache.make_cache": ("device",),
     "model.Mistral.from_pretrained": ("device",),
-    "model._check_weights_fit": ("device",),  # the memory it measures; JAX's is its default device's
+    "model._check_weights_fit": ("device",),  # the memory it measures; JAX's is its default device's or its mesh's
     "generate.decode_step_fn": ("compile",),  # torch.compile or eager; JAX's step is always jitted
     "generate.generate": ("compile",),  # the tower's own decode knob; backend.generate(mode=...) is the neutral one
     "generate.continue_generation": ("compile",),

@@ -339,8 +339,7 @@ class Mistral(nn.Module):
         if mesh is not None:
             sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
             device = sharding.local_device(mesh)
-        else:
-            _check_weights_fit(config, dtype, torch.device(device))
+        _check_weights_fit(config, dtype, torch.device(device), mesh)
         if mesh is None and torch.device(device).type == "cpu":
             return cls._assemble(config, _read_to_host(config, gguf, files, dtype), None)
         if gguf is not None:
@@ -362,9 +361,13 @@ class Mistral(nn.Module):
         return cls._assemble(config, state, mesh)
 
 
-def _check_weights_fit(config: MistralConfig, dtype: torch.dtype, device: torch.device) -> None:
-    """Weights that cannot fit on `device` are refused before anything is read."""
-    cache_checks.check_weights_fit(config, dtype, dtype.itemsize, available_memory(device), memory_label(device))
+def _check_weights_fit(config: MistralConfig, dtype: torch.dtype, device: torch.device,
+                       mesh: DeviceMesh | None = None) -> None:
+    """Weights that cannot fit on `device` are refused before anything is read; on `mesh`, this rank's share. Ranks
+    on one host check theirs apart, as each may already hold its own: a lower bound of what they need together."""
+    share = None if mesh is None else sharding.shard_parameters(config, mesh)
+    cache_checks.check_weights_fit(config, dtype, dtype.itemsize, available_memory(device), memory_label(device),
+                                   share)
 
 
 def _read_to_host(config: MistralConfig, gguf: GGUFCheckpoint | None, files: dict[str, Path],

@@ -15,6 +15,7 @@ The cache keeps its K/V shard [B / data, Hkv per device, L, D] on each rank, and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from twincache.checkpoint import missing_tensors_error
+from twincache.checkpoint import expected_tensor_shapes, missing_tensors_error
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, MeshError
 from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, plan_shards
@@ -101,6 +102,16 @@ def weight_slice(name: str, config: MistralConfig, mesh: DeviceMesh) -> tuple[sl
     if module in ("embed_tokens", "lm_head"):
         return (rows(split.vocab(rank)),)
     return ()  # norms: whole
+
+
+def shard_parameters(config: MistralConfig, mesh: DeviceMesh) -> int:
+    """How many of the model's parameters this rank holds: its weight_slice of every tensor."""
+    total = 0
+    for name, shape in expected_tensor_shapes(config).items():
+        part = weight_slice(name, config, mesh)
+        kept = [len(range(*piece.indices(size))) for piece, size in zip(part, shape)]  # the sliced leading dims
+        total += math.prod(kept) * math.prod(shape[len(part):])
+    return total
 
 
 def shard_weights(config: MistralConfig, weights: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, torch.Tensor]:
@@ -202,4 +213,5 @@ def mesh_label(mesh: DeviceMesh) -> str:
 
 
 __all__ = ["make_mesh", "mesh_shape", "plan", "kv_shards_per_device", "check_batch_size", "local_device",
-           "weight_slice", "shard_weights", "TensorParallel", "SINGLE", "parallelize", "device_bytes", "mesh_label"]
+           "weight_slice", "shard_parameters", "shard_weights", "TensorParallel", "SINGLE", "parallelize",
+           "device_bytes", "mesh_label"]

@@ -112,16 +112,21 @@ def check_cache_fits(kind: str, num_layers: int, shape: tuple[int, int, int, int
 
 
 def check_weights_fit(config: MistralConfig, dtype: object, itemsize: int, available: int | None,
-                      memory: str) -> None:
+                      memory: str, mesh_parameters: int | None = None) -> None:
     """Refuse, before reading a byte of it, a model whose weights alone, in `dtype`, are larger than the `memory`
     available (None: unknown, not checked): the OS would otherwise kill the process part way through loading, with no
-    message. A lower bound: what a loader holds beside the weights (one tensor being converted) is not counted."""
-    parameters = sum(math.prod(shape) for shape in expected_tensor_shapes(config).values())
+    message. On a mesh, `mesh_parameters` is what this memory holds of them (its devices' shares, copies included).
+    A lower bound: what a loader holds beside the weights (one tensor being converted) is not counted."""
+    on_mesh = mesh_parameters is not None
+    parameters = (sum(math.prod(shape) for shape in expected_tensor_shapes(config).values())
+                  if mesh_parameters is None else mesh_parameters)
     needed = parameters * itemsize
     half = f"load it in bfloat16 (--dtype bfloat16: {format_bytes(needed * 2 // itemsize)}), " if itemsize > 2 else ""
     dtype_name = str(dtype).removeprefix("torch.")
-    check_fits(f"loading the weights ({parameters:,} parameters in {dtype_name})", needed, available, memory,
-               f"{half}use a machine or device with more memory free, or split the model over a mesh (--mesh)")
+    what = "loading its shares of the weights on the mesh" if on_mesh else "loading the weights"
+    where = ("split the model over more devices (a larger model=N in --mesh), on devices with more memory free"
+             if on_mesh else "use a machine or device with more memory free, or split the model over a mesh (--mesh)")
+    check_fits(f"{what} ({parameters:,} parameters in {dtype_name})", needed, available, memory, half + where)
 
 
 def check_fits(what: str, needed: int, available: int | None, memory: str, advice: str) -> None:
