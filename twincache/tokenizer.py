@@ -81,7 +81,7 @@ class Tokenizer:
             raise CheckpointError(f"{path} is not a readable tokenizer.json ({err})") from None
         settings = _read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
+        template = _read_utf8(template_file) if template_file.is_file() else settings.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         special = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
@@ -136,11 +136,22 @@ class Tokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def _read_utf8(path: Path) -> str:
+    """A text file of the checkpoint, as UTF-8 whatever the locale (transformers reads it so; the locale's encoding
+    failed on a non-ASCII template under LC_ALL=C with PYTHONUTF8=0, and would turn it into mojibake under latin-1)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                              f"{path.name} must be saved as UTF-8") from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(_read_utf8(path))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
     return value if isinstance(value, dict) else {}
