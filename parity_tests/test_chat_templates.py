@@ -189,6 +189,22 @@ def test_chat_without_transformers_says_how_to_install_it(tmp_path, monkeypatch)
         ours.chat_prompt("Hello")
 
 
+def test_named_templates_without_a_default_are_named_in_the_refusal(tmp_path):
+    """tokenizer_config.json's list of named templates without a 'default' one (transformers refuses it too) was
+    refused as a checkpoint that 'has none (no ... tokenizer_config.json chat_template ...)'."""
+    from transformers import AutoTokenizer
+
+    named = [{"name": "tool_use", "template": "[TOOLS]" + INST}, {"name": "rag", "template": "[DOCS]" + INST}]
+    directory = tokenizer_dir(tmp_path / "tokenizer", named, "bos_eos_unk")  # a list: json.dumps writes it
+    with pytest.raises(ValueError, match="multiple chat templates with no default"):
+        hf_chat(AutoTokenizer.from_pretrained(directory), "Hello", tokenize=False)
+    with pytest.raises(CheckpointError, match="names only 'tool_use', 'rag'; save the one to use as "
+                                              "chat_template.jinja beside tokenizer.json, or drop --chat"):
+        Tokenizer.from_checkpoint(directory).chat_prompt("Hello")
+    (directory / "chat_template.jinja").write_text(INST, encoding="utf-8")  # what the refusal advises
+    assert Tokenizer.from_checkpoint(directory).chat_prompt("Hello") == "[INST] Hello [/INST]"
+
+
 def test_template_files_are_read_as_utf8_whatever_the_locale(tmp_path):
     """tokenizer_config.json and chat_template.jinja were read in the locale's encoding: a non-ASCII template (as
     transformers' save_pretrained writes it, ensure_ascii=False) failed with 'unexpected UnicodeDecodeError' under
