@@ -80,7 +80,8 @@ class Tokenizer:
         try:
             tokenizer = _HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-            raise CheckpointError(f"{path} is not a readable tokenizer.json ({err})") from None
+            raise CheckpointError(f"{path} is not a readable tokenizer.json ({err}); restore the checkpoint's own "
+                                  "file, or remove it and give token ids with --prompt-ids") from None
         settings = _read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
         template = _read_utf8(template_file) if template_file.is_file() else settings.get("chat_template")
