@@ -189,6 +189,15 @@ def test_chat_without_transformers_says_how_to_install_it(tmp_path, monkeypatch)
         ours.chat_prompt("Hello")
 
 
+def test_a_template_that_renders_no_tokens_is_blamed_not_the_prompt(tmp_path):
+    """A template that renders a prompt as nothing was refused as 'the prompt encodes to zero tokens; give a non-empty
+    prompt', for a non-empty prompt."""
+    directory = tokenizer_dir(tmp_path / "tokenizer", "{% for m in messages %}{% endfor %}", "bos_eos_unk")
+    with pytest.raises(CheckpointError, match="chat template renders the prompt as '', which encodes to zero tokens; "
+                                              "fix the template .*, or drop --chat"):
+        Tokenizer.from_checkpoint(directory).encode_chat("Hello world")
+
+
 def test_named_templates_without_a_default_are_named_in_the_refusal(tmp_path):
     """tokenizer_config.json's list of named templates without a 'default' one (transformers refuses it too) was
     refused as a checkpoint that 'has none (no ... tokenizer_config.json chat_template ...)'."""
