@@ -9,6 +9,7 @@ The tokenizer is a small SentencePiece-style BPE with byte fallback (as Mistral'
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,49 @@ def test_chat_without_transformers_says_how_to_install_it(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "transformers.utils.chat_template_utils", None)  # imports as ImportError
     with pytest.raises(UnavailableError, match=r"transformers >= 4\.52.*pip install 'twincache\[chat\]'"):
         ours.chat_prompt("Hello")
+
+
+def test_a_template_that_renders_no_tokens_is_blamed_not_the_prompt(tmp_path):
+    """A template that renders a prompt as nothing was refused as 'the prompt encodes to zero tokens; give a non-empty
+    prompt', for a non-empty prompt."""
+    directory = tokenizer_dir(tmp_path / "tokenizer", "{% for m in messages %}{% endfor %}", "bos_eos_unk")
+    with pytest.raises(CheckpointError, match="chat template renders the prompt as '', which encodes to zero tokens; "
+                                              "fix the template .*, or drop --chat"):
+        Tokenizer.from_checkpoint(directory).encode_chat("Hello world")
+
+
+def test_named_templates_without_a_default_are_named_in_the_refusal(tmp_path):
+    """tokenizer_config.json's list of named templates without a 'default' one (transformers refuses it too) was
+    refused as a checkpoint that 'has none (no ... tokenizer_config.json chat_template ...)'."""
+    from transformers import AutoTokenizer
+
+    named = [{"name": "tool_use", "template": "[TOOLS]" + INST}, {"name": "rag", "template": "[DOCS]" + INST}]
+    directory = tokenizer_dir(tmp_path / "tokenizer", named, "bos_eos_unk")  # a list: json.dumps writes it
+    with pytest.raises(ValueError, match="multiple chat templates with no default"):
+        hf_chat(AutoTokenizer.from_pretrained(directory), "Hello", tokenize=False)
+    with pytest.raises(CheckpointError, match="names only 'tool_use', 'rag'; save the one to use as "
+                                              "chat_template.jinja beside tokenizer.json, or drop --chat"):
+        Tokenizer.from_checkpoint(directory).chat_prompt("Hello")
+    (directory / "chat_template.jinja").write_text(INST, encoding="utf-8")  # what the refusal advises
+    assert Tokenizer.from_checkpoint(directory).chat_prompt("Hello") == "[INST] Hello [/INST]"
+
+
+def test_template_files_are_read_as_utf8_whatever_the_locale(tmp_path):
+    """tokenizer_config.json and chat_template.jinja were read in the locale's encoding: a non-ASCII template (as
+    transformers' save_pretrained writes it, ensure_ascii=False) failed with 'unexpected UnicodeDecodeError' under
+    LC_ALL=C PYTHONUTF8=0 (and would read as mojibake under a latin-1 locale); transformers reads both as UTF-8."""
+    templates = ["[CONFIG \u2581 café 🙂] " + INST, "[JINJA \u2581 naïve] " + INST]
+    in_config = tokenizer_dir(tmp_path / "config", INST, "bos_eos_unk")
+    (in_config / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "chat_template": templates[0]},
+                                                                ensure_ascii=False), encoding="utf-8")
+    in_jinja = tokenizer_dir(tmp_path / "jinja", INST, "bos_eos_unk")
+    (in_jinja / "chat_template.jinja").write_text(templates[1], encoding="utf-8")
+    code = ("import json, sys; from twincache.tokenizer import Tokenizer; "
+            "print(json.dumps([Tokenizer.from_checkpoint(d).chat_template for d in sys.argv[1:]]))")
+    run = subprocess.run([sys.executable, "-c", code, str(in_config), str(in_jinja)], capture_output=True, text=True,
+                         env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"})
+    assert run.returncode == 0, run.stderr[-500:]
+    assert json.loads(run.stdout) == templates
 
 
 def test_the_floor_imports_transformers_only_to_render():

@@ -155,6 +155,8 @@ def _build_checkpoints(root: Path, good: Path, no_window: Path, sharded: Path) -
     rewrite_tensors(d, lambda t: t["lm_head.weight"].__setitem__((5,), float("nan")))
     d = dirs["only_sentencepiece"] = copy_checkpoint(good, root / "only_sentencepiece")
     (d / "tokenizer.model").write_bytes(b"\x0a")  # named only: twincache must not try to read it
+    d = dirs["broken_tokenizer"] = copy_checkpoint(good, root / "broken_tokenizer")
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": {')  # cut short
     dirs["good"], dirs["no_window"] = good, no_window
     return dirs
 
@@ -194,6 +196,11 @@ CASES: dict[str, tuple[str, list[str], str]] = {
                            "has no tokenizer.json, only tokenizer.model (SentencePiece), which twincache does not "
                            "read; write tokenizer.json beside it with transformers (pip install sentencepiece, then "
                            "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))"),
+    # a tokenizer.json that does not parse blocks --prompt-ids too (it decodes the output): say how to go on
+    "broken_tokenizer": ("broken_tokenizer", ["--prompt-ids", "1,5"],
+                         "tokenizer.json is not a readable tokenizer.json (EOF while parsing an object at line 1 "
+                         "column 29); restore the checkpoint's own file, or remove it and give token ids with "
+                         "--prompt-ids"),
     # 7. token id out of range
     "token_id_too_large": ("good", ["--prompt-ids", f"1,{VOCAB}"], f"token id {VOCAB} outside the vocabulary [0, "
                                                                    f"{VOCAB})"),

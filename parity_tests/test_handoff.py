@@ -173,6 +173,16 @@ def test_from_torch_weights_are_zero_copy_on_cpu(torch_model, jax_model):
     assert all(jax_weights[name].dtype == jnp.float32 for name in shared)
 
 
+def test_from_torch_refuses_a_model_split_over_a_mesh(torch_model, monkeypatch):
+    """A torch model on a mesh holds this rank's slice of every weight: from_torch copied the slices (on 2 gloo ranks,
+    model=2: a JAX model that failed at generate with 'cannot reshape array', then from_weights' shape error, which
+    does not say why). The 2-rank run is slow, so here the model only claims a mesh."""
+    monkeypatch.setattr(torch_model, "mesh", "2 ranks")
+    monkeypatch.setattr(interop.torch_sharding, "mesh_label", lambda mesh: f"mesh model=2 ({mesh})")
+    with pytest.raises(InputError, match=r"split over mesh model=2 \(2 ranks\).*from_pretrained\(path, mesh=\.\.\.\)"):
+        interop.from_torch(torch_model)
+
+
 def test_to_torch_round_trips_weights_exactly(checkpoints, torch_model, jax_model):
     back = interop.to_torch(jax_model)
     for name, tensor in torch_model.state_dict().items():

@@ -160,6 +160,16 @@ def test_prompt_sources_are_mutually_exclusive(capsys, flag):
     assert code == 2 and len(err.splitlines()) == 1 and "not allowed with argument" in err
 
 
+def test_a_prompt_that_starts_with_a_dash_is_told_how_to_pass_it(capsys):
+    """argparse reads `--prompt -hello` as an option, and said only "argument --prompt: expected one argument", which
+    the user gave. A value the user forgot (the flag followed by another option) keeps argparse's message."""
+    code, _, err = run_in_process(["generate", "--prompt", "ok", "--prompt", "-hello"], capsys)
+    assert_one_line_error(code, err, "expected one argument; '-hello' starts with '-', so it was read as an option: "
+                                     "write --prompt=-hello (see --help)")
+    code, _, err = run_in_process(["generate", "--prompt", "--max-new-tokens", "2"], capsys)
+    assert_one_line_error(code, err, "argument --prompt: expected one argument (see --help)")
+
+
 def test_stdin_that_is_closed_is_one_line(checkpoints, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)  # as when started with `<&-`
     code, _, err = run_in_process(["generate", "--model", str(checkpoints["gqa"]), "--prompt-ids-file", "-"], capsys)

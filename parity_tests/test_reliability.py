@@ -696,6 +696,24 @@ def test_item4_weights_handed_over_without_some_tensors_are_refused_with_the_cou
         SIDES[backend][1].from_weights(config, weights)
 
 
+@pytest.mark.parametrize("backend", list(SIDES))
+def test_item4_weights_handed_over_in_another_shape_are_refused_naming_the_tensor(checkpoints, backend):
+    """from_weights compared names only: JAX built a model of half an embedding table (one rank's slice of a torch
+    model split over a mesh, through from_torch) that failed only when run; torch raised load_state_dict's
+    multi-line RuntimeError."""
+    from safetensors.numpy import load_file
+
+    arrays = load_file(str(checkpoints["gqa"] / "model.safetensors"))
+    config = MistralConfig.from_json(checkpoints["gqa"] / "config.json")
+    as_backend = torch.from_numpy if backend == "torch" else jnp.asarray
+    weights = {name: as_backend(array) for name, array in arrays.items()}
+    weights["model.embed_tokens.weight"] = as_backend(arrays["model.embed_tokens.weight"][: config.vocab_size // 2])
+    with refused(CheckpointError, "weights tensor model.embed_tokens.weight has shape "
+                 f"[{config.vocab_size // 2}, {config.hidden_size}]", f"needs [{config.vocab_size}, "
+                 f"{config.hidden_size}]", "pass the tensors of a checkpoint saved for this config"):
+        SIDES[backend][1].from_weights(config, weights)
+
+
 # --- 9. absurd configs are refused before anything large is built -----------------------------------------------------
 
 

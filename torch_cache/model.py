@@ -23,7 +23,7 @@ from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, host_buffers, memory_label
 from torch_cache.projection import project, project_stacked
 from twincache import cache_checks
-from twincache.checkpoint import expected_tensor_shapes, fill_weights, missing_tensors_error, open_checkpoint
+from twincache.checkpoint import check_weight_shapes, expected_tensor_shapes, fill_weights, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
 from twincache.generation import INT32_MAX, check_count, validate_attention_mask
@@ -309,9 +309,7 @@ class Mistral(nn.Module):
                      mesh: DeviceMesh | None = None) -> Mistral:
         """Build a model from HF-named tensors (no copy: the model holds the tensors themselves). On `mesh`, the
         tensors are whole and this rank keeps copies of its slices of them."""
-        missing = [name for name in expected_tensor_shapes(config) if name not in weights]
-        if missing:
-            raise missing_tensors_error(config, missing)
+        check_weight_shapes(config, {name: tuple(tensor.shape) for name, tensor in weights.items()})
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
         return cls._assemble(config, weights, mesh)

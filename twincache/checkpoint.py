@@ -11,7 +11,7 @@ import dataclasses
 import json
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,21 @@ def missing_tensors_error(config: MistralConfig, missing: list[str]) -> Checkpoi
                            f"{config.num_hidden_layers}-layer Mistral of this config needs, first {first}"
                            + (f" (checkpoint shape {list(shape)})" if shape is not None else "")
                            + "; pass every tensor of a checkpoint saved for this config")
+
+
+def check_weight_shapes(config: MistralConfig, shapes: Mapping[str, Sequence[int]]) -> None:
+    """Refuse weights handed to a `from_weights` (name -> shape) that lack a tensor `config` needs or hold one of
+    another shape, naming it. A checkpoint's own files are checked from their headers (check_tensor_shapes); arrays
+    handed over in Python were not, and a misshapen one (e.g. one rank's slice of a model split over a mesh) built a
+    model that failed only when run."""
+    expected = expected_tensor_shapes(config)
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        raise missing_tensors_error(config, missing)
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise CheckpointError(f"weights tensor {name} has shape {list(shapes[name])}, but a Mistral of this "
+                                  f"config needs {list(shape)}; pass the tensors of a checkpoint saved for this config")
 
 
 def fill_weights(config: MistralConfig, shapes: dict[str, tuple[int, ...]], tensors: Iterable[tuple[str, Any]],

@@ -12,7 +12,7 @@ from a GGUF's `tokenizer.ggml.{bos,eos,unknown,padding}_token_id`, as its GGUF l
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +41,15 @@ _GGUF_SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_
 class Tokenizer:
     """Encodes text to ids (with the checkpoint's own special-token template) and decodes ids to text.
 
-    `special_tokens`: name -> token text, only the tokens the checkpoint names (SPECIAL_TOKEN_NAMES)."""
+    `special_tokens`: name -> token text, only the tokens the checkpoint names (SPECIAL_TOKEN_NAMES).
+    `template_names`: the names of a checkpoint's named chat templates when none is named "default"."""
 
     def __init__(self, tokenizer: _HFTokenizer, chat_template: str | None = None,
-                 special_tokens: Mapping[str, str] | None = None) -> None:
+                 special_tokens: Mapping[str, str] | None = None, template_names: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
+        self.template_names = tuple(template_names)
 
     @property
     def bos_token(self) -> str | None:
@@ -78,17 +80,21 @@ class Tokenizer:
         try:
             tokenizer = _HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on a malformed file
-            raise CheckpointError(f"{path} is not a readable tokenizer.json ({err})") from None
+            raise CheckpointError(f"{path} is not a readable tokenizer.json ({err}); restore the checkpoint's own "
+                                  "file, or remove it and give token ids with --prompt-ids") from None
         settings = _read_json(model_dir / "tokenizer_config.json")
         template_file = model_dir / "chat_template.jinja"
-        template = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
+        template = _read_utf8(template_file) if template_file.is_file() else settings.get("chat_template")
+        names: list[str] = []
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            names = [str(t.get("name")) for t in template if isinstance(t, dict)]
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         special = {name: _token_text(settings.get(name)) for name in SPECIAL_TOKEN_NAMES}
         if "added_tokens_decoder" not in settings:  # transformers' legacy path: the older file's tokens win
             legacy = _read_json(model_dir / "special_tokens_map.json")
             special |= {name: _token_text(legacy[name]) for name in SPECIAL_TOKEN_NAMES if name in legacy}
-        return cls(tokenizer, template, {name: token for name, token in special.items() if token is not None})
+        return cls(tokenizer, template, {name: token for name, token in special.items() if token is not None},
+                   names if template is None else ())
 
     @classmethod
     def _from_gguf(cls, path: Path) -> Tokenizer:
@@ -122,6 +128,10 @@ class Tokenizer:
         """`prompt` as one user message in the checkpoint's chat template, ready for the assistant's reply."""
         from twincache.chat import render_chat
 
+        if self.chat_template is None and self.template_names:  # transformers refuses these too
+            raise CheckpointError(f"--chat takes the checkpoint's chat template named 'default', as transformers does, "
+                                  f"but tokenizer_config.json names only {', '.join(map(repr, self.template_names))}; "
+                                  "save the one to use as chat_template.jinja beside tokenizer.json, or drop --chat")
         if self.chat_template is None:
             raise CheckpointError("--chat needs the checkpoint's chat template, but it has none (no "
                                   "chat_template.jinja, tokenizer_config.json chat_template or GGUF "
@@ -130,17 +140,34 @@ class Tokenizer:
 
     def encode_chat(self, prompt: str) -> list[int]:
         """Ids of `chat_prompt(prompt)`: the template writes any BOS itself, so none is added (as transformers)."""
-        return self.encode(self.chat_prompt(prompt), add_special_tokens=False)
+        text = self.chat_prompt(prompt)
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:  # the template's doing, whatever the prompt: encode's "give a non-empty prompt" misled
+            raise CheckpointError(f"the checkpoint's chat template renders the prompt as {text!r}, which encodes to "
+                                  "zero tokens; fix the template (chat_template.jinja, tokenizer_config.json "
+                                  "chat_template or GGUF tokenizer.chat_template), or drop --chat")
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _read_utf8(path: Path) -> str:
+    """A text file of the checkpoint, as UTF-8 whatever the locale (transformers reads it so; the locale's encoding
+    failed on a non-ASCII template under LC_ALL=C with PYTHONUTF8=0, and would turn it into mojibake under latin-1)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+                              f"{path.name} must be saved as UTF-8") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(_read_utf8(path))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
     return value if isinstance(value, dict) else {}

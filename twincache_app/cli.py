@@ -9,6 +9,7 @@ import gc
 import importlib
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -25,8 +26,28 @@ SUBCOMMANDS = ("twincache_app.generate_cmd", "twincache_app.parity", "twincache_
 
 
 class _OneLineParser(argparse.ArgumentParser):
+    _given: list[str] = []  # the arguments this parser was handed (a subcommand's parser: the subcommand's own)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:  # argparse prints usage plus the message; we print one line
-        self.exit(2, f"twincache: error: {message} (see --help)\n")
+        self.exit(2, f"twincache: error: {message}{self._dash_value_hint(message)} (see --help)\n")
+
+    def _dash_value_hint(self, message: str) -> str:
+        """argparse reads a value that starts with '-' and has no space (`--prompt -hello`) as an option, then says
+        only that the flag "expected one argument", which the user gave; this says why and how to pass it. Not for a
+        flag followed by one of this parser's options (or its abbreviation): that value was forgotten."""
+        match = re.fullmatch(r"argument (\S+): expected one argument", message)
+        for flag in match[1].split("/") if match else ():
+            for arg, value in zip(self._given, self._given[1:]):
+                option = value.split("=", 1)[0]
+                if arg == flag and value.startswith("-") and not any(
+                        known.startswith(option) for known in self._option_string_actions):
+                    return f"; {value!r} starts with '-', so it was read as an option: write {flag}={value}"
+        return ""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,6 +90,11 @@ def weights_from_torch(weights: dict[str, torch.Tensor], backend: str) -> dict[s
 def from_torch(model: torch_model.Mistral) -> Mistral:
     """The jax_cache model with a torch_cache model's weights (same names, same [out, in] layout)."""
     _check_model_type(model, torch_model.Mistral, "from_torch", "to_torch")
+    if model.mesh is not None:  # its state_dict is this rank's slice of every weight, not the model
+        raise InputError(f"from_torch copies a torch model held whole by one process, but this one is split over "
+                         f"{torch_sharding.mesh_label(model.mesh)} (each rank holds a slice of every weight); load "
+                         "the JAX model from the checkpoint instead: jax_cache.model.Mistral.from_pretrained(path, "
+                         "mesh=...)")
     return Mistral.from_weights(model.config, weights_from_torch(model.state_dict(), "jax"))
 
 
