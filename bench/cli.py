@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 from bench import prefill_memory
 from bench.impls import impl_registry
 from bench.presets import PRESETS, resolve
-from twincache.config import check_window_flag
+from twincache.config import INT32_MAX, check_window_flag
 from twincache.errors import InputError, MeshError, UnavailableError
 from twincache.generation import CACHE_KINDS, PREFILL_CHUNK
 from twincache.mesh import MeshShape, parse_mesh
@@ -198,8 +199,9 @@ def _lengths(text: str) -> list[int]:
         lengths = [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
         lengths = []
-    if not lengths or min(lengths) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive prompt lengths, comma-separated, e.g. 1000,10000")
+    if not lengths or min(lengths) < 1 or max(lengths) > INT32_MAX:  # positions are int32
+        raise argparse.ArgumentTypeError(f"{text!r}: give prompt lengths in [1, {INT32_MAX}], comma-separated, e.g. "
+                                         "1000,10000")
     return lengths
 
 
@@ -207,10 +209,11 @@ def run_prefill_memory(args: argparse.Namespace) -> int:
     """The sweep on the preset's model (tiny by default: its random weights, seconds per point), or on --model."""
     from bench.workload import preset_checkpoint
 
-    if args.prefill_chunk < 1:
-        raise InputError(f"--prefill-chunk={args.prefill_chunk} must be >= 1")
-    if not args.memory_limit_gb > 0:
-        raise InputError(f"--memory-limit-gb={args.memory_limit_gb} must be > 0")
+    if not 1 <= args.prefill_chunk <= INT32_MAX:  # else every chunked point failed alone, and the run exited 0
+        raise InputError(f"--prefill-chunk={args.prefill_chunk} must be in [1, {INT32_MAX}] (positions are int32)")
+    if not 0 < args.memory_limit_gb < math.inf:  # the watchdog compares a byte count: inf has none
+        raise InputError(f"--memory-limit-gb={args.memory_limit_gb} must be a finite number of GB > 0 (the RSS at "
+                         "which a point is killed)")
     if args.model is not None and not args.model.is_dir():
         raise InputError(f"--prefill-memory --model {args.model} is not a checkpoint directory; the sweep runs on a "
                          "copy of its config.json (a GGUF file has none): give an HF checkpoint directory")

@@ -237,3 +237,19 @@ def test_prefill_memory_bench_runs_on_the_preset_model(checkpoints, tmp_path, mo
     code, _, err = run_in_process([*common, "--preset", "7b"], capsys)
     assert_one_line_error(code, err, "builds its weights on a GPU")
     assert len(swept) == 2
+
+
+def test_prefill_memory_numbers_past_what_a_point_can_take_are_refused_at_once(tmp_path, monkeypatch, capsys):
+    """--memory-limit-gb inf was "unexpected OverflowError" (the watchdog's byte count), and a --prefill-chunk or
+    prompt length past int32 ran the sweep, every point failing (or killed) alone, and exited 0."""
+    from bench import prefill_memory
+    from parity_tests.test_cli_bad_inputs import assert_one_line_error, run_in_process
+
+    monkeypatch.setattr(prefill_memory, "sweep", lambda *args, **kwargs: pytest.fail("the sweep ran"))
+    common = ["bench", "--prefill-memory", "--out", str(tmp_path / "out"), "--no-progress"]
+    for flags, expected in ((["--memory-limit-gb", "inf"], "--memory-limit-gb=inf must be a finite number of GB"),
+                            (["--prefill-chunk", str(2**31)], f"--prefill-chunk={2**31} must be in [1, 2147483647]"),
+                            (["--prompt-lengths", f"8,{2**31}"], "give prompt lengths in [1, 2147483647]")):
+        code, _, err = run_in_process([*common, *flags], capsys)
+        assert_one_line_error(code, err, expected)
+    assert not (tmp_path / "out").exists()
