@@ -192,7 +192,8 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
 
 
 def _describe(records: list[dict[str, Any]]) -> dict[str, Any]:
-    machine = records[0].get("machine") or {}
+    machine = records[0].get("machine")
+    machine = machine if isinstance(machine, dict) else {}
     return {"preset": records[0]["preset"], "commit": machine.get("git_commit"),
             "started_utc": machine.get("started_utc"), "device": machine.get("gpu") or machine.get("cpu"),
             "torch": machine.get("torch"), "jax": machine.get("jax"),

@@ -36,8 +36,8 @@ def _finite(value: object) -> bool:
 def shared_machine(records: list[dict[str, Any]]) -> str | None:
     """What says other processes competed for the CPU during a CPU run, or None: the CPU they used while it ran
     (OthersCPU); a run recorded before that was measured falls back to its load average."""
-    machine = records[0]["machine"] if records else {}
-    if machine.get("device") != "cpu":
+    machine = records[0].get("machine") if records else None
+    if not isinstance(machine, dict) or machine.get("device") != "cpu":  # a hand-edited run may lack its machine
         return None
     cores: Any = machine.get("cpu_cores")
     # Only numbers count: a record edited by hand or written by another tool may hold anything there.

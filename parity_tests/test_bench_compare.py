@@ -151,6 +151,20 @@ def test_records_that_lie_are_refused_in_one_line(tmp_path, change, message):
         compare.load_run(tmp_path / "lies.json")
 
 
+def test_a_run_without_its_machine_still_compares(tmp_path):
+    """results.json whose records have no `machine` object (an older or hand-edited run) was "unexpected KeyError:
+    'machine'", or AttributeError for a string there: nothing to flag as a shared machine, and the header's commit and
+    versions read None."""
+    (tmp_path / "bare.json").write_text(json.dumps([{**decode("torch_compiled", 100, 99, 101), "machine": "edited"},
+                                                    decode("transformers", 50, 49, 51)]))
+    for bare in (compare.load_run(tmp_path / "bare.json"),
+                 [{k: v for k, v in r.items() if k != "machine"} for r in compare.load_run(tmp_path / "bare.json")]):
+        result = compare.compare(bare, [decode("torch_compiled", 100, 99, 101), decode("transformers", 50, 49, 51)])
+        assert result["old"]["shared_machine"] is None and result["old"]["commit"] is None
+        assert rows(result)["torch_compiled"]["verdict"] == "within spread"
+        assert "commit None" in compare.markdown(result, tmp_path, tmp_path)
+
+
 def test_curves_and_batch_points_compare_where_both_runs_measured():
     def point(impl: str, context: int, ms: float) -> dict:
         return {**decode(impl, 1000 / ms, 0, 0), "kind": "latency_vs_context", "context": context,
