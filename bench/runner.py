@@ -73,6 +73,11 @@ def tokens_reached(preset: Preset, curves: bool = True, batch: bool = True) -> d
     return reached
 
 
+# What cuts a run short from outside: Ctrl-C (or a timeout's SIGINT), and the reader of stdout going away (`bench
+# --no-progress | head`: the next warm-up line raises BrokenPipeError, which the CLI ends quietly, as Unix tools do).
+HARD_STOPS = (KeyboardInterrupt, BrokenPipeError)
+
+
 class _Results:
     def __init__(self, out: Path, machine: dict[str, Any], preset: Preset) -> None:
         self.out, self.machine, self.preset = out, machine, preset
@@ -228,7 +233,7 @@ class Bench:
             self.results.machine["elapsed_s"] = round(time.monotonic() - self.start, 1)
             self.results.save()
             return self.results.records
-        except KeyboardInterrupt:  # a timeout's SIGINT: keep what was measured, marked as cut short
+        except HARD_STOPS:  # a timeout's SIGINT, or `| head` gone: keep what was measured, marked as cut short
             self.results.machine["interrupted_after_s"] = round(time.monotonic() - self.start, 1)
             self.results.machine.update(self.others.per_wall())
             self.results.save()
@@ -285,7 +290,7 @@ class Bench:
                     warm[cell] = measured
                     if not self.opts.progress:  # no bar (gpu_7b.sh): a line per warm-up, for its log
                         print(f"bench: {name}/{cache} warmed up: {_warm_up_text(*measured)}", flush=True)
-        except KeyboardInterrupt:  # a hard stop during the warm-ups: what each warm-up measured is still a row
+        except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
             for cell, measured in warm.items():
                 self._table_record(cell, measured, [], None, max_cache_len)
             raise

@@ -226,6 +226,33 @@ def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, mo
     assert "| torch_eager | static |" in (out / "results.md").read_text()
 
 
+def test_a_reader_gone_mid_warm_ups_leaves_what_they_measured(tmp_path, monkeypatch, capsys):
+    """`twincache bench --no-progress | head -2`: the warm-up line after head left raised BrokenPipeError, which the
+    CLI ends quietly (141), but the warm-ups measured were dropped (only Ctrl-C kept them): results.json held no
+    decode row. Now a broken pipe is a hard stop like Ctrl-C: each warm-up measured is an `untimed` row."""
+    import dataclasses
+
+    from bench import runner
+
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=4, repeats=1,
+                                                             probe_bytes=1 << 20))
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+
+    def reader_gone(*args: object, **kwargs: object) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(runner, "print", reader_gone, raising=False)  # the first warm-up's line
+    out = tmp_path / "out"
+    assert main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--caches", "static", "--no-curves",
+                 "--no-batch", "--warm-compile-cache", "--no-progress", "--out", str(out)]) == 141
+    records = json.loads((out / "results.json").read_text())
+    decode = [r for r in records if r["kind"] == "decode"]
+    assert [(r["impl"], r["status"]) for r in decode] == [("torch_eager", "untimed")], decode
+    assert records[0]["machine"]["interrupted_after_s"] > 0
+
+
 def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoints, tmp_path, capsys):
     """`bench --model` on a checkpoint of 512 positions: the small preset's decode table (300 + 256 tokens) would
     be refused run by run, so the bench refuses at once, naming the phase; with 600 positions the table fits and
