@@ -33,6 +33,13 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _loads(value: Any) -> str:
+    """os.getloadavg()'s 1, 5 and 15-minute figures as results.json keeps them, in two decimals."""
+    if isinstance(value, list) and value and all(_finite(v) for v in value):
+        return "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
+    return str(value)
+
+
 def shared_machine(records: list[dict[str, Any]]) -> str | None:
     """What says other processes competed for the CPU during a CPU run, or None: the CPU they used while it ran
     (OthersCPU); a run recorded before that was measured falls back to its load average."""
@@ -75,13 +82,20 @@ def markdown(records: list[dict[str, Any]]) -> str:
     preset = records[0]["preset"] if records else "?"
     limit = records[0].get("limit_gbps") if records else None
     lines = [f"# twincache bench: preset `{preset}`", ""]
-    load = f"load average {machine.get('loadavg_start')} at start, {machine.get('loadavg_end')} at end"
+    load = f"load average {_loads(machine.get('loadavg_start'))} at start"
+    if machine.get("interrupted_after_s") is not None:  # Ctrl-C or a broken pipe: no end probe, load or elapsed
+        ended = (f"**interrupted after {machine['interrupted_after_s']} s**: below is what it measured by then "
+                 "(an `untimed` cell was stopped before its timed rounds; cells, points and phases it never reached "
+                 "are absent)")
+    else:
+        load += f", {_loads(machine.get('loadavg_end'))} at end"
+        ended = f"{machine.get('elapsed_s')} s in all"
     lines += [f"Machine: {machine.get('cpu')}, {machine.get('cpu_cores')} cores ({machine.get('torch_threads')} torch "
               f"threads), {machine.get('memory_gb')} GB, device `{machine.get('device')}`"
               + (f" ({machine['gpu']})" if machine.get("gpu") else "")
               + f"; torch {machine.get('torch')}, transformers {machine.get('transformers')}, "
               f"jax {machine.get('jax')}; commit {machine.get('git_commit')}; "
-              f"started {machine.get('started_utc')} UTC; {load}; {machine.get('elapsed_s')} s in all.", ""]
+              f"started {machine.get('started_utc')} UTC; {load}; {ended}.", ""]
     lines += shared_machine_warning(records)
 
     probes = _ok(records, "bandwidth_probe")

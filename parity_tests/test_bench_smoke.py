@@ -123,6 +123,21 @@ def test_a_plot_without_points_is_neither_drawn_nor_listed(tmp_path):
     assert not list(tmp_path.glob("*.png")) and "Figures" not in (tmp_path / "results.md").read_text()
 
 
+def test_an_interrupted_runs_markdown_says_so():
+    """results.md of a run cut short (Ctrl-C, a broken pipe) read "load average [...] at start, None at end; None s
+    in all", with nothing saying the run stopped, nor why its later cells were missing."""
+    from bench import report
+
+    record = _decode_record("torch_eager", "static")
+    record["machine"] = {**record["machine"], "loadavg_start": [0.4946, 3.2, 3.81], "interrupted_after_s": 13.4}
+    header = report.markdown([record]).splitlines()[2]
+    assert "load average [0.49, 3.20, 3.81] at start; **interrupted after 13.4 s**: below is what it measured" in header
+    assert "None at end" not in header and "None s in all" not in header, header
+    record["machine"] = {**record["machine"], "loadavg_end": [1.0, 2.0, 3.0], "elapsed_s": 34.4}
+    del record["machine"]["interrupted_after_s"]
+    assert "at start, [1.00, 2.00, 3.00] at end; 34.4 s in all." in report.markdown([record])
+
+
 @pytest.fixture
 def transformers_bars_on():
     """transformers' progress bars on for the test, as in a fresh process (a test that loaded before may have turned
