@@ -81,7 +81,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
     machine = records[0]["machine"] if records else {}
     preset = records[0]["preset"] if records else "?"
     limit = records[0].get("limit_gbps") if records else None
-    lines = [f"# twincache bench: preset `{preset}`", ""]
+    model = records[0].get("model") if records else None  # a run on --model: the preset's workload, not its weights
+    lines = [f"# twincache bench: preset `{preset}`" + (f" on `{model}`" if model else ""), ""]
     load = f"load average {_loads(machine.get('loadavg_start'))} at start"
     if machine.get("interrupted_after_s") is not None:  # Ctrl-C or a broken pipe: no end probe, load or elapsed
         ended = (f"**interrupted after {machine['interrupted_after_s']} s**: below is what it measured by then "

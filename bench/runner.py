@@ -86,8 +86,10 @@ class _Results:
 
     def add(self, kind: str, **fields: Any) -> dict[str, Any]:
         config = self.preset.model_config
-        record = {"kind": kind, "preset": self.preset.name, "dtype": self.preset.dtype,
-                  "sliding_window": config.sliding_window, "params": metrics.param_count(config), "impl": None,
+        model = self.preset.model_dir  # --model's, or the trained default model's; None: the preset's random weights
+        record = {"kind": kind, "preset": self.preset.name, "model": None if model is None else str(model),
+                  "dtype": self.preset.dtype, "sliding_window": config.sliding_window,
+                  "params": metrics.param_count(config), "impl": None,
                   "cache": None, "prompt_len": None, "new_tokens": None, "batch": None, "prefill_s": None,
                   "decode_tok_s": None, "gbps": None, "roofline_frac": None, "compile_s": None,
                   "peak_mem_mb": None, "status": "ok", **fields}

@@ -123,6 +123,23 @@ def test_a_plot_without_points_is_neither_drawn_nor_listed(tmp_path):
     assert not list(tmp_path.glob("*.png")) and "Figures" not in (tmp_path / "results.md").read_text()
 
 
+def test_a_run_on_another_model_names_it(checkpoints, tmp_path):
+    """`bench --preset tiny --model DIR`: results.json and results.md named only the preset, as if its own random
+    weights (2 layers, hidden 64) had run; each record now names the model, and results.md's title too."""
+    from bench import report
+    from bench.presets import resolve
+    from bench.runner import _Results
+
+    def record(preset):  # a record as the runner adds it; machine as finalize() attaches it
+        return _Results(tmp_path, {}, preset).add("decode", status="skipped", machine={})
+
+    on_model = record(resolve(PRESETS["tiny"], checkpoints["gqa"]))
+    assert on_model["model"] == str(checkpoints["gqa"])
+    assert report.markdown([on_model]).startswith(f"# twincache bench: preset `tiny` on `{checkpoints['gqa']}`\n")
+    own = record(resolve(PRESETS["tiny"]))
+    assert own["model"] is None and report.markdown([own]).startswith("# twincache bench: preset `tiny`\n")
+
+
 def test_an_interrupted_runs_markdown_says_so():
     """results.md of a run cut short (Ctrl-C, a broken pipe) read "load average [...] at start, None at end; None s
     in all", with nothing saying the run stopped, nor why its later cells were missing."""
