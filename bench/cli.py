@@ -131,9 +131,11 @@ def run(args: argparse.Namespace) -> int:
     for phase, tokens in tokens_reached(preset, sweeps and not args.no_curves, sweeps and not args.no_batch).items():
         if tokens > limit:  # every run of the phase would be refused: say so before any of them
             skip = {"latency curve": ", or skip it with --no-curves", "batch sweep": ", or skip it with --no-batch"}
+            shorter = ("use a preset with shorter runs (--preset tiny)" if preset.name != "tiny"
+                       else f"tiny is the shortest preset: give a model of at least {tokens} positions")
             raise InputError(f"preset {preset.name}'s {phase} runs {tokens} tokens (prompt + new), but "
-                             f"{args.model}'s max_position_embeddings={limit} holds {limit}; use a preset with "
-                             f"shorter runs (--preset tiny){skip.get(phase, '')}")
+                             f"{args.model}'s max_position_embeddings={limit} holds {limit}; {shorter}"
+                             f"{skip.get(phase, '')}")
     if preset.device == "cuda":
         import torch
 

@@ -307,6 +307,11 @@ def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoint
         assert main(["bench", "--preset", "small", "--model", str(model), "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
+    # tiny itself too short: "use --preset tiny" was the advice to a tiny run as well
+    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 47}))
+    assert main(["bench", "--preset", "tiny", "--model", str(longer), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "47 holds 47; tiny is the shortest preset: give a model of at least 48 " in err
     assert not (tmp_path / "out").exists(), "refused before running anything"
 
 
