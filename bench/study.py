@@ -7,9 +7,32 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 from twincache.checkpoint import load_config
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A study's flags as twincache's: a bad one is one line on stderr and exit code 2, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_ints(minimum: int = 1, one: bool = False) -> Callable[[str], Any]:
+    """An argparse type: comma-separated integers >= minimum (a list), or with `one` a single one."""
+    def parse(text: str) -> Any:
+        try:
+            values = [int(item) for item in text.split(",") if item.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < minimum or (one and len(values) > 1):
+            kind = "an integer" if one else "comma-separated integers"
+            raise argparse.ArgumentTypeError(f"{text!r}: give {kind} >= {minimum}")
+        return values[0] if one else values
+    return parse
 
 
 def model_and_prompt(model: Path | None, prompt_len: int) -> tuple[Path, list[int]]:

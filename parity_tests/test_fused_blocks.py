@@ -154,3 +154,23 @@ def test_blocks_are_sized_to_last_about_the_target_time(model, blocks_of, monkey
     monkeypatch.setattr(jg, "decode_fused", recording)
     result, _ = run(model, "fused")
     assert seen == sizes and sum(seen) == result.decode_steps == NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--blocks", "0"], "argument --blocks: '0': give comma-separated integers >= 1"),
+    (["--blocks", "4,abc"], "argument --blocks: '4,abc': give comma-separated integers >= 1"),
+    (["--new-tokens", "2"], "argument --new-tokens: '2': give an integer >= 3"),
+    (["--rounds", "0"], "argument --rounds: '0': give an integer >= 1"),
+    ([], "checkpoint /nonexistent/model does not exist"),
+])
+def test_the_study_refuses_bad_flags_in_one_line(argv, expected, capsys):
+    """`python -m bench.fused_blocks` answered each of these with a traceback and exit code 1 (--blocks 0: JAX's
+    IndexError; --new-tokens 2 or --rounds 0: a TypeError or StatisticsError after the table's header; a missing
+    model: CheckpointError), as twincache's commands never do."""
+    from bench import fused_blocks
+
+    with pytest.raises(SystemExit) as exit_info:  # a missing model too, so that no regression runs a study
+        fused_blocks.main([*argv, "--model", "/nonexistent/model"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("python -m bench.fused_blocks: error: ") and expected in err, err
