@@ -93,7 +93,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--backends", type=_list(tuple(BACKENDS)), default=list(BACKENDS),
                         help="comma-separated subset of " + ", ".join(BACKENDS))
     # Ctrl-C (or a timeout's SIGINT) raises KeyboardInterrupt here, so the runner saves what it measured first.
-    parser.set_defaults(run=run, keep_keyboard_interrupt=True)
+    parser.set_defaults(run=run, keep_keyboard_interrupt=True,
+                        flag_defaults={flag: parser.get_default(_dest(flag)) for flags in _IGNORED.values()
+                                       for flag in flags})
+
+
+# The flags only one way of running reads, and what each other way would silently ignore: given there, they are
+# refused, named (--preset, --model, --out, --cache-dir and --no-progress serve several ways).
+_DECODE_FLAGS = ("--impls", "--caches", "--repeats", "--no-curves", "--no-batch", "--deadline", "--warm-compile-cache",
+                 "--sliding-window")
+_MEMORY_FLAGS = ("--prompt-lengths", "--prefill-chunk", "--memory-limit-gb", "--backends")
+_IGNORED = {"--compare": (*_DECODE_FLAGS, *_MEMORY_FLAGS, "--model", "--cache-dir"),
+            "--prefill-memory": (*_DECODE_FLAGS, "--meshes"),
+            "--meshes": (*_MEMORY_FLAGS, "--repeats", "--deadline", "--warm-compile-cache"),
+            "a decode bench": _MEMORY_FLAGS}
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _refuse_ignored(args: argparse.Namespace, way: str, why: str, instead: str = "") -> None:
+    given = [flag for flag in _IGNORED[way] if getattr(args, _dest(flag)) != args.flag_defaults[flag]]
+    if given:
+        raise InputError(f"{way} would ignore {', '.join(given)} ({why}): {instead}leave "
+                         f"{'it' if len(given) == 1 else 'them'} out")
 
 
 def _mesh(text: str) -> MeshShape:
@@ -114,7 +138,12 @@ def run(args: argparse.Namespace) -> int:
     from bench.runner import Options, run_bench
 
     if args.prefill_memory:
+        _refuse_ignored(args, "--prefill-memory", "flags of the decode bench")
         return run_prefill_memory(args)
+    if args.meshes:
+        _refuse_ignored(args, "--meshes", "it times one generation per backend and mesh")
+    else:
+        _refuse_ignored(args, "a decode bench", "flags of --prefill-memory", "add --prefill-memory, or ")
     if args.repeats is not None and args.repeats < 1:
         raise InputError(f"--repeats={args.repeats} must be >= 1")
     if args.deadline is not None and not args.deadline >= 0:  # NaN too: it would never pass
@@ -177,6 +206,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.prefill_memory or args.meshes:
         raise InputError("--compare reads two runs' results.json; it takes no --prefill-memory or --meshes (compare "
                          "decode tables: the runs `twincache bench --preset P --out DIR` writes)")
+    _refuse_ignored(args, "--compare", "it reads two earlier runs and runs nothing")
     old_path, new_path = args.compare
     result = compare.compare(compare.load_run(old_path), compare.load_run(new_path))
     text = compare.markdown(result, old_path, new_path)

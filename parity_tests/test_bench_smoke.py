@@ -196,6 +196,27 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys):
         assert err.count("\n") == 1 and f"--deadline={float(deadline)} must be a number of seconds >= 0" in err, err
 
 
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--prefill-memory", "--meshes", "model=2"], "--prefill-memory would ignore --meshes (flags of the decode bench)"),
+    (["--prefill-memory", "--sliding-window", "8", "--impls", "torch_eager"],
+     "--prefill-memory would ignore --impls, --sliding-window (flags of the decode bench): leave them out"),
+    (["--compare", *[str(REPO / "bench" / "results" / "small")] * 2, "--repeats", "5"], "--compare would ignore"),
+    (["--meshes", "model=1", "--deadline", "60"], "--meshes would ignore --deadline"),
+    (["--prompt-lengths", "100"], "a decode bench would ignore --prompt-lengths (flags of --prefill-memory): add "),
+])
+def test_a_flag_the_chosen_way_of_running_ignores_is_refused(flags, expected, tmp_path, capsys):
+    """Each was silently ignored: --prefill-memory swept every backend (its --backends) at the model's own window
+    whatever --impls or --sliding-window said, --compare took run flags, --meshes a deadline, a decode bench the
+    sweep's lengths."""
+    from parity_tests.test_cli_bad_inputs import assert_one_line_error, run_in_process
+
+    # a missing --model too (where it is not itself ignored), so that a regression fails at once instead of running
+    model = [] if "--compare" in flags else ["--model", str(tmp_path / "missing")]
+    code, _, err = run_in_process(["bench", *flags, *model, "--out", str(tmp_path / "out"), "--no-progress"], capsys)
+    assert_one_line_error(code, err, expected)
+    assert not (tmp_path / "out").exists()
+
+
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     assert main(["bench", "--preset", "tiny", "--out", str(tmp_path / "out")]) == 2
