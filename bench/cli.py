@@ -21,7 +21,8 @@ from twincache_app.backends import BACKENDS
 
 def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",") if item.strip()]
+        # once each: a name given twice was a cell run twice per round into one record, written twice
+        items = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
         unknown = [item for item in items if item not in choices]
         if unknown or not items:
             raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)} (comma-separated)")

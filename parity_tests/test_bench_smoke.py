@@ -217,6 +217,16 @@ def test_a_flag_the_chosen_way_of_running_ignores_is_refused(flags, expected, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_a_name_given_twice_is_one_cell():
+    """`--impls torch_eager,torch_eager --caches static,static`: the cell ran four times a round into one list of
+    runs (8 timed, "median over 2 runs") and was written as four identical rows."""
+    from twincache_app.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--impls", "torch_eager,jax_step,torch_eager", "--caches",
+                                      "static,static", "--prefill-memory", "--backends", "jax,jax"])
+    assert (args.impls, args.caches, args.backends) == (["torch_eager", "jax_step"], ["static"], ["jax"])
+
+
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     assert main(["bench", "--preset", "tiny", "--out", str(tmp_path / "out")]) == 2
