@@ -178,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         from bench.mesh import mesh_impls, run_mesh_bench
 
         modes = mesh_impls(args.impls)
-        run_mesh_bench(preset, out, args.meshes, list(modes), args.cache_dir, modes)
+        meshes = list(dict.fromkeys(args.meshes))  # a mesh given twice (model=2 model=2,data=1) runs once
+        run_mesh_bench(preset, out, meshes, list(modes), args.cache_dir, modes)
         print(f"bench: wrote {out / 'mesh.json'} and {out / 'mesh.md'}", file=sys.stderr)
         return 0
     opts = Options(preset=preset, out=out, impls=args.impls or list(preset.impls), caches=args.caches,
@@ -235,7 +236,7 @@ def _lengths(text: str) -> list[int]:
     if not lengths or min(lengths) < 1 or max(lengths) > INT32_MAX:  # positions are int32
         raise argparse.ArgumentTypeError(f"{text!r}: give prompt lengths in [1, {INT32_MAX}], comma-separated, e.g. "
                                          "1000,10000")
-    return lengths
+    return list(dict.fromkeys(lengths))  # a length given twice is one point, not two into one table cell
 
 
 def run_prefill_memory(args: argparse.Namespace) -> int:

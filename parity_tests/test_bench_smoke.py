@@ -217,14 +217,21 @@ def test_a_flag_the_chosen_way_of_running_ignores_is_refused(flags, expected, tm
     assert not (tmp_path / "out").exists()
 
 
-def test_a_name_given_twice_is_one_cell():
+def test_a_name_given_twice_is_one_cell(tmp_path, monkeypatch):
     """`--impls torch_eager,torch_eager --caches static,static`: the cell ran four times a round into one list of
-    runs (8 timed, "median over 2 runs") and was written as four identical rows."""
+    runs (8 timed, "median over 2 runs") and was written as four identical rows; a prompt length or a mesh given
+    twice was measured twice too."""
+    from bench import mesh
     from twincache_app.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--impls", "torch_eager,jax_step,torch_eager", "--caches",
                                       "static,static", "--prefill-memory", "--backends", "jax,jax"])
     assert (args.impls, args.caches, args.backends) == (["torch_eager", "jax_step"], ["static"], ["jax"])
+    assert build_parser().parse_args(["bench", "--prompt-lengths", "8,16,8"]).prompt_lengths == [8, 16]
+    ran: list = []
+    monkeypatch.setattr(mesh, "run_mesh_bench", lambda preset, out, meshes, *args: ran.append(meshes))
+    assert main(["bench", "--meshes", "model=2", "model=2,data=1", "--out", str(tmp_path / "out")]) == 0
+    assert [str(m) for m in ran[0]] == ["model=2,data=1"]
 
 
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
