@@ -234,6 +234,18 @@ def test_a_name_given_twice_is_one_cell(tmp_path, monkeypatch):
     assert [str(m) for m in ran[0]] == ["model=2,data=1"]
 
 
+def test_the_mesh_bench_of_a_model_without_a_window_needs_no_cache_flag(checkpoints, tmp_path, monkeypatch, capsys):
+    """The mesh bench runs the static cache only, yet a model without a window was refused ("the sliding_window cache
+    cannot run; ... pass --caches static"); the decode bench still refuses it."""
+    from bench import mesh
+
+    ran: list = []
+    monkeypatch.setattr(mesh, "run_mesh_bench", lambda *args: ran.append(args))
+    common = ["bench", "--model", str(checkpoints["no_window"]), "--out", str(tmp_path / "out")]
+    assert main([*common, "--meshes", "model=1"]) == 0 and len(ran) == 1, capsys.readouterr().err
+    assert main(common) == 2 and "has no sliding window" in capsys.readouterr().err
+
+
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     assert main(["bench", "--preset", "tiny", "--out", str(tmp_path / "out")]) == 2
