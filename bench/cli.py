@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         return run_prefill_memory(args)
     if args.meshes:
         _refuse_ignored(args, "--meshes", "it times one generation per backend and mesh")
+        if args.caches == ["sliding_window"]:
+            raise InputError("--meshes runs the static cache only (bench/mesh.py): leave --caches out")
     else:
         _refuse_ignored(args, "a decode bench", "flags of --prefill-memory", "add --prefill-memory, or ")
     if args.repeats is not None and args.repeats < 1:

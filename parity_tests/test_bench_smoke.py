@@ -244,6 +244,8 @@ def test_the_mesh_bench_of_a_model_without_a_window_needs_no_cache_flag(checkpoi
     common = ["bench", "--model", str(checkpoints["no_window"]), "--out", str(tmp_path / "out")]
     assert main([*common, "--meshes", "model=1"]) == 0 and len(ran) == 1, capsys.readouterr().err
     assert main(common) == 2 and "has no sliding window" in capsys.readouterr().err
+    assert main([*common, "--meshes", "model=1", "--caches", "sliding_window"]) == 2  # was run as static
+    assert "--meshes runs the static cache only (bench/mesh.py): leave --caches out" in capsys.readouterr().err
 
 
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
