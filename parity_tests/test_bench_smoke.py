@@ -248,6 +248,19 @@ def test_the_mesh_bench_of_a_model_without_a_window_needs_no_cache_flag(checkpoi
     assert "--meshes runs the static cache only (bench/mesh.py): leave --caches out" in capsys.readouterr().err
 
 
+def test_a_cached_random_checkpoint_damaged_since_its_build_is_built_again(tmp_path):
+    """A bench checkpoint under --cache-dir whose weights were truncated after it was built (a disk error, a partial
+    copy) was reused as complete: every cell of every later run failed with "corrupted or truncated"."""
+    from bench.workload import checkpoint_dir
+
+    config = PRESETS["tiny"].config
+    built = checkpoint_dir(config, 0, tmp_path)
+    weights = built / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:1000])
+    assert checkpoint_dir(config, 0, tmp_path) == built and weights.read_bytes() == intact
+
+
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     assert main(["bench", "--preset", "tiny", "--out", str(tmp_path / "out")]) == 2
