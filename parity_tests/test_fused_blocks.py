@@ -174,3 +174,25 @@ def test_the_study_refuses_bad_flags_in_one_line(argv, expected, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("python -m bench.fused_blocks: error: ") and expected in err, err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--rounds", "0"], "argument --rounds: '0': give an integer >= 1"),
+    (["--new-tokens", "3"], "argument --new-tokens: '3': give an integer >= 4"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    ([], "checkpoint /nonexistent/model does not exist"),
+])
+def test_the_switch_studies_refuse_bad_flags_in_one_line(argv, expected, capsys, monkeypatch):
+    """`python -m bench.guard_skip` and `bench.overlap_steps` (bench.study.switch_study) answered these with a
+    traceback: --rounds 0 or --new-tokens 3 a StatisticsError after the model compiled, --dtype float64 and a
+    missing model their errors' tracebacks."""
+    import sys
+
+    from bench import study
+
+    monkeypatch.setattr(sys, "argv", ["guard_skip", *argv, "--model", "/nonexistent/model"])
+    with pytest.raises(SystemExit) as exit_info:  # a missing model too, so that no regression runs a study
+        study.switch_study("guard_skip", "A study.")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("python -m bench.guard_skip: error: ") and expected in err, err
