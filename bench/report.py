@@ -116,8 +116,12 @@ def markdown(records: list[dict[str, Any]]) -> str:
     ok = [r for r in decode if r["status"] == "ok"]
     if ok:
         r0 = ok[0]
+        # a run cut short mid-round leaves some cells a run fewer than others: say so, not the first cell's count
+        counts = sorted({r.get("repeats") for r in ok}, key=lambda n: (n is None, n or 0))
+        runs = (f"{counts[0]} interleaved runs" if len(counts) == 1
+                else f"{counts[0]}–{counts[-1]} interleaved runs per cell, the run cut short")
         lines += [f"Prompt {r0['prompt_len']} tokens, {r0['new_tokens']} new; tok/s = decode steps per second after "
-                  f"the first step (median over {r0.get('repeats')} interleaved runs, [min–max]), warm-up excluded. "
+                  f"the first step (median over {runs}, [min–max]), warm-up excluded. "
                   "GB/s = (weights + K/V a step must read) x steps/s; roofline = GB/s / limit; roofline (round) = "
                   "median over the runs of each run's GB/s / the best probe of its own round, the fraction of the "
                   "bandwidth available at the time (a shared machine's drifts). compile s = compile "

@@ -153,6 +153,10 @@ def test_an_interrupted_runs_markdown_says_so():
     record["machine"] = {**record["machine"], "loadavg_end": [1.0, 2.0, 3.0], "elapsed_s": 34.4}
     del record["machine"]["interrupted_after_s"]
     assert "at start, [1.00, 2.00, 3.00] at end; 34.4 s in all." in report.markdown([record])
+    # stopped mid-round: the table's prose gave the first cell's count of runs for every cell
+    later = {**_decode_record("torch_eager", "sliding_window"), "repeats": 2}
+    assert "(median over 1–2 interleaved runs per cell, the run cut short, [min" in report.markdown([record, later])
+    assert "(median over 1 interleaved runs, [min" in report.markdown([record])
 
 
 @pytest.fixture
