@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
             f"{cache} {r['bytes_per_step'] / 1e6:.1f} MB (roofline {_fmt(r.get('roofline_tok_s'))} tok/s)"
             for cache, r in per_cache.items()) + "."]
 
-    lines += _curve_section(records) + _batch_section(records)
+    lines += _curve_section(records) + _batch_section(records) + _unmeasured_points(records)
     notes = {(r["impl"], r["cache"]): r.get("note") for r in ok}
     if notes:
         lines += ["", "## What each cell measures", ""]
@@ -176,6 +177,17 @@ _PLOT_KINDS = {"latency": "latency_vs_context", "impls": "decode", "batch": "bat
 def figures(records: list[dict[str, Any]]) -> list[str]:
     """The PNGs this run's records draw: those with at least one measured point."""
     return [name for key, name in PLOTS.items() if _ok(records, _PLOT_KINDS[key])]
+
+
+def _unmeasured_points(records: list[dict[str, Any]]) -> list[str]:
+    """Curve and batch points not measured (skipped at a deadline, failed), counted with why: a section or a column
+    missing for them read as one never asked for."""
+    lines = []
+    for kind, label in (("latency_vs_context", "latency vs context"), ("batch", "tok/s vs batch")):
+        missed = Counter(f"{r['status']} ({r.get('note') or 'no note'})" for r in records
+                         if r["kind"] == kind and r["status"] != "ok")
+        lines += [f"- {label}: {count} point{'s' * (count > 1)} {why}" for why, count in missed.items()]
+    return ["", "Points not measured:", "", *lines] if lines else []
 
 
 def _curve_section(records: list[dict[str, Any]]) -> list[str]:

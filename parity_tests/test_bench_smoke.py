@@ -159,6 +159,20 @@ def test_an_interrupted_runs_markdown_says_so():
     assert "(median over 1 interleaved runs, [min" in report.markdown([record])
 
 
+def test_curve_and_batch_points_not_measured_are_counted_in_the_markdown():
+    """`--deadline`: skipped (or failed) latency and batch points are in results.json, but results.md left their
+    sections out without a word, as if never asked for."""
+    from bench import report
+
+    skipped = [{**_decode_record("torch_eager", cache), "kind": kind, "status": "skipped", "note": "deadline"}
+               for kind in ("latency_vs_context", "batch") for cache in ("static", "sliding_window")]
+    failed = {**skipped[0], "status": "error", "note": "RuntimeError: out of memory"}
+    markdown = report.markdown([_decode_record("torch_eager", "static"), *skipped, failed])
+    assert ("Points not measured:\n\n- latency vs context: 2 points skipped (deadline)\n- latency vs context: 1 point "
+            "error (RuntimeError: out of memory)\n- tok/s vs batch: 2 points skipped (deadline)\n") in markdown
+    assert "Points not measured" not in report.markdown([_decode_record("torch_eager", "static")])
+
+
 @pytest.fixture
 def transformers_bars_on():
     """transformers' progress bars on for the test, as in a fresh process (a test that loaded before may have turned
