@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 from bench import prefill_memory
 from bench.impls import impl_registry
 from bench.presets import PRESETS, resolve
-from twincache.config import check_window_flag
+from twincache.config import INT32_MAX, check_window_flag
 from twincache.errors import InputError, MeshError, UnavailableError
 from twincache.generation import CACHE_KINDS, PREFILL_CHUNK
 from twincache.mesh import MeshShape, parse_mesh
@@ -20,7 +21,8 @@ from twincache_app.backends import BACKENDS
 
 def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",") if item.strip()]
+        # once each: a name given twice was a cell run twice per round into one record, written twice
+        items = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
         unknown = [item for item in items if item not in choices]
         if unknown or not items:
             raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)} (comma-separated)")
@@ -92,7 +94,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--backends", type=_list(tuple(BACKENDS)), default=list(BACKENDS),
                         help="comma-separated subset of " + ", ".join(BACKENDS))
     # Ctrl-C (or a timeout's SIGINT) raises KeyboardInterrupt here, so the runner saves what it measured first.
-    parser.set_defaults(run=run, keep_keyboard_interrupt=True)
+    parser.set_defaults(run=run, keep_keyboard_interrupt=True,
+                        flag_defaults={flag: parser.get_default(_dest(flag)) for flags in _IGNORED.values()
+                                       for flag in flags})
+
+
+# The flags only one way of running reads, and what each other way would silently ignore: given there, they are
+# refused, named (--preset, --model, --out, --cache-dir and --no-progress serve several ways).
+_DECODE_FLAGS = ("--impls", "--caches", "--repeats", "--no-curves", "--no-batch", "--deadline", "--warm-compile-cache",
+                 "--sliding-window")
+_MEMORY_FLAGS = ("--prompt-lengths", "--prefill-chunk", "--memory-limit-gb", "--backends")
+_IGNORED = {"--compare": (*_DECODE_FLAGS, *_MEMORY_FLAGS, "--model", "--cache-dir"),
+            "--prefill-memory": (*_DECODE_FLAGS, "--meshes"),
+            "--meshes": (*_MEMORY_FLAGS, "--repeats", "--deadline", "--warm-compile-cache"),
+            "a decode bench": _MEMORY_FLAGS}
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _refuse_ignored(args: argparse.Namespace, way: str, why: str, instead: str = "") -> None:
+    given = [flag for flag in _IGNORED[way] if getattr(args, _dest(flag)) != args.flag_defaults[flag]]
+    if given:
+        raise InputError(f"{way} would ignore {', '.join(given)} ({why}): {instead}leave "
+                         f"{'it' if len(given) == 1 else 'them'} out")
 
 
 def _mesh(text: str) -> MeshShape:
@@ -113,14 +139,22 @@ def run(args: argparse.Namespace) -> int:
     from bench.runner import Options, run_bench
 
     if args.prefill_memory:
+        _refuse_ignored(args, "--prefill-memory", "flags of the decode bench")
         return run_prefill_memory(args)
+    if args.meshes:
+        _refuse_ignored(args, "--meshes", "it times one generation per backend and mesh")
+        if args.caches == ["sliding_window"]:
+            raise InputError("--meshes runs the static cache only (bench/mesh.py): leave --caches out")
+    else:
+        _refuse_ignored(args, "a decode bench", "flags of --prefill-memory", "add --prefill-memory, or ")
     if args.repeats is not None and args.repeats < 1:
         raise InputError(f"--repeats={args.repeats} must be >= 1")
     if args.deadline is not None and not args.deadline >= 0:  # NaN too: it would never pass
         raise InputError(f"--deadline={args.deadline} must be a number of seconds >= 0 (inf: none)")
     check_window_flag(args.sliding_window)
     preset = resolve(PRESETS[args.preset], args.model, args.sliding_window)
-    if "sliding_window" in args.caches and preset.model_config.sliding_window is None:
+    # the mesh bench runs the static cache only (bench.mesh.CACHE): a model without a window needs no flag there
+    if "sliding_window" in args.caches and preset.model_config.sliding_window is None and not args.meshes:
         raise InputError(f"{args.model} has no sliding window, so the sliding_window cache cannot run; give it one "
                          "with --sliding-window N, or pass --caches static")
     from bench.runner import tokens_reached
@@ -130,9 +164,11 @@ def run(args: argparse.Namespace) -> int:
     for phase, tokens in tokens_reached(preset, sweeps and not args.no_curves, sweeps and not args.no_batch).items():
         if tokens > limit:  # every run of the phase would be refused: say so before any of them
             skip = {"latency curve": ", or skip it with --no-curves", "batch sweep": ", or skip it with --no-batch"}
+            shorter = ("use a preset with shorter runs (--preset tiny)" if preset.name != "tiny"
+                       else f"tiny is the shortest preset: give a model of at least {tokens} positions")
             raise InputError(f"preset {preset.name}'s {phase} runs {tokens} tokens (prompt + new), but "
-                             f"{args.model}'s max_position_embeddings={limit} holds {limit}; use a preset with "
-                             f"shorter runs (--preset tiny){skip.get(phase, '')}")
+                             f"{args.model}'s max_position_embeddings={limit} holds {limit}; {shorter}"
+                             f"{skip.get(phase, '')}")
     if preset.device == "cuda":
         import torch
 
@@ -145,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         from bench.mesh import mesh_impls, run_mesh_bench
 
         modes = mesh_impls(args.impls)
-        run_mesh_bench(preset, out, args.meshes, list(modes), args.cache_dir, modes)
+        meshes = list(dict.fromkeys(args.meshes))  # a mesh given twice (model=2 model=2,data=1) runs once
+        run_mesh_bench(preset, out, meshes, list(modes), args.cache_dir, modes)
         print(f"bench: wrote {out / 'mesh.json'} and {out / 'mesh.md'}", file=sys.stderr)
         return 0
     opts = Options(preset=preset, out=out, impls=args.impls or list(preset.impls), caches=args.caches,
@@ -174,6 +211,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.prefill_memory or args.meshes:
         raise InputError("--compare reads two runs' results.json; it takes no --prefill-memory or --meshes (compare "
                          "decode tables: the runs `twincache bench --preset P --out DIR` writes)")
+    _refuse_ignored(args, "--compare", "it reads two earlier runs and runs nothing")
     old_path, new_path = args.compare
     result = compare.compare(compare.load_run(old_path), compare.load_run(new_path))
     text = compare.markdown(result, old_path, new_path)
@@ -198,19 +236,21 @@ def _lengths(text: str) -> list[int]:
         lengths = [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
         lengths = []
-    if not lengths or min(lengths) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive prompt lengths, comma-separated, e.g. 1000,10000")
-    return lengths
+    if not lengths or min(lengths) < 1 or max(lengths) > INT32_MAX:  # positions are int32
+        raise argparse.ArgumentTypeError(f"{text!r}: give prompt lengths in [1, {INT32_MAX}], comma-separated, e.g. "
+                                         "1000,10000")
+    return list(dict.fromkeys(lengths))  # a length given twice is one point, not two into one table cell
 
 
 def run_prefill_memory(args: argparse.Namespace) -> int:
     """The sweep on the preset's model (tiny by default: its random weights, seconds per point), or on --model."""
     from bench.workload import preset_checkpoint
 
-    if args.prefill_chunk < 1:
-        raise InputError(f"--prefill-chunk={args.prefill_chunk} must be >= 1")
-    if not args.memory_limit_gb > 0:
-        raise InputError(f"--memory-limit-gb={args.memory_limit_gb} must be > 0")
+    if not 1 <= args.prefill_chunk <= INT32_MAX:  # else every chunked point failed alone, and the run exited 0
+        raise InputError(f"--prefill-chunk={args.prefill_chunk} must be in [1, {INT32_MAX}] (positions are int32)")
+    if not 0 < args.memory_limit_gb < math.inf:  # the watchdog compares a byte count: inf has none
+        raise InputError(f"--memory-limit-gb={args.memory_limit_gb} must be a finite number of GB > 0 (the RSS at "
+                         "which a point is killed)")
     if args.model is not None and not args.model.is_dir():
         raise InputError(f"--prefill-memory --model {args.model} is not a checkpoint directory; the sweep runs on a "
                          "copy of its config.json (a GGUF file has none): give an HF checkpoint directory")

@@ -22,6 +22,7 @@ from twincache.errors import InputError
 LIMIT_TOLERANCE = 0.10  # bandwidth limits this close count as one machine (probes on one VM vary ~5% a run)
 WORKLOAD_FIELDS = ("preset", "params", "dtype", "sliding_window")  # any difference makes two tok/s incomparable
 REFERENCES = ("transformers", "transformers_eager")  # code twincache does not change: ratios to it are the control
+SINGLE_RUN = "no verdict: one timed run"  # a cell either run timed once: its min-max is no spread
 # Per kind compared: the fields that name a record (a string or an integer each), and what an ok one must have
 # measured (a positive finite number each).
 _KEYS = {"decode": ("impl", "cache"), "latency_vs_context": ("impl", "cache", "context"), "batch": ("impl", "batch")}
@@ -114,6 +115,15 @@ def verdict(old_span: tuple[float, float], new_span: tuple[float, float]) -> str
     return "within spread"
 
 
+def _timed_runs(record: dict[str, Any]) -> int:
+    """How many timed runs the cell's min-max spans: its tok/s per run, else the run's repeats (2 when neither is
+    recorded, as a hand-written record: taken at its word)."""
+    runs, repeats = record.get("tok_s_runs"), record.get("repeats")
+    if isinstance(runs, list):
+        return len(runs)
+    return repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else 2
+
+
 def _ok_by(records: list[dict[str, Any]], kind: str) -> dict[tuple, dict[str, Any]]:
     """The kind's ok records by the fields that name them (_KEYS)."""
     return {tuple(r[f] for f in _KEYS[kind]): r for r in records if r["kind"] == kind and r["status"] == "ok"}
@@ -167,6 +177,8 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
         else:
             row["judged_on"] = "tok/s"
             row["verdict"] = verdict(_span(o), _span(n))
+        if min(_timed_runs(o), _timed_runs(n)) < 2:  # a spread of one run is a point: any change would be a verdict
+            row["verdict"] = SINGLE_RUN
         decode.append(row)
     curves = []
     old_points, new_points = _ok_by(old, "latency_vs_context"), _ok_by(new, "latency_vs_context")
@@ -192,7 +204,8 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
 
 
 def _describe(records: list[dict[str, Any]]) -> dict[str, Any]:
-    machine = records[0].get("machine") or {}
+    machine = records[0].get("machine")
+    machine = machine if isinstance(machine, dict) else {}
     return {"preset": records[0]["preset"], "commit": machine.get("git_commit"),
             "started_utc": machine.get("started_utc"), "device": machine.get("gpu") or machine.get("cpu"),
             "torch": machine.get("torch"), "jax": machine.get("jax"),
@@ -242,7 +255,10 @@ def markdown(result: dict[str, Any], old_path: Path, new_path: Path) -> str:
     counted = [row["verdict"] for row in result["decode"] if "verdict" in row]
     lines += ["## Decode, batch 1", "",
               f"{counted.count('faster')} faster, {counted.count('slower')} slower, "
-              f"{counted.count('within spread')} within spread, of {len(counted)} cells both runs measured. A verdict "
+              f"{counted.count('within spread')} within spread"
+              + (f", {counted.count(SINGLE_RUN)} timed once in a run (no spread, so no verdict: rerun with --repeats "
+                 "3 or more)" if SINGLE_RUN in counted else "")
+              + f", of {len(counted)} cells both runs measured. A verdict "
               "compares the two runs' min–max spreads of the cell, faster or slower only where they do not overlap, "
               "on the most machine-proof scale at hand (in parentheses): the ratio to a reference both runs measured "
               "(x tf: transformers compiled; x tf-eager; each spread widened by the reference's), else the roofline "

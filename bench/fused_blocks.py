@@ -8,25 +8,38 @@ hits every block size alike; run it on an idle machine for figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
-from bench.study import model_and_prompt
+from bench.study import OneLineParser, model_and_prompt, positive_ints
+from twincache.errors import TwincacheError
 from twincache_app.bench_adapters import fused_block_tok_s
+from twincache_app.interrupts import exit_on_interrupt
+
+# Tokens per run at least: the prefill gives one and the first decode step (a block of its own) is untimed, so 3
+# leaves one timed step (fewer gave every run a null tok/s, and the table a TypeError).
+MIN_NEW_TOKENS = 3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.fused_blocks", description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = OneLineParser(prog="python -m bench.fused_blocks", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: the trained default model)")
-    parser.add_argument("--blocks", default="1,2,4,8,16,32,64,128,256", help="steps per block, comma-separated")
-    parser.add_argument("--new-tokens", type=int, default=2000, help="tokens per run; also run as one block")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    args.model, prompt = model_and_prompt(args.model, 16)
-    blocks = [int(b) for b in args.blocks.split(",")] + [args.new_tokens]  # the last: one loop over the budget
-    speeds = fused_block_tok_s(args.model, blocks, args.new_tokens, args.rounds, prompt)
+    parser.add_argument("--blocks", type=positive_ints(), default="1,2,4,8,16,32,64,128,256",
+                        help="steps per block, comma-separated")
+    parser.add_argument("--new-tokens", type=positive_ints(MIN_NEW_TOKENS, one=True), default=2000,
+                        help=f"tokens per run (at least {MIN_NEW_TOKENS}); also run as one block")
+    parser.add_argument("--rounds", type=positive_ints(one=True), default=5)
+    args = parser.parse_args(argv)
+    with exit_on_interrupt():  # Ctrl-C: one line and exit code 130, as twincache's commands
+        try:  # a checkpoint that cannot run: one line, as twincache's commands say it
+            args.model, prompt = model_and_prompt(args.model, 16)
+            # the last: one loop over the budget (a --blocks entry equal to it is the same run)
+            blocks = list(dict.fromkeys([*args.blocks, args.new_tokens]))
+            speeds = fused_block_tok_s(args.model, blocks, args.new_tokens, args.rounds, prompt)
+        except TwincacheError as err:
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
     whole = [statistics.median(column) for column in zip(*speeds[args.new_tokens])]
     print(f"model {args.model}, {args.new_tokens} new tokens, {args.rounds} rounds (medians; min-max)")
     print("| steps per block | decode tok/s (wall) | vs one loop | tokens per CPU second | vs one loop |\n"

@@ -166,24 +166,28 @@ def sweep(backends: list[str], model_dir: Path, lengths: list[int], chunk: int, 
     out.mkdir(parents=True, exist_ok=True)
     model = long_position_model(model_dir, max(lengths), out / "model")
     records: list[dict[str, Any]] = []
-    for backend in backends:
-        for variant in VARIANTS:
-            exceeded = None
-            for length in sorted(lengths):
-                point_chunk = chunk if variant == "chunked" else length
-                if exceeded is not None:
-                    record = {"backend": backend, "prompt_len": length, "chunk": point_chunk, "status": "skipped",
-                              "note": f"the {exceeded}-token prompt already passed the limit"}
-                else:
-                    record = run_point(backend, model, length, point_chunk, int(limit_gb * 2**30))
-                    if record["status"] == "killed (memory)":
-                        exceeded = length
-                record["variant"] = variant
-                records.append(record)
-                if progress:
-                    print(f"bench prefill-memory: {backend} {variant} {length} tokens: {_cell(record)}",
-                          file=sys.stderr, flush=True)
-                _write(out, records, model_dir, chunk, limit_gb)
+    try:
+        for backend in backends:
+            for variant in VARIANTS:
+                exceeded = None
+                for length in sorted(lengths):
+                    point_chunk = chunk if variant == "chunked" else length
+                    if exceeded is not None:
+                        record = {"backend": backend, "prompt_len": length, "chunk": point_chunk,
+                                  "status": "skipped", "note": f"the {exceeded}-token prompt already passed the limit"}
+                    else:
+                        record = run_point(backend, model, length, point_chunk, int(limit_gb * 2**30))
+                        if record["status"] == "killed (memory)":
+                            exceeded = length
+                    record["variant"] = variant
+                    records.append(record)
+                    if progress:
+                        print(f"bench prefill-memory: {backend} {variant} {length} tokens: {_cell(record)}",
+                              file=sys.stderr, flush=True)
+                    _write(out, records, model_dir, chunk, limit_gb)
+    except KeyboardInterrupt:  # Ctrl-C: the points measured stay, and the table says the rest were never run
+        _write(out, records, model_dir, chunk, limit_gb, planned=len(backends) * len(VARIANTS) * len(set(lengths)))
+        raise
     _plot(out, records, chunk, model_dir)
     return records
 
@@ -194,7 +198,9 @@ def _cell(record: dict[str, Any]) -> str:
     return f"{record['status']}: {record.get('note', '')}"
 
 
-def _write(out: Path, records: list[dict[str, Any]], model_dir: Path, chunk: int, limit_gb: float) -> None:
+def _write(out: Path, records: list[dict[str, Any]], model_dir: Path, chunk: int, limit_gb: float,
+           planned: int | None = None) -> None:
+    """prefill_memory.json and .md from the points so far; `planned`: the sweep was interrupted, of that many."""
     (out / "prefill_memory.json").write_text(json.dumps(records, indent=1))
     lengths = sorted({r["prompt_len"] for r in records})
     rows = sorted({(r["backend"], r["variant"]) for r in records})
@@ -224,6 +230,9 @@ def _write(out: Path, records: list[dict[str, Any]], model_dir: Path, chunk: int
     notes = [f"- {r['backend']}, {r['variant'].replace('_', ' ')}, {r['prompt_len']:,} tokens: {r['status']}: "
              f"{r['note']}" for r in records if r["status"] != "ok" and r.get("note")]
     lines += ["", *notes] if notes else []
+    if planned is not None:
+        lines += ["", f"**Interrupted** after {len(records)} of {planned} points: the others (lengths, variants or "
+                      "backends the tables lack) were never run."]
     (out / "prefill_memory.md").write_text("\n".join(lines) + "\n")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,18 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _loads(value: Any) -> str:
+    """os.getloadavg()'s 1, 5 and 15-minute figures as results.json keeps them, in two decimals."""
+    if isinstance(value, list) and value and all(_finite(v) for v in value):
+        return "[" + ", ".join(f"{v:.2f}" for v in value) + "]"
+    return str(value)
+
+
 def shared_machine(records: list[dict[str, Any]]) -> str | None:
     """What says other processes competed for the CPU during a CPU run, or None: the CPU they used while it ran
     (OthersCPU); a run recorded before that was measured falls back to its load average."""
-    machine = records[0]["machine"] if records else {}
-    if machine.get("device") != "cpu":
+    machine = records[0].get("machine") if records else None
+    if not isinstance(machine, dict) or machine.get("device") != "cpu":  # a hand-edited run may lack its machine
         return None
     cores: Any = machine.get("cpu_cores")
     # Only numbers count: a record edited by hand or written by another tool may hold anything there.
@@ -74,14 +82,22 @@ def markdown(records: list[dict[str, Any]]) -> str:
     machine = records[0]["machine"] if records else {}
     preset = records[0]["preset"] if records else "?"
     limit = records[0].get("limit_gbps") if records else None
-    lines = [f"# twincache bench: preset `{preset}`", ""]
-    load = f"load average {machine.get('loadavg_start')} at start, {machine.get('loadavg_end')} at end"
+    model = records[0].get("model") if records else None  # a run on --model: the preset's workload, not its weights
+    lines = [f"# twincache bench: preset `{preset}`" + (f" on `{model}`" if model else ""), ""]
+    load = f"load average {_loads(machine.get('loadavg_start'))} at start"
+    if machine.get("interrupted_after_s") is not None:  # Ctrl-C or a broken pipe: no end probe, load or elapsed
+        ended = (f"**interrupted after {machine['interrupted_after_s']} s**: below is what it measured by then "
+                 "(an `untimed` cell was stopped before its timed rounds; cells, points and phases it never reached "
+                 "are absent)")
+    else:
+        load += f", {_loads(machine.get('loadavg_end'))} at end"
+        ended = f"{machine.get('elapsed_s')} s in all"
     lines += [f"Machine: {machine.get('cpu')}, {machine.get('cpu_cores')} cores ({machine.get('torch_threads')} torch "
               f"threads), {machine.get('memory_gb')} GB, device `{machine.get('device')}`"
               + (f" ({machine['gpu']})" if machine.get("gpu") else "")
               + f"; torch {machine.get('torch')}, transformers {machine.get('transformers')}, "
               f"jax {machine.get('jax')}; commit {machine.get('git_commit')}; "
-              f"started {machine.get('started_utc')} UTC; {load}; {machine.get('elapsed_s')} s in all.", ""]
+              f"started {machine.get('started_utc')} UTC; {load}; {ended}.", ""]
     lines += shared_machine_warning(records)
 
     probes = _ok(records, "bandwidth_probe")
@@ -101,8 +117,12 @@ def markdown(records: list[dict[str, Any]]) -> str:
     ok = [r for r in decode if r["status"] == "ok"]
     if ok:
         r0 = ok[0]
+        # a run cut short mid-round leaves some cells a run fewer than others: say so, not the first cell's count
+        counts = sorted({r.get("repeats") for r in ok}, key=lambda n: (n is None, n or 0))
+        runs = (f"{counts[0]} interleaved runs" if len(counts) == 1
+                else f"{counts[0]}–{counts[-1]} interleaved runs per cell, the run cut short")
         lines += [f"Prompt {r0['prompt_len']} tokens, {r0['new_tokens']} new; tok/s = decode steps per second after "
-                  f"the first step (median over {r0.get('repeats')} interleaved runs, [min–max]), warm-up excluded. "
+                  f"the first step (median over {runs}, [min–max]), warm-up excluded. "
                   "GB/s = (weights + K/V a step must read) x steps/s; roofline = GB/s / limit; roofline (round) = "
                   "median over the runs of each run's GB/s / the best probe of its own round, the fraction of the "
                   "bandwidth available at the time (a shared machine's drifts). compile s = compile "
@@ -138,7 +158,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
             f"{cache} {r['bytes_per_step'] / 1e6:.1f} MB (roofline {_fmt(r.get('roofline_tok_s'))} tok/s)"
             for cache, r in per_cache.items()) + "."]
 
-    lines += _curve_section(records) + _batch_section(records)
+    lines += _curve_section(records) + _batch_section(records) + _unmeasured_points(records)
     notes = {(r["impl"], r["cache"]): r.get("note") for r in ok}
     if notes:
         lines += ["", "## What each cell measures", ""]
@@ -157,6 +177,17 @@ _PLOT_KINDS = {"latency": "latency_vs_context", "impls": "decode", "batch": "bat
 def figures(records: list[dict[str, Any]]) -> list[str]:
     """The PNGs this run's records draw: those with at least one measured point."""
     return [name for key, name in PLOTS.items() if _ok(records, _PLOT_KINDS[key])]
+
+
+def _unmeasured_points(records: list[dict[str, Any]]) -> list[str]:
+    """Curve and batch points not measured (skipped at a deadline, failed), counted with why: a section or a column
+    missing for them read as one never asked for."""
+    lines = []
+    for kind, label in (("latency_vs_context", "latency vs context"), ("batch", "tok/s vs batch")):
+        missed = Counter(f"{r['status']} ({r.get('note') or 'no note'})" for r in records
+                         if r["kind"] == kind and r["status"] != "ok")
+        lines += [f"- {label}: {count} point{'s' * (count > 1)} {why}" for why, count in missed.items()]
+    return ["", "Points not measured:", "", *lines] if lines else []
 
 
 def _curve_section(records: list[dict[str, Any]]) -> list[str]:

@@ -73,6 +73,11 @@ def tokens_reached(preset: Preset, curves: bool = True, batch: bool = True) -> d
     return reached
 
 
+# What cuts a run short from outside: Ctrl-C (or a timeout's SIGINT), and the reader of stdout going away (`bench
+# --no-progress | head`: the next warm-up line raises BrokenPipeError, which the CLI ends quietly, as Unix tools do).
+HARD_STOPS = (KeyboardInterrupt, BrokenPipeError)
+
+
 class _Results:
     def __init__(self, out: Path, machine: dict[str, Any], preset: Preset) -> None:
         self.out, self.machine, self.preset = out, machine, preset
@@ -81,8 +86,10 @@ class _Results:
 
     def add(self, kind: str, **fields: Any) -> dict[str, Any]:
         config = self.preset.model_config
-        record = {"kind": kind, "preset": self.preset.name, "dtype": self.preset.dtype,
-                  "sliding_window": config.sliding_window, "params": metrics.param_count(config), "impl": None,
+        model = self.preset.model_dir  # --model's, or the trained default model's; None: the preset's random weights
+        record = {"kind": kind, "preset": self.preset.name, "model": None if model is None else str(model),
+                  "dtype": self.preset.dtype, "sliding_window": config.sliding_window,
+                  "params": metrics.param_count(config), "impl": None,
                   "cache": None, "prompt_len": None, "new_tokens": None, "batch": None, "prefill_s": None,
                   "decode_tok_s": None, "gbps": None, "roofline_frac": None, "compile_s": None,
                   "peak_mem_mb": None, "status": "ok", **fields}
@@ -228,7 +235,7 @@ class Bench:
             self.results.machine["elapsed_s"] = round(time.monotonic() - self.start, 1)
             self.results.save()
             return self.results.records
-        except KeyboardInterrupt:  # a timeout's SIGINT: keep what was measured, marked as cut short
+        except HARD_STOPS:  # a timeout's SIGINT, or `| head` gone: keep what was measured, marked as cut short
             self.results.machine["interrupted_after_s"] = round(time.monotonic() - self.start, 1)
             self.results.machine.update(self.others.per_wall())
             self.results.save()
@@ -285,7 +292,7 @@ class Bench:
                     warm[cell] = measured
                     if not self.opts.progress:  # no bar (gpu_7b.sh): a line per warm-up, for its log
                         print(f"bench: {name}/{cache} warmed up: {_warm_up_text(*measured)}", flush=True)
-        except KeyboardInterrupt:  # a hard stop during the warm-ups: what each warm-up measured is still a row
+        except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
             for cell, measured in warm.items():
                 self._table_record(cell, measured, [], None, max_cache_len)
             raise

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from bench.presets import Preset
-from twincache.checkpoint import expected_tensor_shapes
+from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.default_model import cache_root, default_weights, write_checkpoint
+from twincache.errors import TwincacheError
 from twincache_app.hf_loading import transformers_model
 
 _BUILD_VERSION = 1
@@ -35,7 +36,11 @@ def checkpoint_dir(config: MistralConfig, seed: int, root: Path | None = None) -
     root = Path(root) if root is not None else cache_root() / "bench"
     final = root / f"mistral-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if (final / _COMPLETE).is_file():
-        return final
+        try:  # headers and sizes only: a file truncated or damaged since it was built is built again, not a
+            open_checkpoint(final)  # failed cell in every run until someone deletes it
+            return final
+        except TwincacheError:
+            pass
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:  # build aside, then rename: a directory under the final name is always complete

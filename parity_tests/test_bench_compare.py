@@ -111,6 +111,21 @@ def test_spreads_that_touch_are_within_spread():
     assert compare.same_machine(30.0, 33.0) and not compare.same_machine(30.0, 33.4)
 
 
+def test_a_cell_timed_once_gets_no_verdict():
+    """`bench --repeats 1` twice: each cell's min-max is one point, so a 0.5% change read "faster" (spreads that do
+    not overlap), and every cell of two such runs was faster or slower."""
+    old = [decode("transformers", 100, 100, 100, repeats=1), decode("torch_eager", 200, 200, 200, repeats=1),
+           decode("jax_step", 300, 290, 310, tok_s_runs=[290, 300, 310])]
+    new = [decode("transformers", 100, 100, 100, repeats=1), decode("torch_eager", 201, 201, 201, repeats=1),
+           decode("jax_step", 400, 390, 410, tok_s_runs=[390, 400, 410])]
+    result = compare.compare(old, new)
+    got = rows(result)
+    assert got["torch_eager"]["verdict"] == got["transformers"]["verdict"] == "no verdict: one timed run"
+    assert got["jax_step"]["verdict"] == "faster"  # three runs each, spreads apart
+    assert "0 slower, 0 within spread, 2 timed once in a run (no spread, so no verdict" in compare.markdown(
+        result, Path("old"), Path("new"))
+
+
 def test_a_failed_cell_is_listed_and_not_counted():
     old = [decode("torch_compiled", 100, 99, 101), decode("jax_step", 80, 79, 81)]
     new = [decode("torch_compiled", 100, 99, 101), {**decode("jax_step", 0, 0, 0), "status": "error"}]
@@ -149,6 +164,20 @@ def test_records_that_lie_are_refused_in_one_line(tmp_path, change, message):
     (tmp_path / "lies.json").write_text(json.dumps([{**decode("torch_compiled", 100, 99, 101), **change}]))
     with pytest.raises(InputError, match=re.escape(message)):
         compare.load_run(tmp_path / "lies.json")
+
+
+def test_a_run_without_its_machine_still_compares(tmp_path):
+    """results.json whose records have no `machine` object (an older or hand-edited run) was "unexpected KeyError:
+    'machine'", or AttributeError for a string there: nothing to flag as a shared machine, and the header's commit and
+    versions read None."""
+    (tmp_path / "bare.json").write_text(json.dumps([{**decode("torch_compiled", 100, 99, 101), "machine": "edited"},
+                                                    decode("transformers", 50, 49, 51)]))
+    for bare in (compare.load_run(tmp_path / "bare.json"),
+                 [{k: v for k, v in r.items() if k != "machine"} for r in compare.load_run(tmp_path / "bare.json")]):
+        result = compare.compare(bare, [decode("torch_compiled", 100, 99, 101), decode("transformers", 50, 49, 51)])
+        assert result["old"]["shared_machine"] is None and result["old"]["commit"] is None
+        assert rows(result)["torch_compiled"]["verdict"] == "within spread"
+        assert "commit None" in compare.markdown(result, tmp_path, tmp_path)
 
 
 def test_curves_and_batch_points_compare_where_both_runs_measured():

@@ -123,6 +123,56 @@ def test_a_plot_without_points_is_neither_drawn_nor_listed(tmp_path):
     assert not list(tmp_path.glob("*.png")) and "Figures" not in (tmp_path / "results.md").read_text()
 
 
+def test_a_run_on_another_model_names_it(checkpoints, tmp_path):
+    """`bench --preset tiny --model DIR`: results.json and results.md named only the preset, as if its own random
+    weights (2 layers, hidden 64) had run; each record now names the model, and results.md's title too."""
+    from bench import report
+    from bench.presets import resolve
+    from bench.runner import _Results
+
+    def record(preset):  # a record as the runner adds it; machine as finalize() attaches it
+        return _Results(tmp_path, {}, preset).add("decode", status="skipped", machine={})
+
+    on_model = record(resolve(PRESETS["tiny"], checkpoints["gqa"]))
+    assert on_model["model"] == str(checkpoints["gqa"])
+    assert report.markdown([on_model]).startswith(f"# twincache bench: preset `tiny` on `{checkpoints['gqa']}`\n")
+    own = record(resolve(PRESETS["tiny"]))
+    assert own["model"] is None and report.markdown([own]).startswith("# twincache bench: preset `tiny`\n")
+
+
+def test_an_interrupted_runs_markdown_says_so():
+    """results.md of a run cut short (Ctrl-C, a broken pipe) read "load average [...] at start, None at end; None s
+    in all", with nothing saying the run stopped, nor why its later cells were missing."""
+    from bench import report
+
+    record = _decode_record("torch_eager", "static")
+    record["machine"] = {**record["machine"], "loadavg_start": [0.4946, 3.2, 3.81], "interrupted_after_s": 13.4}
+    header = report.markdown([record]).splitlines()[2]
+    assert "load average [0.49, 3.20, 3.81] at start; **interrupted after 13.4 s**: below is what it measured" in header
+    assert "None at end" not in header and "None s in all" not in header, header
+    record["machine"] = {**record["machine"], "loadavg_end": [1.0, 2.0, 3.0], "elapsed_s": 34.4}
+    del record["machine"]["interrupted_after_s"]
+    assert "at start, [1.00, 2.00, 3.00] at end; 34.4 s in all." in report.markdown([record])
+    # stopped mid-round: the table's prose gave the first cell's count of runs for every cell
+    later = {**_decode_record("torch_eager", "sliding_window"), "repeats": 2}
+    assert "(median over 1–2 interleaved runs per cell, the run cut short, [min" in report.markdown([record, later])
+    assert "(median over 1 interleaved runs, [min" in report.markdown([record])
+
+
+def test_curve_and_batch_points_not_measured_are_counted_in_the_markdown():
+    """`--deadline`: skipped (or failed) latency and batch points are in results.json, but results.md left their
+    sections out without a word, as if never asked for."""
+    from bench import report
+
+    skipped = [{**_decode_record("torch_eager", cache), "kind": kind, "status": "skipped", "note": "deadline"}
+               for kind in ("latency_vs_context", "batch") for cache in ("static", "sliding_window")]
+    failed = {**skipped[0], "status": "error", "note": "RuntimeError: out of memory"}
+    markdown = report.markdown([_decode_record("torch_eager", "static"), *skipped, failed])
+    assert ("Points not measured:\n\n- latency vs context: 2 points skipped (deadline)\n- latency vs context: 1 point "
+            "error (RuntimeError: out of memory)\n- tok/s vs batch: 2 points skipped (deadline)\n") in markdown
+    assert "Points not measured" not in report.markdown([_decode_record("torch_eager", "static")])
+
+
 @pytest.fixture
 def transformers_bars_on():
     """transformers' progress bars on for the test, as in a fresh process (a test that loaded before may have turned
@@ -162,6 +212,71 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys):
         assert main(["bench", "--deadline", deadline]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--deadline={float(deadline)} must be a number of seconds >= 0" in err, err
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--prefill-memory", "--meshes", "model=2"], "--prefill-memory would ignore --meshes (flags of the decode bench)"),
+    (["--prefill-memory", "--sliding-window", "8", "--impls", "torch_eager"],
+     "--prefill-memory would ignore --impls, --sliding-window (flags of the decode bench): leave them out"),
+    (["--compare", *[str(REPO / "bench" / "results" / "small")] * 2, "--repeats", "5"], "--compare would ignore"),
+    (["--meshes", "model=1", "--deadline", "60"], "--meshes would ignore --deadline"),
+    (["--prompt-lengths", "100"], "a decode bench would ignore --prompt-lengths (flags of --prefill-memory): add "),
+])
+def test_a_flag_the_chosen_way_of_running_ignores_is_refused(flags, expected, tmp_path, capsys):
+    """Each was silently ignored: --prefill-memory swept every backend (its --backends) at the model's own window
+    whatever --impls or --sliding-window said, --compare took run flags, --meshes a deadline, a decode bench the
+    sweep's lengths."""
+    from parity_tests.test_cli_bad_inputs import assert_one_line_error, run_in_process
+
+    # a missing --model too (where it is not itself ignored), so that a regression fails at once instead of running
+    model = [] if "--compare" in flags else ["--model", str(tmp_path / "missing")]
+    code, _, err = run_in_process(["bench", *flags, *model, "--out", str(tmp_path / "out"), "--no-progress"], capsys)
+    assert_one_line_error(code, err, expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_name_given_twice_is_one_cell(tmp_path, monkeypatch):
+    """`--impls torch_eager,torch_eager --caches static,static`: the cell ran four times a round into one list of
+    runs (8 timed, "median over 2 runs") and was written as four identical rows; a prompt length or a mesh given
+    twice was measured twice too."""
+    from bench import mesh
+    from twincache_app.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--impls", "torch_eager,jax_step,torch_eager", "--caches",
+                                      "static,static", "--prefill-memory", "--backends", "jax,jax"])
+    assert (args.impls, args.caches, args.backends) == (["torch_eager", "jax_step"], ["static"], ["jax"])
+    assert build_parser().parse_args(["bench", "--prompt-lengths", "8,16,8"]).prompt_lengths == [8, 16]
+    ran: list = []
+    monkeypatch.setattr(mesh, "run_mesh_bench", lambda preset, out, meshes, *args: ran.append(meshes))
+    assert main(["bench", "--meshes", "model=2", "model=2,data=1", "--out", str(tmp_path / "out")]) == 0
+    assert [str(m) for m in ran[0]] == ["model=2,data=1"]
+
+
+def test_the_mesh_bench_of_a_model_without_a_window_needs_no_cache_flag(checkpoints, tmp_path, monkeypatch, capsys):
+    """The mesh bench runs the static cache only, yet a model without a window was refused ("the sliding_window cache
+    cannot run; ... pass --caches static"); the decode bench still refuses it."""
+    from bench import mesh
+
+    ran: list = []
+    monkeypatch.setattr(mesh, "run_mesh_bench", lambda *args: ran.append(args))
+    common = ["bench", "--model", str(checkpoints["no_window"]), "--out", str(tmp_path / "out")]
+    assert main([*common, "--meshes", "model=1"]) == 0 and len(ran) == 1, capsys.readouterr().err
+    assert main(common) == 2 and "has no sliding window" in capsys.readouterr().err
+    assert main([*common, "--meshes", "model=1", "--caches", "sliding_window"]) == 2  # was run as static
+    assert "--meshes runs the static cache only (bench/mesh.py): leave --caches out" in capsys.readouterr().err
+
+
+def test_a_cached_random_checkpoint_damaged_since_its_build_is_built_again(tmp_path):
+    """A bench checkpoint under --cache-dir whose weights were truncated after it was built (a disk error, a partial
+    copy) was reused as complete: every cell of every later run failed with "corrupted or truncated"."""
+    from bench.workload import checkpoint_dir
+
+    config = PRESETS["tiny"].config
+    built = checkpoint_dir(config, 0, tmp_path)
+    weights = built / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:1000])
+    assert checkpoint_dir(config, 0, tmp_path) == built and weights.read_bytes() == intact
 
 
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):
@@ -226,6 +341,33 @@ def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, mo
     assert "| torch_eager | static |" in (out / "results.md").read_text()
 
 
+def test_a_reader_gone_mid_warm_ups_leaves_what_they_measured(tmp_path, monkeypatch, capsys):
+    """`twincache bench --no-progress | head -2`: the warm-up line after head left raised BrokenPipeError, which the
+    CLI ends quietly (141), but the warm-ups measured were dropped (only Ctrl-C kept them): results.json held no
+    decode row. Now a broken pipe is a hard stop like Ctrl-C: each warm-up measured is an `untimed` row."""
+    import dataclasses
+
+    from bench import runner
+
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=4, repeats=1,
+                                                             probe_bytes=1 << 20))
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+
+    def reader_gone(*args: object, **kwargs: object) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(runner, "print", reader_gone, raising=False)  # the first warm-up's line
+    out = tmp_path / "out"
+    assert main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--caches", "static", "--no-curves",
+                 "--no-batch", "--warm-compile-cache", "--no-progress", "--out", str(out)]) == 141
+    records = json.loads((out / "results.json").read_text())
+    decode = [r for r in records if r["kind"] == "decode"]
+    assert [(r["impl"], r["status"]) for r in decode] == [("torch_eager", "untimed")], decode
+    assert records[0]["machine"]["interrupted_after_s"] > 0
+
+
 def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoints, tmp_path, capsys):
     """`bench --model` on a checkpoint of 512 positions: the small preset's decode table (300 + 256 tokens) would
     be refused run by run, so the bench refuses at once, naming the phase; with 600 positions the table fits and
@@ -248,6 +390,11 @@ def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoint
         assert main(["bench", "--preset", "small", "--model", str(model), "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err, err
+    # tiny itself too short: "use --preset tiny" was the advice to a tiny run as well
+    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 47}))
+    assert main(["bench", "--preset", "tiny", "--model", str(longer), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "47 holds 47; tiny is the shortest preset: give a model of at least 48 " in err
     assert not (tmp_path / "out").exists(), "refused before running anything"
 
 

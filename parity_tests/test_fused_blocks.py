@@ -154,3 +154,55 @@ def test_blocks_are_sized_to_last_about_the_target_time(model, blocks_of, monkey
     monkeypatch.setattr(jg, "decode_fused", recording)
     result, _ = run(model, "fused")
     assert seen == sizes and sum(seen) == result.decode_steps == NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--blocks", "0"], "argument --blocks: '0': give comma-separated integers >= 1"),
+    (["--blocks", "4,abc"], "argument --blocks: '4,abc': give comma-separated integers >= 1"),
+    (["--new-tokens", "2"], "argument --new-tokens: '2': give an integer >= 3"),
+    (["--rounds", "0"], "argument --rounds: '0': give an integer >= 1"),
+    ([], "checkpoint /nonexistent/model does not exist"),
+])
+def test_the_study_refuses_bad_flags_in_one_line(argv, expected, capsys):
+    """`python -m bench.fused_blocks` answered each of these with a traceback and exit code 1 (--blocks 0: JAX's
+    IndexError; --new-tokens 2 or --rounds 0: a TypeError or StatisticsError after the table's header; a missing
+    model: CheckpointError), as twincache's commands never do."""
+    from bench import fused_blocks
+
+    with pytest.raises(SystemExit) as exit_info:  # a missing model too, so that no regression runs a study
+        fused_blocks.main([*argv, "--model", "/nonexistent/model"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("python -m bench.fused_blocks: error: ") and expected in err, err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--rounds", "0"], "argument --rounds: '0': give an integer >= 1"),
+    (["--new-tokens", "3"], "argument --new-tokens: '3': give an integer >= 4"),
+    (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    ([], "checkpoint /nonexistent/model does not exist"),
+])
+def test_the_switch_studies_refuse_bad_flags_in_one_line(argv, expected, capsys, monkeypatch):
+    """`python -m bench.guard_skip` and `bench.overlap_steps` (bench.study.switch_study) answered these with a
+    traceback: --rounds 0 or --new-tokens 3 a StatisticsError after the model compiled, --dtype float64 and a
+    missing model their errors' tracebacks."""
+    import sys
+
+    from bench import study
+
+    monkeypatch.setattr(sys, "argv", ["guard_skip", *argv, "--model", "/nonexistent/model"])
+    with pytest.raises(SystemExit) as exit_info:  # a missing model too, so that no regression runs a study
+        study.switch_study("guard_skip", "A study.")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("python -m bench.guard_skip: error: ") and expected in err, err
+
+
+def test_a_switch_studys_quantiles_stay_within_the_steps_measured():
+    """`python -m bench.overlap_steps --new-tokens 4 --rounds 1` printed p10 -0.055 ms and p25 -0.018 ms for steps of
+    0.044 ms median: statistics.quantiles' default method extrapolates past the data."""
+    from bench.study import step_row
+
+    cells = step_row("v", [0.0, 0.1]).split(" | ")
+    median, p10, p25, mean = map(float, cells[1:5])
+    assert 0.0 <= p10 <= p25 <= median <= 0.1 and mean == pytest.approx(0.05), cells

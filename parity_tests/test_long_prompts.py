@@ -237,3 +237,42 @@ def test_prefill_memory_bench_runs_on_the_preset_model(checkpoints, tmp_path, mo
     code, _, err = run_in_process([*common, "--preset", "7b"], capsys)
     assert_one_line_error(code, err, "builds its weights on a GPU")
     assert len(swept) == 2
+
+
+def test_prefill_memory_numbers_past_what_a_point_can_take_are_refused_at_once(tmp_path, monkeypatch, capsys):
+    """--memory-limit-gb inf was "unexpected OverflowError" (the watchdog's byte count), and a --prefill-chunk or
+    prompt length past int32 ran the sweep, every point failing (or killed) alone, and exited 0."""
+    from bench import prefill_memory
+    from parity_tests.test_cli_bad_inputs import assert_one_line_error, run_in_process
+
+    monkeypatch.setattr(prefill_memory, "sweep", lambda *args, **kwargs: pytest.fail("the sweep ran"))
+    common = ["bench", "--prefill-memory", "--out", str(tmp_path / "out"), "--no-progress"]
+    for flags, expected in ((["--memory-limit-gb", "inf"], "--memory-limit-gb=inf must be a finite number of GB"),
+                            (["--prefill-chunk", str(2**31)], f"--prefill-chunk={2**31} must be in [1, 2147483647]"),
+                            (["--prompt-lengths", f"8,{2**31}"], "give prompt lengths in [1, 2147483647]")):
+        code, _, err = run_in_process([*common, *flags], capsys)
+        assert_one_line_error(code, err, expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_prefill_memory_sweep_says_so(checkpoints, tmp_path, monkeypatch):
+    """Ctrl-C mid-sweep left prefill_memory.md as a table of the points measured, with nothing saying the rest (here
+    2,000 tokens, the one-chunk row, jax) were never run rather than absent from the sweep."""
+    from bench import prefill_memory
+
+    points = iter([{"backend": "torch", "prompt_len": 1000, "chunk": 64, "status": "ok", "prefill_peak_mb": 5.0,
+                    "peak_rss_mb": 300.0, "prefill_s": 0.1}])
+
+    def run_point(*args: object, **kwargs: object) -> dict:
+        point = next(points, None)
+        if point is None:
+            raise KeyboardInterrupt
+        return point
+
+    monkeypatch.setattr(prefill_memory, "run_point", run_point)
+    with pytest.raises(KeyboardInterrupt):
+        prefill_memory.sweep(["torch", "jax"], checkpoints["gqa"], [1000, 2000], 64, 1.0, tmp_path, progress=False)
+    table = (tmp_path / "prefill_memory.md").read_text()
+    assert "| torch | chunked | 5 |" in table
+    assert "**Interrupted** after 1 of 8 points: the others (lengths, variants or backends the tables lack) were " \
+           "never run." in table
