@@ -129,9 +129,31 @@ def test_soak_subcommand_prints_one_json_record(tiny_model_dir, capsys):
     assert record["recompiles"] == 0 and record["finite"] and record["cache_ok"] and record["ok"]
 
 
+def test_ctrl_c_prints_the_record_of_the_steps_decoded_so_far(tiny_model_dir, capsys, monkeypatch):
+    """A long soak stopped with Ctrl-C kept nothing it had measured: the CLI now prints the record so far (never ok)
+    before its one line and exit 130. The interrupt comes from the RSS sampler's third call, at decode step 4's token
+    (it samples every (100 - 1) // 20 = 4 steps): steps 1-3 were handed back whole."""
+    import twincache_app.soak as soak_module
+
+    calls = []
+
+    def rss_then_interrupt() -> float:
+        calls.append(1)
+        if len(calls) == 3:  # before the load, at step 1, then at step 4
+            raise KeyboardInterrupt
+        return 100.0
+
+    monkeypatch.setattr(soak_module, "_rss_mb", rss_then_interrupt)
+    code, out, err = _one_line(capsys, ["soak", "--steps", "100", "--mode", "eager", "--model", str(tiny_model_dir)])
+    assert code == 130 and err == "twincache: interrupted\n", err
+    record = json.loads(out)
+    assert record["interrupted"] is True and record["ok"] is False and record["cache_ok"] is False, record
+    assert record["decoded_steps"] == 3 and record["steps"] == 100 and record["rss_start_mb"] == 100.0, record
+
+
 @pytest.mark.parametrize("argv, expected", [
-    (["--steps", "0"], "steps=0 and prompt_len=16 must both be >= 1"),
-    (["--prompt-len", "0"], "steps=10000 and prompt_len=0 must both be >= 1"),
+    (["--steps", "0"], "--steps 0 (steps) must be >= 1"),
+    (["--prompt-len", "0"], "--prompt-len 0 (prompt_len) must be >= 1"),
     (["--prompt-len", "2147483647"], "prompt_len=2147483647 + steps=10000 takes positions up to 2147493647"),
     (["--prompt-len", "2147473647", "--steps", "10000"], "past 2147483646, the last int32 position"),
     (["--steps", "3000000000"], "lower --prompt-len or --steps"),

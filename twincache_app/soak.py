@@ -16,7 +16,8 @@ traces) it watches, from the per-token callback:
               (JAX's prompt-bucket padding included, docs/design.md §5).
 It may decode past the model's max_position_embeddings (10,000 steps on SmolLM2's 8192), which `generate` refuses;
 the record says when it did (`past_max_position_embeddings`).
-It prints one JSON record and exits 0 when all of these hold, else 1.
+It prints one JSON record and exits 0 when all of these hold, else 1. Ctrl-C prints the record of the steps decoded
+so far (`"interrupted": true`, never ok) before the CLI's "twincache: interrupted" and exit 130.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ DEFAULT_PROMPT_LEN = 16
 RSS_SAMPLES = 20
 
 
+class SoakInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the soak's decode: still a KeyboardInterrupt to a caller, carrying the record of the steps
+    decoded until then (`record`), which `twincache soak` prints before it ends."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__()
+        self.record = record
+
+
 def _rss_mb() -> float:
     import psutil
 
@@ -60,8 +70,9 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
 
     `model_dir` is a checkpoint directory or GGUF file (default: the default model); `sliding_window` replaces its
     window (or gives a window-less model one)."""
-    if steps < 1 or prompt_len < 1:
-        raise InputError(f"steps={steps} and prompt_len={prompt_len} must both be >= 1")
+    for name, flag, value in (("steps", "--steps", steps), ("prompt_len", "--prompt-len", prompt_len)):
+        if value < 1:
+            raise InputError(f"{flag} {value} ({name}) must be >= 1")
     if prompt_len + steps + 1 > INT32_MAX:  # before the prompt is built: a huge --prompt-len would fill the memory
         raise InputError(f"prompt_len={prompt_len} + steps={steps} takes positions up to {prompt_len + steps}, past "
                          f"{INT32_MAX - 1}, the last int32 position (the soak's cache holds one more slot); lower "
@@ -106,25 +117,33 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
             watch["rss_peak"] = max(watch["rss_peak"], _rss_mb())
         watch["tokens"] += 1
 
-    finite = True
+    def record_so_far(finite: bool, rss_end: float) -> dict[str, Any]:
+        return {"backend": backend, "mode": mode, "model": str(model_dir), "dtype": dtype, "steps": steps,
+                "prompt_len": prompt_len, "window": config.sliding_window,
+                # the last new token takes position `total`: generate refuses that at total >= max_position_embeddings
+                "past_max_position_embeddings": total >= config.max_position_embeddings, "finite": finite,
+                "rss_before_load_mb": round(rss_before_load, 1), "rss_end_mb": round(rss_end, 1)}
+
+    def cut_short(finite: bool) -> dict[str, Any]:  # the steps decoded before generate stopped
+        record = record_so_far(finite, _rss_mb()) | {"decoded_steps": max(watch["tokens"] - 1, 0), "cache_ok": False}
+        if "graphs_before" in watch:
+            record["decode_compiles"] = tower.compiled_variants() - watch["graphs_before"]
+        if "rss_start" in watch:
+            record |= {"rss_start_mb": round(watch["rss_start"], 1), "rss_peak_mb": round(watch["rss_peak"], 1)}
+        return record | {"ok": False}
+
     try:  # steps + 1 tokens: the prefill's, then `steps` decode steps
         result = tower.generate(model, [soak_prompt(config, prompt_len)], steps + 1, mode=mode,
                                 # room for prompt + new tokens, the capacity rule generate applies; a ring
                                 # shorter than the window (a short soak) is bounded by it
                                 cache="sliding_window", max_cache_len=total + 1, on_token=on_token)
     except NonFiniteLogitsError:
-        finite, result = False, None
+        return cut_short(finite=False)
+    except KeyboardInterrupt:
+        raise SoakInterrupted(cut_short(finite=True) | {"interrupted": True}) from None
     graphs_end = tower.compiled_variants()
     rss_end = _rss_mb()
-    record = {
-        "backend": backend, "mode": mode, "model": str(model_dir), "dtype": dtype, "steps": steps,
-        "prompt_len": prompt_len, "window": config.sliding_window,
-        # the last new token takes position `total`: generate refuses that at total >= max_position_embeddings
-        "past_max_position_embeddings": total >= config.max_position_embeddings, "finite": finite,
-        "rss_before_load_mb": round(rss_before_load, 1), "rss_end_mb": round(rss_end, 1),
-    }
-    if result is None:
-        return record | {"decoded_steps": max(watch["tokens"] - 1, 0), "cache_ok": False, "ok": False}
+    record = record_so_far(True, rss_end)
     cache = result.cache
     held = np.sort(np.asarray(cache.slot_positions)[0])
     # the last min(cache_len, total) positions, and the slots a short soak never reached still empty (-1)
@@ -150,7 +169,7 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     device_mb = tower.device_memory_mb()
     if device_mb is not None:
         record["device_mem_end_mb"] = round(device_mb, 1)
-    record["ok"] = decode_compiles <= buckets and finite and record["cache_ok"]
+    record["ok"] = decode_compiles <= buckets and record["cache_ok"]
     return record
 
 
@@ -175,6 +194,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    record = soak(args.backend, args.steps, args.model, args.prompt_len, args.dtype, args.mode, args.sliding_window)
+    try:
+        record = soak(args.backend, args.steps, args.model, args.prompt_len, args.dtype, args.mode,
+                      args.sliding_window)
+    except SoakInterrupted as interrupted:  # what a long soak measured is kept; the CLI then says interrupted, 130
+        print(json.dumps(interrupted.record), flush=True)
+        raise
     print(json.dumps(record))
     return 0 if record["ok"] else 1
