@@ -3,6 +3,7 @@ torch_cache fallback without transformers, and bf16 on a tiny model (bf16 matmul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -206,6 +207,24 @@ def test_a_run_that_ignores_its_forced_tokens_is_named_where_it_strays():
     assert parity._first_difference([[4, 5, 6], [7, 8]], [[4, 5, 6], [7, 9]]) == "row 1, step 1: 8 where 9 was forced"
     assert parity._first_difference([[4, 5]], [[4, 5, 6]]) == "row 0, step 2: nothing where 6 was forced"
     assert parity._first_difference([[4]], [[4], [5]]) == "1 rows, not 2"
+
+
+def test_a_nan_in_the_cache_is_out_of_bounds():
+    """A JAX static cache whose decode steps wrote NaN into the key of position 0 (out of the window, so masked by
+    `where` and in no logit) passed with max|ΔKV| 1.4e-06: Python's max(worst, nan) kept worst."""
+    rng = np.random.default_rng(0)
+    keys, values = rng.standard_normal((2, 2, 1, 5, 4))  # each [layers, Hkv, L, D]: 2 layers, 5 positions
+    reference = parity.Oracle("truth", np.zeros((1, 2, 8)), [keys], [values])
+    for spoiled in ("keys", "values"):
+        run = parity.Run(np.zeros((1, 2, 8)), [k[None] for k in keys], [v[None] for v in values],
+                         np.arange(5)[None])  # per layer [B, Hkv, S, D]; slot s holds position s
+        getattr(run, spoiled)[1][0, :, 0] = np.nan  # the last layer's entry at position 0
+        gap = parity.kv_distance(reference, run, "static", None)
+        assert np.isnan(gap), (spoiled, gap)
+        floor = parity_metrics.distance(np.zeros((1, 2, 8)), np.full((1, 2, 8), 1e-7))
+        found = dataclasses.replace(floor, max_abs_kv_diff=gap)
+        failed = parity_metrics.failures(found, dataclasses.replace(floor, max_abs_kv_diff=1e-6), "float32")
+        assert failed == ["max_abs_kv_diff"], failed
 
 
 def test_the_float64_truth_computes_rope_in_float64(checkpoints):

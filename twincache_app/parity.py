@@ -338,12 +338,13 @@ def _run_rows(run: Run, lengths: list[int], positions_of: PositionsOf) -> list[R
 
 def _max_kv_gap(first: list[RowKV],
                 second: list[RowKV]) -> float:
-    """Max |ΔK|, |ΔV| over rows; inf when a row of either side holds another set of positions."""
+    """Max |ΔK|, |ΔV| over rows; inf when a row of either side holds another set of positions, NaN when an entry is
+    NaN (out of bounds: Python's max(worst, nan) would keep worst, and a NaN cache passed)."""
     worst = 0.0
     for a, b in zip(first, second, strict=True):
         if a is None or b is None:
             return float("inf")
-        worst = max(worst, float(np.abs(a[0] - b[0]).max()), float(np.abs(a[1] - b[1]).max()))
+        worst = float(np.max([worst, np.abs(a[0] - b[0]).max(), np.abs(a[1] - b[1]).max()]))  # NaN propagates
     return worst
 
 
