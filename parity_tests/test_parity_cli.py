@@ -174,6 +174,15 @@ def test_parity_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, argv):
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("twincache: error:")
 
 
+def test_one_new_token_is_refused_it_judges_no_decode_step(checkpoints, capsys):
+    """--max-new-tokens 1 is the prefill's token alone: a torch_cache that computed every decode step's RoPE one
+    position too far passed it (exit 0), and failed at 2 (max_abs_logit_diff 284206x)."""
+    code = cli.main(["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--max-new-tokens 1 must be >= 2 for a parity run" in err and "decode step" in err, err
+
+
 @pytest.mark.parametrize("word", ["torch:fast", "jax:compiled", "eager"])
 def test_parity_unknown_implementation_is_one_line_exit_2(capsys, word):
     code = cli.main(["parity", "--modes", "default", word])

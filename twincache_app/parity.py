@@ -657,8 +657,9 @@ def run(args: argparse.Namespace) -> int:
     args.dtype = resolve_dtype(args.dtype, model_dir)
     prompts, _ = resolve_prompts(args, model_dir)  # several: one left-padded batch, each row against its own truth
     validate_prompts(prompts, config)
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 1 for a parity run")
+    if args.max_new_tokens < 2:  # one token is the prefill's alone: a PASS would judge no decode step
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 2 for a parity run: the first token "
+                         "comes from the prefill, the decode steps (each reading the cache) from the second on")
     if args.cache == "both":  # a window-less config has no sliding cache to compare
         caches = [kind for kind in CACHE_KINDS if kind == "static" or config.sliding_window is not None]
     elif args.cache == "sliding_window" and config.sliding_window is None:
