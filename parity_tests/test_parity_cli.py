@@ -136,6 +136,36 @@ def test_parity_exits_1_when_a_metric_is_out_of_bounds(checkpoints, capsys, monk
     assert code == 1 and "OUT OF BOUNDS: max_abs_logit_diff" in captured.out and "FAIL: 0/1" in captured.err
 
 
+def test_an_implementation_with_non_finite_logits_is_a_failed_row_not_bad_input(checkpoints, capsys, monkeypatch):
+    """An implementation whose logits went NaN where transformers' in the same dtype did not (an overflow, a fully
+    masked query) ended the run with exit 2 and "the weights or dtype (torch.float32) are not usable for this input",
+    which the floor had just disproved, and no table: it is a row out of bounds (exit 1), the others still judged."""
+    from twincache.errors import NonFiniteLogitsError
+
+    measured = parity.run_implementation
+
+    def run(impl: str, *args: object, **kwargs: object) -> parity.Run:
+        if impl == "torch:eager":
+            raise NonFiniteLogitsError("the model produced NaN or Inf logits at generated token 2; the weights or "
+                                       "dtype (torch.float32) are not usable for this input")
+        return measured(impl, *args, **kwargs)
+
+    monkeypatch.setattr(parity, "run_implementation", run)
+    code = cli.main(["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2,3", "--cache", "static",
+                     "--max-new-tokens", "3", "--modes", "torch:eager", "jax:step", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in report["rows"]}
+    assert code == 1 and not report["passed"] and set(rows) == {"transformers (floor)", "torch:eager", "jax:step"}
+    assert "max_abs_logit_diff" in rows["torch:eager"]["failed"]
+    assert rows["torch:eager"]["metrics"]["max_abs_logit_diff"] is None
+    assert rows["jax:step"]["failed"] == []
+    table = parity.format_table(report)
+    assert "OUT OF BOUNDS: max_abs_logit_diff non-finite vs floor" in table, table
+    floor_line, row_line = (next(line for line in table.splitlines() if f" {name} " in line)
+                            for name in ("transformers (floor)", "torch:eager"))
+    assert row_line.index("OUT OF BOUNDS") == floor_line.rindex("floor"), table  # its columns line up
+
+
 def test_a_verdict_against_a_zero_or_non_finite_floor_gives_the_values_not_a_ratio():
     """A checkpoint whose parity failed badly printed "first_decisive_divergence inf/nanx": a divergence is an event,
     not a multiple of the floor, and a ratio to a zero or non-finite floor says nothing."""

@@ -33,7 +33,7 @@ import numpy as np
 from twincache import parity_metrics
 from twincache.checkpoint import load_config, resolve_dtype
 from twincache.default_model import default_model_dir
-from twincache.errors import InputError
+from twincache.errors import InputError, NonFiniteLogitsError
 from twincache.generation import CACHE_KINDS, validate_prompts
 from twincache.mesh import MeshShape
 from twincache.parity_metrics import Distance
@@ -464,6 +464,14 @@ def judged_row(cache: str, name: str, kind: str, found: Distance, floor: Distanc
                parity_metrics.ratios(found, floor))
 
 
+def non_finite_distance(floor: Distance) -> Distance:
+    """A run its backend stopped at NaN or Inf logits: every logit metric not finite, its cache unmeasured."""
+    nan = float("nan")
+    return dataclasses.replace(floor, max_abs_logit_diff=nan, rel_max_abs_logit_diff=nan, mean_kl=nan, max_kl=nan,
+                               top1_agreement=nan, first_greedy_divergence=None, first_decisive_divergence=None,
+                               max_abs_kv_diff=None)
+
+
 def direct_distance(first: Run, second: Run, decisive: np.ndarray, lengths: list[int], cache: str,
                     sliding_window: int | None, whole_caches: bool = True) -> Distance:
     """Two runs' distance from each other (a direct row); K/V unmeasured (None) unless both caches are whole here."""
@@ -505,7 +513,15 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
                 parity_metrics.ratios(floor_distance, floor_distance)))
         runs = {}
         for impl in impls:
-            runs[impl] = run_implementation(impl, models, prompts, reference.tokens, cache)
+            try:
+                runs[impl] = run_implementation(impl, models, prompts, reference.tokens, cache)
+            except NonFiniteLogitsError:
+                if not np.isfinite(floor.logits).all():  # the floor's too: the weights or dtype, as the error says
+                    raise
+                # transformers ran these weights in this dtype: the implementation is out of bounds, not the input
+                add(judged_row(cache, models.label(impl), "implementation", non_finite_distance(floor_distance),
+                               floor_distance, dtype))
+                continue
             whole = models.holds_whole_cache(impl)
             found = dataclasses.replace(parity_metrics.distance(reference.logits, runs[impl].logits, decisive),
                                         max_abs_kv_diff=kv_distance(reference, runs[impl], cache, window) if whole
@@ -612,9 +628,9 @@ def format_table(data: dict[str, Any]) -> str:
         diverges = "-" if d["first_greedy_divergence"] is None else str(d["first_greedy_divergence"])
         kv = ("n/a" if d["max_abs_kv_diff"] is None and "max_abs_kv_diff" not in ratios  # not measured
               else _number(d["max_abs_kv_diff"], ">9.2e"))
-        lines.append(f"{row['cache']:<15} {row['name']:<{width}} {_number(d['max_abs_logit_diff'], '>11.2e')} "
-                     f"{_number(d['rel_max_abs_logit_diff'], '>8.1e')} {_number(d['mean_kl'], '>8.1e')} "
-                     f"{_number(d['max_kl'], '>8.1e')} {d['top1_agreement']:>7.1%} {diverges:>8} "
+        lines.append(f"{row['cache']:<15} {row['name']:<{width}} {_number(d['max_abs_logit_diff'], '.2e'):>11} "
+                     f"{_number(d['rel_max_abs_logit_diff'], '.1e'):>8} {_number(d['mean_kl'], '.1e'):>8} "
+                     f"{_number(d['max_kl'], '.1e'):>8} {_number(d['top1_agreement'], '.1%'):>7} {diverges:>8} "
                      f"{kv:>9}  {row_verdict(row, floors.get(row['cache']))}")
     factors = ", ".join(f"{name} {factor:g}x" for name, factor in data["factors"].items())
     lines.append(f"bounds: each metric within its factor of the floor ({factors}); no greedy divergence at a decisive "
