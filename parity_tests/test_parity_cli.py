@@ -213,6 +213,20 @@ def test_one_new_token_is_refused_it_judges_no_decode_step(checkpoints, capsys):
     assert "--max-new-tokens 1 must be >= 2 for a parity run" in err and "decode step" in err, err
 
 
+def test_new_tokens_past_the_models_positions_are_refused_before_anything_runs(checkpoints, capsys, monkeypatch):
+    """--max-new-tokens past max_position_embeddings was refused by the towers' generate only after the float64
+    reference had decoded every one of them: 2**40 ran for 10 minutes without an answer (killed)."""
+    def loaded(*args: object, **kwargs: object) -> None:
+        raise AssertionError("models loaded for a run that cannot be made")
+
+    monkeypatch.setattr(parity, "load_models", loaded)
+    code = cli.main(["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2", "--max-new-tokens",
+                     str(2**40)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "max_position_embeddings=512 allows positions up to 511; generate at most 510 new tokens" in err, err
+
+
 @pytest.mark.parametrize("word", ["torch:fast", "jax:compiled", "eager"])
 def test_parity_unknown_implementation_is_one_line_exit_2(capsys, word):
     code = cli.main(["parity", "--modes", "default", word])

@@ -34,7 +34,7 @@ from twincache import parity_metrics
 from twincache.checkpoint import load_config, resolve_dtype
 from twincache.default_model import default_model_dir
 from twincache.errors import InputError, NonFiniteLogitsError
-from twincache.generation import CACHE_KINDS, validate_prompts
+from twincache.generation import CACHE_KINDS, check_positions, validate_prompts
 from twincache.mesh import MeshShape
 from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
@@ -676,6 +676,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 2:  # one token is the prefill's alone: a PASS would judge no decode step
         raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 2 for a parity run: the first token "
                          "comes from the prefill, the decode steps (each reading the cache) from the second on")
+    # as the towers' generate would, but before the float64 reference decodes every one of those steps
+    longest = max(len(prompt) for prompt in prompts)
+    check_positions(config, longest, args.max_new_tokens, longest + args.max_new_tokens - 1)
     if args.cache == "both":  # a window-less config has no sliding cache to compare
         caches = [kind for kind in CACHE_KINDS if kind == "static" or config.sliding_window is not None]
     elif args.cache == "sliding_window" and config.sliding_window is None:
