@@ -112,6 +112,20 @@ def test_sliding_window_flag_windows_the_reference_the_floor_and_every_implement
     assert "sliding window 4;" in parity.format_table(report)
 
 
+def test_a_run_that_never_reaches_the_window_says_so():
+    """A torch_cache whose mask let each query see W + 1 keys passed `parity --prompt-ids 1,5,9 --max-new-tokens 4` on
+    a window of 8 (6 positions fed: no key ever left the window), under a heading that named the window; with a
+    13-token prompt it fails. The heading says when the window was not reached."""
+    def heading(prompt_lens: list[int], steps: int) -> str:
+        return parity.format_table({"reference": "r", "floor": "f", "prompt_lens": prompt_lens, "steps": steps,
+                                    "dtype": "float32", "sliding_window": 8, "decisive_steps": 0,
+                                    "factors": parity_metrics.FACTORS, "absolute": {}, "rows": []}).splitlines()[2]
+
+    assert "sliding window 8 (not reached: the longest row feeds 7 positions" in heading([3], 5), heading([3], 5)
+    assert "sliding window 8 (not reached: the longest row feeds 8 positions" in heading([3, 1], 6)
+    assert "sliding window 8;" in heading([3], 7) and "sliding window 8;" in heading([1, 9], 1)  # 9 positions fed
+
+
 def test_fallback_reference_agrees_with_transformers_float64(checkpoints):
     """The two float64 references choose the same tokens and agree far below any fp32 floor."""
     import torch

@@ -605,10 +605,18 @@ def row_verdict(row: dict[str, Any], floor: dict[str, Any] | None = None) -> str
 
 
 def window_text(data: dict[str, Any]) -> str:
-    """The model's window as the table's heading gives it: nothing where the report does not record it."""
+    """The model's window as the table's heading gives it: nothing where the report does not record it; "not
+    reached" where no row feeds more positions than the window holds (no key left it, so a wrong window passes)."""
     if "sliding_window" not in data:
         return ""
-    return ", no sliding window" if data["sliding_window"] is None else f", sliding window {data['sliding_window']}"
+    window = data["sliding_window"]
+    if window is None:
+        return ", no sliding window"
+    fed = max(data["prompt_lens"]) + data["steps"] - 1  # the last step's token is emitted, never fed
+    if fed > window:
+        return f", sliding window {window}"
+    return (f", sliding window {window} (not reached: the longest row feeds {fed} positions, so no key left the "
+            "window; give a longer prompt or more --max-new-tokens to judge it)")
 
 
 def format_table(data: dict[str, Any]) -> str:
