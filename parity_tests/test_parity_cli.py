@@ -3,6 +3,7 @@ torch_cache fallback without transformers, and bf16 on a tiny model (bf16 matmul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -111,6 +112,20 @@ def test_sliding_window_flag_windows_the_reference_the_floor_and_every_implement
     assert "sliding window 4;" in parity.format_table(report)
 
 
+def test_a_run_that_never_reaches_the_window_says_so():
+    """A torch_cache whose mask let each query see W + 1 keys passed `parity --prompt-ids 1,5,9 --max-new-tokens 4` on
+    a window of 8 (6 positions fed: no key ever left the window), under a heading that named the window; with a
+    13-token prompt it fails. The heading says when the window was not reached."""
+    def heading(prompt_lens: list[int], steps: int) -> str:
+        return parity.format_table({"reference": "r", "floor": "f", "prompt_lens": prompt_lens, "steps": steps,
+                                    "dtype": "float32", "sliding_window": 8, "decisive_steps": 0,
+                                    "factors": parity_metrics.FACTORS, "absolute": {}, "rows": []}).splitlines()[2]
+
+    assert "sliding window 8 (not reached: the longest row feeds 7 positions" in heading([3], 5), heading([3], 5)
+    assert "sliding window 8 (not reached: the longest row feeds 8 positions" in heading([3, 1], 6)
+    assert "sliding window 8;" in heading([3], 7) and "sliding window 8;" in heading([1, 9], 1)  # 9 positions fed
+
+
 def test_fallback_reference_agrees_with_transformers_float64(checkpoints):
     """The two float64 references choose the same tokens and agree far below any fp32 floor."""
     import torch
@@ -133,6 +148,36 @@ def test_parity_exits_1_when_a_metric_is_out_of_bounds(checkpoints, capsys, monk
                      "--max-new-tokens", "4", "--modes", "torch:eager"])
     captured = capsys.readouterr()
     assert code == 1 and "OUT OF BOUNDS: max_abs_logit_diff" in captured.out and "FAIL: 0/1" in captured.err
+
+
+def test_an_implementation_with_non_finite_logits_is_a_failed_row_not_bad_input(checkpoints, capsys, monkeypatch):
+    """An implementation whose logits went NaN where transformers' in the same dtype did not (an overflow, a fully
+    masked query) ended the run with exit 2 and "the weights or dtype (torch.float32) are not usable for this input",
+    which the floor had just disproved, and no table: it is a row out of bounds (exit 1), the others still judged."""
+    from twincache.errors import NonFiniteLogitsError
+
+    measured = parity.run_implementation
+
+    def run(impl: str, *args: object, **kwargs: object) -> parity.Run:
+        if impl == "torch:eager":
+            raise NonFiniteLogitsError("the model produced NaN or Inf logits at generated token 2; the weights or "
+                                       "dtype (torch.float32) are not usable for this input")
+        return measured(impl, *args, **kwargs)
+
+    monkeypatch.setattr(parity, "run_implementation", run)
+    code = cli.main(["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2,3", "--cache", "static",
+                     "--max-new-tokens", "3", "--modes", "torch:eager", "jax:step", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in report["rows"]}
+    assert code == 1 and not report["passed"] and set(rows) == {"transformers (floor)", "torch:eager", "jax:step"}
+    assert "max_abs_logit_diff" in rows["torch:eager"]["failed"]
+    assert rows["torch:eager"]["metrics"]["max_abs_logit_diff"] is None
+    assert rows["jax:step"]["failed"] == []
+    table = parity.format_table(report)
+    assert "OUT OF BOUNDS: max_abs_logit_diff non-finite vs floor" in table, table
+    floor_line, row_line = (next(line for line in table.splitlines() if f" {name} " in line)
+                            for name in ("transformers (floor)", "torch:eager"))
+    assert row_line.index("OUT OF BOUNDS") == floor_line.rindex("floor"), table  # its columns line up
 
 
 def test_a_verdict_against_a_zero_or_non_finite_floor_gives_the_values_not_a_ratio():
@@ -173,6 +218,29 @@ def test_parity_bad_input_is_one_line_exit_2(tiny_model_dir, capsys, argv):
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("twincache: error:")
 
 
+def test_one_new_token_is_refused_it_judges_no_decode_step(checkpoints, capsys):
+    """--max-new-tokens 1 is the prefill's token alone: a torch_cache that computed every decode step's RoPE one
+    position too far passed it (exit 0), and failed at 2 (max_abs_logit_diff 284206x)."""
+    code = cli.main(["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2,3", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--max-new-tokens 1 must be >= 2 for a parity run" in err and "decode step" in err, err
+
+
+def test_new_tokens_past_the_models_positions_are_refused_before_anything_runs(checkpoints, capsys, monkeypatch):
+    """--max-new-tokens past max_position_embeddings was refused by the towers' generate only after the float64
+    reference had decoded every one of them: 2**40 ran for 10 minutes without an answer (killed)."""
+    def loaded(*args: object, **kwargs: object) -> None:
+        raise AssertionError("models loaded for a run that cannot be made")
+
+    monkeypatch.setattr(parity, "load_models", loaded)
+    code = cli.main(["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2", "--max-new-tokens",
+                     str(2**40)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "max_position_embeddings=512 allows positions up to 511; generate at most 510 new tokens" in err, err
+
+
 @pytest.mark.parametrize("word", ["torch:fast", "jax:compiled", "eager"])
 def test_parity_unknown_implementation_is_one_line_exit_2(capsys, word):
     code = cli.main(["parity", "--modes", "default", word])
@@ -206,6 +274,24 @@ def test_a_run_that_ignores_its_forced_tokens_is_named_where_it_strays():
     assert parity._first_difference([[4, 5, 6], [7, 8]], [[4, 5, 6], [7, 9]]) == "row 1, step 1: 8 where 9 was forced"
     assert parity._first_difference([[4, 5]], [[4, 5, 6]]) == "row 0, step 2: nothing where 6 was forced"
     assert parity._first_difference([[4]], [[4], [5]]) == "1 rows, not 2"
+
+
+def test_a_nan_in_the_cache_is_out_of_bounds():
+    """A JAX static cache whose decode steps wrote NaN into the key of position 0 (out of the window, so masked by
+    `where` and in no logit) passed with max|ΔKV| 1.4e-06: Python's max(worst, nan) kept worst."""
+    rng = np.random.default_rng(0)
+    keys, values = rng.standard_normal((2, 2, 1, 5, 4))  # each [layers, Hkv, L, D]: 2 layers, 5 positions
+    reference = parity.Oracle("truth", np.zeros((1, 2, 8)), [keys], [values])
+    for spoiled in ("keys", "values"):
+        run = parity.Run(np.zeros((1, 2, 8)), [k[None] for k in keys], [v[None] for v in values],
+                         np.arange(5)[None])  # per layer [B, Hkv, S, D]; slot s holds position s
+        getattr(run, spoiled)[1][0, :, 0] = np.nan  # the last layer's entry at position 0
+        gap = parity.kv_distance(reference, run, "static", None)
+        assert np.isnan(gap), (spoiled, gap)
+        floor = parity_metrics.distance(np.zeros((1, 2, 8)), np.full((1, 2, 8), 1e-7))
+        found = dataclasses.replace(floor, max_abs_kv_diff=gap)
+        failed = parity_metrics.failures(found, dataclasses.replace(floor, max_abs_kv_diff=1e-6), "float32")
+        assert failed == ["max_abs_kv_diff"], failed
 
 
 def test_the_float64_truth_computes_rope_in_float64(checkpoints):

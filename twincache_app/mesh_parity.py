@@ -15,6 +15,7 @@ mesh's K/V distance is left unmeasured (n/a); JAX's sharded cache gathers to the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 
 from twincache import parity_metrics
 from twincache.config import MistralConfig
+from twincache.errors import NonFiniteLogitsError
 from twincache_app import launch
 from twincache_app.backends import BACKENDS
 from twincache_app.generate_cmd import set_window, start_mesh
@@ -78,7 +80,9 @@ def mesh_report(args: argparse.Namespace, config: MistralConfig, model_dir: Path
         for cache in caches:
             for impl in impls:
                 if impl.split(":")[0] in towers:
-                    run_implementation(impl, sharded, prompts, tokens, cache)
+                    # NaN logits are gathered to every rank: rank 0 makes that run a failed row and goes on, so do we
+                    with contextlib.suppress(NonFiniteLogitsError):
+                        run_implementation(impl, sharded, prompts, tokens, cache)
         return None
     single = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls,
                          sliding_window=args.sliding_window)

@@ -33,8 +33,8 @@ import numpy as np
 from twincache import parity_metrics
 from twincache.checkpoint import load_config, resolve_dtype
 from twincache.default_model import default_model_dir
-from twincache.errors import InputError
-from twincache.generation import CACHE_KINDS, validate_prompts
+from twincache.errors import InputError, NonFiniteLogitsError
+from twincache.generation import CACHE_KINDS, check_positions, validate_prompts
 from twincache.mesh import MeshShape
 from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
@@ -338,12 +338,13 @@ def _run_rows(run: Run, lengths: list[int], positions_of: PositionsOf) -> list[R
 
 def _max_kv_gap(first: list[RowKV],
                 second: list[RowKV]) -> float:
-    """Max |ΔK|, |ΔV| over rows; inf when a row of either side holds another set of positions."""
+    """Max |ΔK|, |ΔV| over rows; inf when a row of either side holds another set of positions, NaN when an entry is
+    NaN (out of bounds: Python's max(worst, nan) would keep worst, and a NaN cache passed)."""
     worst = 0.0
     for a, b in zip(first, second, strict=True):
         if a is None or b is None:
             return float("inf")
-        worst = max(worst, float(np.abs(a[0] - b[0]).max()), float(np.abs(a[1] - b[1]).max()))
+        worst = float(np.max([worst, np.abs(a[0] - b[0]).max(), np.abs(a[1] - b[1]).max()]))  # NaN propagates
     return worst
 
 
@@ -463,6 +464,14 @@ def judged_row(cache: str, name: str, kind: str, found: Distance, floor: Distanc
                parity_metrics.ratios(found, floor))
 
 
+def non_finite_distance(floor: Distance) -> Distance:
+    """A run its backend stopped at NaN or Inf logits: every logit metric not finite, its cache unmeasured."""
+    nan = float("nan")
+    return dataclasses.replace(floor, max_abs_logit_diff=nan, rel_max_abs_logit_diff=nan, mean_kl=nan, max_kl=nan,
+                               top1_agreement=nan, first_greedy_divergence=None, first_decisive_divergence=None,
+                               max_abs_kv_diff=None)
+
+
 def direct_distance(first: Run, second: Run, decisive: np.ndarray, lengths: list[int], cache: str,
                     sliding_window: int | None, whole_caches: bool = True) -> Distance:
     """Two runs' distance from each other (a direct row); K/V unmeasured (None) unless both caches are whole here."""
@@ -504,7 +513,15 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
                 parity_metrics.ratios(floor_distance, floor_distance)))
         runs = {}
         for impl in impls:
-            runs[impl] = run_implementation(impl, models, prompts, reference.tokens, cache)
+            try:
+                runs[impl] = run_implementation(impl, models, prompts, reference.tokens, cache)
+            except NonFiniteLogitsError:
+                if not np.isfinite(floor.logits).all():  # the floor's too: the weights or dtype, as the error says
+                    raise
+                # transformers ran these weights in this dtype: the implementation is out of bounds, not the input
+                add(judged_row(cache, models.label(impl), "implementation", non_finite_distance(floor_distance),
+                               floor_distance, dtype))
+                continue
             whole = models.holds_whole_cache(impl)
             found = dataclasses.replace(parity_metrics.distance(reference.logits, runs[impl].logits, decisive),
                                         max_abs_kv_diff=kv_distance(reference, runs[impl], cache, window) if whole
@@ -588,10 +605,18 @@ def row_verdict(row: dict[str, Any], floor: dict[str, Any] | None = None) -> str
 
 
 def window_text(data: dict[str, Any]) -> str:
-    """The model's window as the table's heading gives it: nothing where the report does not record it."""
+    """The model's window as the table's heading gives it: nothing where the report does not record it; "not
+    reached" where no row feeds more positions than the window holds (no key left it, so a wrong window passes)."""
     if "sliding_window" not in data:
         return ""
-    return ", no sliding window" if data["sliding_window"] is None else f", sliding window {data['sliding_window']}"
+    window = data["sliding_window"]
+    if window is None:
+        return ", no sliding window"
+    fed = max(data["prompt_lens"]) + data["steps"] - 1  # the last step's token is emitted, never fed
+    if fed > window:
+        return f", sliding window {window}"
+    return (f", sliding window {window} (not reached: the longest row feeds {fed} positions, so no key left the "
+            "window; give a longer prompt or more --max-new-tokens to judge it)")
 
 
 def format_table(data: dict[str, Any]) -> str:
@@ -611,9 +636,9 @@ def format_table(data: dict[str, Any]) -> str:
         diverges = "-" if d["first_greedy_divergence"] is None else str(d["first_greedy_divergence"])
         kv = ("n/a" if d["max_abs_kv_diff"] is None and "max_abs_kv_diff" not in ratios  # not measured
               else _number(d["max_abs_kv_diff"], ">9.2e"))
-        lines.append(f"{row['cache']:<15} {row['name']:<{width}} {_number(d['max_abs_logit_diff'], '>11.2e')} "
-                     f"{_number(d['rel_max_abs_logit_diff'], '>8.1e')} {_number(d['mean_kl'], '>8.1e')} "
-                     f"{_number(d['max_kl'], '>8.1e')} {d['top1_agreement']:>7.1%} {diverges:>8} "
+        lines.append(f"{row['cache']:<15} {row['name']:<{width}} {_number(d['max_abs_logit_diff'], '.2e'):>11} "
+                     f"{_number(d['rel_max_abs_logit_diff'], '.1e'):>8} {_number(d['mean_kl'], '.1e'):>8} "
+                     f"{_number(d['max_kl'], '.1e'):>8} {_number(d['top1_agreement'], '.1%'):>7} {diverges:>8} "
                      f"{kv:>9}  {row_verdict(row, floors.get(row['cache']))}")
     factors = ", ".join(f"{name} {factor:g}x" for name, factor in data["factors"].items())
     lines.append(f"bounds: each metric within its factor of the floor ({factors}); no greedy divergence at a decisive "
@@ -656,8 +681,12 @@ def run(args: argparse.Namespace) -> int:
     args.dtype = resolve_dtype(args.dtype, model_dir)
     prompts, _ = resolve_prompts(args, model_dir)  # several: one left-padded batch, each row against its own truth
     validate_prompts(prompts, config)
-    if args.max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 1 for a parity run")
+    if args.max_new_tokens < 2:  # one token is the prefill's alone: a PASS would judge no decode step
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 2 for a parity run: the first token "
+                         "comes from the prefill, the decode steps (each reading the cache) from the second on")
+    # as the towers' generate would, but before the float64 reference decodes every one of those steps
+    longest = max(len(prompt) for prompt in prompts)
+    check_positions(config, longest, args.max_new_tokens, longest + args.max_new_tokens - 1)
     if args.cache == "both":  # a window-less config has no sliding cache to compare
         caches = [kind for kind in CACHE_KINDS if kind == "static" or config.sliding_window is not None]
     elif args.cache == "sliding_window" and config.sliding_window is None:
