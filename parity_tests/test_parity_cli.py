@@ -90,6 +90,9 @@ def test_without_transformers_torch_cache_float64_is_the_reference_and_says_so(c
     assert report["floor"] == f"torch_cache Mistral, float32, uncached ({how})"
     assert [(row["cache"], row["name"]) for row in report["rows"]] == [("static", "torch_cache (floor)"),
                                                                        ("static", "jax:step")]
+    # torch_cache judged by itself: a bug in every dtype of its model would pass its rows, and the table says so
+    assert "note: torch_cache is the reference and the floor here" in parity.format_table(report)
+    assert "note:" not in parity.format_table(report | {"reference": "transformers MistralForCausalLM, float64"})
 
 
 @pytest.mark.parametrize("reference", ["transformers", "--no-transformers", "transformers is not installed"])

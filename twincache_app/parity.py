@@ -644,6 +644,10 @@ def format_table(data: dict[str, Any]) -> str:
     lines.append(f"bounds: each metric within its factor of the floor ({factors}); no greedy divergence at a decisive "
                  "step (float64 top-1 margin > 2 x the max|Δlogit| bound at that step)"
                  + (f"; absolute allowances where the floor is near 0: {data['absolute']}" if data["absolute"] else ""))
+    if data["reference"].startswith("torch_cache"):  # the fallback judges torch_cache by itself
+        lines.append("note: torch_cache is the reference and the floor here, so a bug its model has in every dtype "
+                     "cannot show in its own rows (only in JAX's and the direct rows, as the JAX side's); judge "
+                     "torch_cache against transformers (installed, without --no-transformers)")
     if "mesh" in data:
         lines.append(f"mesh {data['mesh']}: NAME@MESH is that implementation split over the mesh, 'vs NAME' the "
                      "same one on one device; max|ΔKV| n/a: each torch rank holds only its shard of the cache (not "
