@@ -208,6 +208,8 @@ CASES: dict[str, tuple[str, list[str], str]] = {
     # 8. empty prompt
     "empty_prompt_ids": ("good", ["--prompt-ids", ""], "--prompt-ids is empty"),
     "prompt_ids_only_commas": ("good", ["--prompt-ids", ",,"], "--prompt-ids is empty"),
+    "second_prompt_ids_empty": ("good", ["--prompt-ids", "1,2", "--prompt-ids", ""],
+                                "--prompt-ids (prompt 2 of 2) is empty"),
     "prompt_ids_not_ints": ("good", ["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
     # 9. max_new_tokens < 0
     "max_new_tokens_negative": ("good", ["--max-new-tokens", "-1"], "max_new_tokens=-1 must be >= 0"),

@@ -264,8 +264,10 @@ def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[li
     needs_tokenizer = id_lists is None
     tokenizer = Tokenizer.from_checkpoint(model_path) if needs_tokenizer or has_tokenizer(model_path) else None
     if id_lists is not None:
-        if not all(id_lists):
-            raise InputError("--prompt-ids is empty; give at least one token id")
+        empty = [index for index, ids in enumerate(id_lists, 1) if not ids]
+        if empty:  # which one, when several were given (a batch)
+            which = f" (prompt {empty[0]} of {len(id_lists)})" if len(id_lists) > 1 else ""
+            raise InputError(f"--prompt-ids{which} is empty; give at least one token id")
         return id_lists, tokenizer
     assert tokenizer is not None  # needs_tokenizer: no prompt ids were given
     encode = tokenizer.encode_chat if args.chat else tokenizer.encode
