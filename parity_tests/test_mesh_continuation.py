@@ -2,7 +2,7 @@
 holds the real rows only and its cache the padding copies too, so continuing from the result's last tokens, as the
 README shows, must decode the real rows on (not be refused for a batch of 3 against a cache of 4). JAX runs on 2
 simulated CPU devices in a subprocess, so the rest of the suite keeps one device; transformers' greedy generate of
-the whole length is the oracle."""
+the whole length is the oracle. A torch cache of 3 rows handed to that mesh (cache_from_torch) continues alike."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ for mode in ("step", "fused"):
     more = generate.continue_generation(model, first.cache, [row[-1] for row in first.token_ids], {more},
                                         fused=mode == "fused")
     print(json.dumps([list(a) + list(b) for a, b in zip(first.token_ids, more.token_ids)]))
+# torch decodes the first tokens on one device; its cache of 3 rows continues on the data split (padded there)
+import torch_cache.generate as tg
+from torch_cache.model import Mistral as TorchMistral
+from twincache_app.handoff import cache_from_torch
+torch_first = tg.generate(TorchMistral.from_pretrained(sys.argv[1]), prompts, {first}, cache="sliding_window",
+                          compile=False)
+cache = cache_from_torch(torch_first.cache, model.config, model.mesh)
+more = generate.continue_generation(model, cache, [row[-1] for row in torch_first.token_ids], {more}, fused=False)
+print(json.dumps([list(a) + list(b) for a, b in zip(torch_first.token_ids, more.token_ids)]))
 """
 
 
@@ -45,6 +54,6 @@ def test_jax_continues_a_padded_batch_on_a_data_split(tmp_path):
     expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                             max_new_tokens=FIRST + MORE, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2
-    for line in lines:  # step, then fused
+    assert len(lines) == 3
+    for line in lines:  # step, fused, then a torch cache handed to the mesh
         assert json.loads(line) == expected

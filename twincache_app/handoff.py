@@ -30,6 +30,7 @@ from torch_cache import sharding as torch_sharding
 from twincache import cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
+from twincache.mesh import pad_rows
 
 
 def _to_jax(tensor: torch.Tensor) -> jax.Array:
@@ -149,11 +150,16 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
     """A jax_cache copy of a live torch cache: same kind, sizes, contents, positions and length, on one device or
     split over a JAX `mesh` (docs/design.md §10): a cache decoded by torch continues on the mesh."""
     _check_handoff(cache, torch_caches.StaticCache, config, "cache_from_torch")
-    jax_cache = jax_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
-                                      _jax_dtype(cache.dtype), mesh)
+    rows = cache.batch_size
+    # a data split takes a multiple of its size: copies of the last row, as generate pads a batch there (pad_batch);
+    # continue_generation gives them that row's last token and leaves their outputs out (pad_continuation)
+    padded = rows if mesh is None else rows + -rows % jax_sharding.mesh_shape(mesh).data
+    jax_cache = jax_caches.make_cache(cache.kind, config, padded, cache.max_cache_len, _jax_dtype(cache.dtype), mesh)
     # Both caches list their arrays in the same order (ARRAY_FIELDS); each copy is an owned JAX buffer, uncommitted as
     # make_cache's (_to_jax) unless placed on a mesh below.
     copies = [jnp.array(_to_jax(t.clone())) for t in cache.arrays()]
+    if padded != rows:  # the per-row arrays (K/V [B, H, L, D], slot_positions [B, L]); length is a scalar
+        copies = [jnp.asarray(pad_rows(np.asarray(copy), padded)) if copy.ndim else copy for copy in copies]
     if mesh is not None:
         placements = jax_sharding.cache_shardings(mesh, jax_cache.num_layers, jax_cache.num_kv_heads)
         copies = [jax.device_put(copy, placement) for copy, placement in zip(copies, placements, strict=True)]
