@@ -181,7 +181,7 @@ def handoff(checkpoints: dict[str, Path], sharded: dict[tuple, Mistral]) -> dict
     """torch decodes the first tokens on one device, its cache is copied onto the JAX mesh, JAX decodes the rest."""
     import torch_cache.generate as tg
     from torch_cache.model import Mistral as TorchMistral
-    from twincache_app.handoff import cache_from_torch
+    from twincache_app.handoff import cache_from_torch, cache_to_torch
 
     name, data, model_ways, kind = HANDOFF
     torch_model = TorchMistral.from_pretrained(checkpoints[name])
@@ -192,8 +192,13 @@ def handoff(checkpoints: dict[str, Path], sharded: dict[tuple, Mistral]) -> dict
     cache = cache_from_torch(first.cache, model.config, model.mesh)
     rest = jg.continue_generation(model, cache, [t[-1] for t in first.token_ids], NEW_TOKENS - HANDOFF_TORCH_TOKENS,
                                   fused=False)  # the step a case above compiled for this mesh and batch
+    # and back: a cache split over the mesh has no DLPack view, so it takes the host copy
+    back = cache_to_torch(rest.cache, model.config)
+    back_equal = all(np.array_equal(theirs.numpy(), np.asarray(ours))
+                     for theirs, ours in zip(back.arrays(), rest.cache.arrays(), strict=True))
     return {"torch_tokens": whole.token_ids, "handed_over": [a + b for a, b in zip(first.token_ids, rest.token_ids)],
-            "cache_spec": str(rest.cache.keys[0].sharding.spec), "mesh": str(sharding.mesh_shape(model.mesh))}
+            "cache_spec": str(rest.cache.keys[0].sharding.spec), "mesh": str(sharding.mesh_shape(model.mesh)),
+            "back_to_torch_equal": back_equal}
 
 
 def chunked(single: dict[str, Mistral], sharded: dict[tuple, Mistral],

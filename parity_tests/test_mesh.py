@@ -369,6 +369,10 @@ def test_a_torch_cache_continues_on_a_jax_mesh(mesh_runs):
     handoff = mesh_runs["jax"]["handoff"]
     assert handoff["mesh"] == "model=4,data=2" and "model_kv" in handoff["cache_spec"]
     assert handoff["handed_over"] == handoff["torch_tokens"]
+    # the cache back to torch through the host (no DLPack view of a split array): equal, and torch has no warning
+    # that it was handed a read-only NumPy view
+    assert handoff["back_to_torch_equal"] is True
+    assert not [w for w in mesh_runs["jax"]["warnings"] if "not writable" in w], mesh_runs["jax"]["warnings"]
 
 
 def test_jax_a_chunked_prefill_on_a_mesh_decodes_as_one_device_prefilling_at_once(mesh_runs, oracles):

@@ -70,8 +70,9 @@ def _to_torch(array: jax.Array, device: torch.device) -> torch.Tensor:
     try:
         return torch.from_dlpack(array).to(device).clone()
     except Exception:  # noqa: BLE001 - fall back to a host round trip
-        return torch.from_numpy(np.asarray(array.astype(jnp.float32) if array.dtype == jnp.bfloat16 else array)
-                                ).to(device=device, dtype=_torch_dtype(array.dtype)).clone()
+        # torch.tensor copies, so JAX's read-only host view needs no from_numpy (which warns that it is not writable)
+        host = np.asarray(array.astype(jnp.float32) if array.dtype == jnp.bfloat16 else array)
+        return torch.tensor(host, dtype=_torch_dtype(array.dtype), device=device)
 
 
 def _jax_dtype(dtype: torch.dtype) -> jnp.dtype:
