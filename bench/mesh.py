@@ -95,6 +95,7 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
                                            preset.new_tokens, CACHE, vocabulary, mode))
     for record in records:
         record["preset"] = preset.name
+        record["model"] = None if preset.model_dir is None else str(preset.model_dir)  # --model's; None: random
         record["weights_max_bytes"] = max(record["weights_bytes"].values())
         record["kv_max_bytes"] = max(record["kv_bytes"].values())
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +128,9 @@ def _ranks_record(model_dir: Path, config: MistralConfig, preset: Preset, mesh: 
 
 
 def markdown(records: list[dict[str, Any]]) -> str:
-    lines = ["# twincache bench: one model and one cache across devices", "",
+    first = records[0] if records else {}
+    model = f" on `{first['model']}`" if first.get("model") else ""  # a --model run: its weights, not the preset's
+    lines = [f"# twincache bench: one model and one cache across devices, preset `{first.get('preset')}`{model}", "",
              "Bytes per device are read from what each device holds (the largest share is shown); tok/s is the "
              "steady decode rate of one generation after a warm-up.", "",
              "| backend | mode | mesh | vocabulary | devices | weights / device | KV / device | decode tok/s |",

@@ -599,3 +599,7 @@ def test_bench_meshes_records_each_devices_bytes_and_tok_s_per_mesh(mesh_runs):
     replicated = records[("jax", "model=2,data=1", "replicated")]
     assert replicated["weights_max_bytes"] > records[("jax", "model=2,data=1", "split")]["weights_max_bytes"]
     assert mesh_runs["bench_md"].count("| jax |") == 3 and mesh_runs["bench_md"].count("| torch |") == 2
+    # a --model run names its checkpoint, not only the preset whose workload it ran
+    assert mesh_runs["bench_md"].startswith(f"# twincache bench: one model and one cache across devices, preset "
+                                            f"`tiny` on `{mesh_runs['dirs']['gqa']}`"), mesh_runs["bench_md"][:200]
+    assert all(r["model"] == str(mesh_runs["dirs"]["gqa"]) for r in mesh_runs["bench"])
