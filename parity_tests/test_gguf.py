@@ -81,7 +81,7 @@ def add_tensor(writer, name: str, array: np.ndarray, qtype, seed: int = 0) -> No
 
 def write_gguf(path: Path, state: dict[str, np.ndarray], qtype=Q.F32, arch: str = "llama",
                metadata: dict | None = None, drop: tuple[str, ...] = (), extra: dict | None = None,
-               tokenizer: dict | None = None, **config: object) -> Path:
+               tokenizer: dict | None = None, endianess=gguf.GGUFEndian.LITTLE, **config: object) -> Path:
     """A GGUF of HF-named fp32 `state` as llama.cpp writes it. `metadata` overrides keys (None removes one)."""
     cfg = {**TINY, **config}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -93,7 +93,7 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], qtype=Q.F32, arch: str 
             f"{arch}.rope.dimension_count": cfg["hidden_size"] // heads, f"{arch}.vocab_size": cfg["vocab_size"],
             "tokenizer.ggml.bos_token_id": cfg["bos_token_id"]}
     keys.update(metadata or {})
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, endianess=endianess)
     for key, value in keys.items():
         if value is None:
             writer.kv_data[0].pop(key, None)  # the writer adds general.architecture itself
@@ -499,6 +499,8 @@ def bad_gguf(case: str, state: dict[str, np.ndarray], directory: Path) -> Path:
         write_gguf(path, state, metadata={"general.architecture": None})
     elif case == "rope_scaling":
         write_gguf(path, state, metadata={"llama.rope.scaling.type": "linear"})
+    elif case == "big_endian":  # llama.cpp's --bigendian: metadata reads fine, tensors would be byte-swapped garbage
+        write_gguf(path, state, endianess=gguf.GGUFEndian.BIG)
     elif case == "not_gguf":
         path.write_bytes(b"PK\x03\x04 a zip, not a GGUF")
     return path
@@ -517,6 +519,7 @@ BAD_CASES = {
     "extra_tensor": (CheckpointError, ["blk.0.attn_q.bias"]),
     "rope_scaling": (ConfigError, ["RoPE scaling (linear)"]),
     "not_gguf": (CheckpointError, ["not a GGUF file"]),
+    "big_endian": (CheckpointError, ["big-endian GGUF", "this host is little-endian", "--bigendian"]),
 }
 
 

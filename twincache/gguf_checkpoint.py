@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,11 @@ def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFCheckpoint:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise CheckpointError(f"{path} is truncated or corrupted: the gguf reader fails on it ({reason}); "
                               "re-download the file") from None
+    if reader.byte_order != "I":  # gguf parses the metadata of either order, but dequantizes in the host's only
+        raise CheckpointError(f"{path} is a {reader.endianess.name.lower()}-endian GGUF but this host is "
+                              f"{sys.byteorder}-endian, and gguf dequantizes tensors in the host's byte order only; "
+                              "convert the model again for this host (llama.cpp's convert_hf_to_gguf.py writes "
+                              "big-endian files only with --bigendian)")
     data_end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if data_end > size:
         raise CheckpointError(f"{path} is truncated: its tensors need {data_end} bytes but the file has {size}; "
