@@ -307,11 +307,14 @@ def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpo
 
 
 @pytest.mark.parametrize("damage", ["weights_truncated", "tokenizer_removed", "config_grown",
-                                    "stamp_of_an_older_build"])
+                                    "stamp_of_an_older_build", "config_edited_same_size",
+                                    "weights_header_same_size", "stamp_without_digests"])
 def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, reference_build, damage: str):
     """A finished build whose files changed since (a disk that filled up while copying a home, a user's edit) is
     rebuilt on the next run, not loaded into "model.safetensors is truncated ... re-download or re-save the
-    checkpoint", advice that fits no file twincache built itself. So is a stamp without the build's file list."""
+    checkpoint", advice that fits no file twincache built itself. So is a stamp without the build's file list, and
+    edits that keep every size (the loader said "checkpoint ... is missing tensor ..." or "... is corrupted or
+    truncated: header claims ...", with no advice at all), and a stamp from before its lines held digests."""
     monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
     final = default_model.tiny_model_dir()
     stamp = final / default_model._COMPLETE_STAMP
@@ -322,6 +325,16 @@ def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, r
         (final / "tokenizer.json").unlink()
     elif damage == "config_grown":
         (final / "config.json").write_text((final / "config.json").read_text() + " ")
+    elif damage == "config_edited_same_size":
+        config = (final / "config.json").read_text()
+        edited = config.replace('"num_hidden_layers": 2', '"num_hidden_layers": 3')
+        assert len(edited) == len(config) and edited != config
+        (final / "config.json").write_text(edited)
+    elif damage == "weights_header_same_size":
+        weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])
+    elif damage == "stamp_without_digests":
+        stamp.write_text("".join(line.rsplit(" ", 1)[0] + "\n" if line.startswith("file ") else line + "\n"
+                                 for line in stamp.read_text().splitlines()))
     else:
         stamp.write_text(stamp.read_text().splitlines()[0] + "\n")
     assert not default_model.is_complete(final)
