@@ -499,6 +499,10 @@ def bad_gguf(case: str, state: dict[str, np.ndarray], directory: Path) -> Path:
         write_gguf(path, state, metadata={"general.architecture": None})
     elif case == "rope_scaling":
         write_gguf(path, state, metadata={"llama.rope.scaling.type": "linear"})
+    elif case == "metadata_string":  # was "unexpected TypeError: unsupported operand type(s) for //"
+        write_gguf(path, state, metadata={"llama.attention.head_count": "4"})
+    elif case == "metadata_zero":  # was "config field num_hidden_layers=0 ...", a field the file does not have
+        write_gguf(path, state, metadata={"llama.block_count": 0})
     elif case == "big_endian":  # llama.cpp's --bigendian: metadata reads fine, tensors would be byte-swapped garbage
         write_gguf(path, state, endianess=gguf.GGUFEndian.BIG)
     elif case == "not_gguf":
@@ -519,6 +523,9 @@ BAD_CASES = {
     "extra_tensor": (CheckpointError, ["blk.0.attn_q.bias"]),
     "rope_scaling": (ConfigError, ["RoPE scaling (linear)"]),
     "not_gguf": (CheckpointError, ["not a GGUF file"]),
+    "metadata_string": (ConfigError, ["llama.attention.head_count='4', a str", "gguf_set_metadata.py"]),
+    "metadata_zero": (ConfigError, ["num_hidden_layers=0", "GGUF metadata key llama.block_count",
+                                    "gguf_set_metadata.py"]),
     "big_endian": (CheckpointError, ["big-endian GGUF", "this host is little-endian", "--bigendian"]),
 }
 
