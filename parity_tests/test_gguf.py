@@ -590,6 +590,19 @@ def test_gguf_without_a_tokenizer_needs_prompt_ids(tiny_ggufs, capsys):
     assert code == 2 and "has no tokenizer in its metadata" in err and "--prompt-ids" in err
 
 
+def test_gguf_bos_past_its_token_list_is_one_line(tiny_hf, tmp_path, capsys):
+    """A BOS id inside the model's vocabulary (128) but past the tokenizer's shorter token list: it was "unexpected
+    IndexError: list index out of range" (transformers' GGUF tokenizer raises the same IndexError)."""
+    V = gguf.GGUFValueType
+    path = write_gguf(tmp_path / "bos.gguf", tiny_hf[1], metadata={"tokenizer.ggml.bos_token_id": 100}, tokenizer={
+        "tokenizer.ggml.model": ("gpt2", V.STRING), "tokenizer.ggml.add_bos_token": (True, V.BOOL),
+        "tokenizer.ggml.tokens": (list("abcdefghij"), V.ARRAY, V.STRING)})
+    code = cli.main(["generate", "--model", str(path), "--prompt", "abc", "--mode", "eager"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "tokenizer.ggml.bos_token_id=100" in err and "lists 10 tokens" in err and "--prompt-ids" in err, err
+
+
 # --- every subcommand takes a GGUF ------------------------------------------------------------------------------------
 
 
