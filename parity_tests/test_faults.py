@@ -306,6 +306,15 @@ def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpo
     _assert_good_default_model(tmp_path, reference_build)
 
 
+def test_a_home_given_with_a_tilde_is_under_the_users_home(tmp_path, monkeypatch):
+    """TWINCACHE_HOME='~/models', quoted where no shell expands it, was a relative path: a directory named "~" in
+    each working directory, each with its own build."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TWINCACHE_HOME", "~/models")
+    monkeypatch.chdir(tmp_path / "..")
+    assert default_model.cache_root() == tmp_path / "models"
+
+
 @pytest.mark.parametrize("damage", ["weights_truncated", "tokenizer_removed", "config_grown",
                                     "stamp_of_an_older_build", "config_edited_same_size",
                                     "weights_header_same_size", "stamp_without_digests"])

@@ -80,7 +80,9 @@ _STAGING_PREFIX = ".building-"  # then the builder's host and pid: .building-<ho
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache")
+    # expanduser: a quoted "~/..." (a dotenv file, a systemd unit) reaches us unexpanded, and would put a 520 MB
+    # build under a directory named "~" in whatever directory each run starts in.
+    return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache").expanduser()
 
 
 def default_model_dir() -> Path:
