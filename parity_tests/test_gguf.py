@@ -503,6 +503,8 @@ def bad_gguf(case: str, state: dict[str, np.ndarray], directory: Path) -> Path:
         write_gguf(path, state, metadata={"llama.attention.head_count": "4"})
     elif case == "metadata_zero":  # was "config field num_hidden_layers=0 ...", a field the file does not have
         write_gguf(path, state, metadata={"llama.block_count": 0})
+    elif case == "missing_key":
+        write_gguf(path, state, metadata={"llama.attention.layer_norm_rms_epsilon": None})
     elif case == "big_endian":  # llama.cpp's --bigendian: metadata reads fine, tensors would be byte-swapped garbage
         write_gguf(path, state, endianess=gguf.GGUFEndian.BIG)
     elif case == "not_gguf":
@@ -526,6 +528,8 @@ BAD_CASES = {
     "metadata_string": (ConfigError, ["llama.attention.head_count='4', a str", "gguf_set_metadata.py"]),
     "metadata_zero": (ConfigError, ["num_hidden_layers=0", "GGUF metadata key llama.block_count",
                                     "gguf_set_metadata.py"]),
+    "missing_key": (CheckpointError, ["lacks the GGUF metadata key llama.attention.layer_norm_rms_epsilon",
+                                      "convert the model again"]),
     "big_endian": (CheckpointError, ["big-endian GGUF", "this host is little-endian", "--bigendian"]),
 }
 

@@ -184,7 +184,8 @@ def config_from_metadata(metadata: dict[str, Any], path: Path, tensor_names: set
     def get(key: str, default: Any = None, required: bool = False, number: bool = True) -> Any:
         value = metadata.get(f"{arch}.{key}", default)
         if required and value is None:
-            raise CheckpointError(f"{path} lacks the GGUF metadata key {arch}.{key}")
+            raise CheckpointError(f"{path} lacks the GGUF metadata key {arch}.{key}, which llama.cpp needs too; "
+                                  "convert the model again with llama.cpp's convert_hf_to_gguf.py, which writes it")
         if isinstance(value, list):
             raise ConfigError(f"{path} gives {arch}.{key} per layer ({value[:4]}...); twincache supports one value "
                               "for every layer")
@@ -209,7 +210,8 @@ def config_from_metadata(metadata: dict[str, Any], path: Path, tensor_names: set
                               "them equal (full-width rotary embeddings)")
     vocab_size = get("vocab_size") or vocab_size_hint
     if vocab_size is None:
-        raise CheckpointError(f"{path} states no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
+        raise CheckpointError(f"{path} states no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens); "
+                              "convert the model again with llama.cpp's convert_hf_to_gguf.py, which writes both")
     fields = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
