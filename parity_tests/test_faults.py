@@ -256,6 +256,28 @@ def test_leftover_builds_of_ended_processes_are_removed_even_once_the_model_exis
     assert running.exists() and elsewhere.exists(), "a build that may be in progress was removed"
 
 
+def test_a_killed_builder_not_yet_reaped_counts_as_ended(tmp_path):
+    """A builder killed while a second first run waits on the lock wakes that run at once, before its parent reaps
+    it: a zombie, which os.kill(pid, 0) still finds. Its staging directory (213 MB, seen) outlived the build that
+    replaced it."""
+    import socket
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        child.kill()
+        for _ in range(200):  # dead, not reaped: its parent (this test) has not waited for it
+            if Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                break
+            time.sleep(0.01)
+        leftover = tmp_path / f".building-{socket.gethostname()}-{child.pid}-abc123_x"
+        leftover.mkdir()
+        default_model._remove_stale_builds(tmp_path)
+        assert not leftover.exists(), "a killed builder's staging directory was kept"
+    finally:
+        child.wait()
+
+
 INTERRUPTED_BUILD = """
 import os, signal, sys, time
 from pathlib import Path

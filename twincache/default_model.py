@@ -316,4 +316,9 @@ def _process_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, another user's
         return True
-    return True
+    # A builder killed while another run waited on the lock is a zombie until its parent reaps it: os.kill finds it,
+    # and the waiter, woken by its death, kept its half-built staging directory (hundreds of MB) until the next run.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no procfs (macOS): alive, as before
+        return True
