@@ -170,6 +170,7 @@ def test_a_failing_template_is_one_checkpoint_error_line(tmp_path, template):
     with pytest.raises(CheckpointError) as error:
         ours.chat_prompt("Hello")
     assert str(error.value).startswith(BAD_TEMPLATES[template]) and "\n" not in str(error.value), str(error.value)
+    assert str(error.value).endswith("or drop --chat"), "what to do: it said only what failed"
 
 
 def test_a_failing_template_is_one_line_exit_2_in_the_cli(tmp_path, capsys):

@@ -256,6 +256,28 @@ def test_leftover_builds_of_ended_processes_are_removed_even_once_the_model_exis
     assert running.exists() and elsewhere.exists(), "a build that may be in progress was removed"
 
 
+def test_a_killed_builder_not_yet_reaped_counts_as_ended(tmp_path):
+    """A builder killed while a second first run waits on the lock wakes that run at once, before its parent reaps
+    it: a zombie, which os.kill(pid, 0) still finds. Its staging directory (213 MB, seen) outlived the build that
+    replaced it."""
+    import socket
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        child.kill()
+        for _ in range(200):  # dead, not reaped: its parent (this test) has not waited for it
+            if Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                break
+            time.sleep(0.01)
+        leftover = tmp_path / f".building-{socket.gethostname()}-{child.pid}-abc123_x"
+        leftover.mkdir()
+        default_model._remove_stale_builds(tmp_path)
+        assert not leftover.exists(), "a killed builder's staging directory was kept"
+    finally:
+        child.wait()
+
+
 INTERRUPTED_BUILD = """
 import os, signal, sys, time
 from pathlib import Path
@@ -306,12 +328,24 @@ def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpo
     _assert_good_default_model(tmp_path, reference_build)
 
 
+def test_a_home_given_with_a_tilde_is_under_the_users_home(tmp_path, monkeypatch):
+    """TWINCACHE_HOME='~/models', quoted where no shell expands it, was a relative path: a directory named "~" in
+    each working directory, each with its own build."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TWINCACHE_HOME", "~/models")
+    monkeypatch.chdir(tmp_path / "..")
+    assert default_model.cache_root() == tmp_path / "models"
+
+
 @pytest.mark.parametrize("damage", ["weights_truncated", "tokenizer_removed", "config_grown",
-                                    "stamp_of_an_older_build"])
+                                    "stamp_of_an_older_build", "config_edited_same_size",
+                                    "weights_header_same_size", "stamp_without_digests"])
 def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, reference_build, damage: str):
     """A finished build whose files changed since (a disk that filled up while copying a home, a user's edit) is
     rebuilt on the next run, not loaded into "model.safetensors is truncated ... re-download or re-save the
-    checkpoint", advice that fits no file twincache built itself. So is a stamp without the build's file list."""
+    checkpoint", advice that fits no file twincache built itself. So is a stamp without the build's file list, and
+    edits that keep every size (the loader said "checkpoint ... is missing tensor ..." or "... is corrupted or
+    truncated: header claims ...", with no advice at all), and a stamp from before its lines held digests."""
     monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
     final = default_model.tiny_model_dir()
     stamp = final / default_model._COMPLETE_STAMP
@@ -322,6 +356,16 @@ def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, r
         (final / "tokenizer.json").unlink()
     elif damage == "config_grown":
         (final / "config.json").write_text((final / "config.json").read_text() + " ")
+    elif damage == "config_edited_same_size":
+        config = (final / "config.json").read_text()
+        edited = config.replace('"num_hidden_layers": 2', '"num_hidden_layers": 3')
+        assert len(edited) == len(config) and edited != config
+        (final / "config.json").write_text(edited)
+    elif damage == "weights_header_same_size":
+        weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])
+    elif damage == "stamp_without_digests":
+        stamp.write_text("".join(line.rsplit(" ", 1)[0] + "\n" if line.startswith("file ") else line + "\n"
+                                 for line in stamp.read_text().splitlines()))
     else:
         stamp.write_text(stamp.read_text().splitlines()[0] + "\n")
     assert not default_model.is_complete(final)

@@ -81,7 +81,7 @@ def add_tensor(writer, name: str, array: np.ndarray, qtype, seed: int = 0) -> No
 
 def write_gguf(path: Path, state: dict[str, np.ndarray], qtype=Q.F32, arch: str = "llama",
                metadata: dict | None = None, drop: tuple[str, ...] = (), extra: dict | None = None,
-               tokenizer: dict | None = None, **config: object) -> Path:
+               tokenizer: dict | None = None, endianess=gguf.GGUFEndian.LITTLE, **config: object) -> Path:
     """A GGUF of HF-named fp32 `state` as llama.cpp writes it. `metadata` overrides keys (None removes one)."""
     cfg = {**TINY, **config}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -93,7 +93,7 @@ def write_gguf(path: Path, state: dict[str, np.ndarray], qtype=Q.F32, arch: str 
             f"{arch}.rope.dimension_count": cfg["hidden_size"] // heads, f"{arch}.vocab_size": cfg["vocab_size"],
             "tokenizer.ggml.bos_token_id": cfg["bos_token_id"]}
     keys.update(metadata or {})
-    writer = gguf.GGUFWriter(path, arch)
+    writer = gguf.GGUFWriter(path, arch, endianess=endianess)
     for key, value in keys.items():
         if value is None:
             writer.kv_data[0].pop(key, None)  # the writer adds general.architecture itself
@@ -499,6 +499,14 @@ def bad_gguf(case: str, state: dict[str, np.ndarray], directory: Path) -> Path:
         write_gguf(path, state, metadata={"general.architecture": None})
     elif case == "rope_scaling":
         write_gguf(path, state, metadata={"llama.rope.scaling.type": "linear"})
+    elif case == "metadata_string":  # was "unexpected TypeError: unsupported operand type(s) for //"
+        write_gguf(path, state, metadata={"llama.attention.head_count": "4"})
+    elif case == "metadata_zero":  # was "config field num_hidden_layers=0 ...", a field the file does not have
+        write_gguf(path, state, metadata={"llama.block_count": 0})
+    elif case == "missing_key":
+        write_gguf(path, state, metadata={"llama.attention.layer_norm_rms_epsilon": None})
+    elif case == "big_endian":  # llama.cpp's --bigendian: metadata reads fine, tensors would be byte-swapped garbage
+        write_gguf(path, state, endianess=gguf.GGUFEndian.BIG)
     elif case == "not_gguf":
         path.write_bytes(b"PK\x03\x04 a zip, not a GGUF")
     return path
@@ -517,6 +525,12 @@ BAD_CASES = {
     "extra_tensor": (CheckpointError, ["blk.0.attn_q.bias"]),
     "rope_scaling": (ConfigError, ["RoPE scaling (linear)"]),
     "not_gguf": (CheckpointError, ["not a GGUF file"]),
+    "metadata_string": (ConfigError, ["llama.attention.head_count='4', a str", "gguf_set_metadata.py"]),
+    "metadata_zero": (ConfigError, ["num_hidden_layers=0", "GGUF metadata key llama.block_count",
+                                    "gguf_set_metadata.py"]),
+    "missing_key": (CheckpointError, ["lacks the GGUF metadata key llama.attention.layer_norm_rms_epsilon",
+                                      "convert the model again"]),
+    "big_endian": (CheckpointError, ["big-endian GGUF", "this host is little-endian", "--bigendian"]),
 }
 
 
@@ -578,6 +592,19 @@ def test_gguf_without_a_tokenizer_needs_prompt_ids(tiny_ggufs, capsys):
     code = cli.main(["generate", "--model", str(tiny_ggufs["F32"]), "--prompt", "hello", "--mode", "eager"])
     err = capsys.readouterr().err
     assert code == 2 and "has no tokenizer in its metadata" in err and "--prompt-ids" in err
+
+
+def test_gguf_bos_past_its_token_list_is_one_line(tiny_hf, tmp_path, capsys):
+    """A BOS id inside the model's vocabulary (128) but past the tokenizer's shorter token list: it was "unexpected
+    IndexError: list index out of range" (transformers' GGUF tokenizer raises the same IndexError)."""
+    V = gguf.GGUFValueType
+    path = write_gguf(tmp_path / "bos.gguf", tiny_hf[1], metadata={"tokenizer.ggml.bos_token_id": 100}, tokenizer={
+        "tokenizer.ggml.model": ("gpt2", V.STRING), "tokenizer.ggml.add_bos_token": (True, V.BOOL),
+        "tokenizer.ggml.tokens": (list("abcdefghij"), V.ARRAY, V.STRING)})
+    code = cli.main(["generate", "--model", str(path), "--prompt", "abc", "--mode", "eager"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "tokenizer.ggml.bos_token_id=100" in err and "lists 10 tokens" in err and "--prompt-ids" in err, err
 
 
 # --- every subcommand takes a GGUF ------------------------------------------------------------------------------------

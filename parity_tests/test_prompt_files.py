@@ -136,6 +136,24 @@ def _with_tokenizer(checkpoint: Path, tmp_path: Path, vocab_size: int = 128) -> 
     return directory
 
 
+@pytest.mark.parametrize("command", ["generate", "parity"])
+def test_a_tokenizer_past_the_models_vocabulary_is_blamed_not_the_prompt(checkpoints, tmp_path, capsys, command):
+    """Text the tokenizer encodes to an id the model has no row for (a GGUF whose token list outgrows its embedding,
+    a tokenizer.json from another model) said "prompt 0 holds token id 500 outside the vocabulary [0, 128)", as if
+    the user had given that id."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    model = _with_tokenizer(checkpoints["gqa"], tmp_path)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "z": 500}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.save(str(model / "tokenizer.json"))
+    argv = [command, "--model", str(model), "--prompt", "aza", "--max-new-tokens", "2"]
+    code, _, err = run_in_process(argv if command == "parity" else [*argv, "--mode", "eager"], capsys)
+    line = assert_one_line_error(code, err, "tokenizer encodes prompt 0 to token id 500, but the model's vocabulary "
+                                            "is [0, 128)")
+    assert "--prompt-ids" in line, line
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
 def test_a_prompt_argument_that_is_not_utf8_is_one_line_exit_2(checkpoints, tmp_path, capsys, chat):
     """`--prompt $'caf\\xe9'`: Python hands the byte over as a lone surrogate (surrogateescape), which the tokenizer

@@ -17,6 +17,9 @@ from typing import Any
 from twincache.errors import CheckpointError, UnavailableError
 
 CHAT_INSTALL = "pip install 'twincache[chat]'"
+# What to do about a template that fails: it is the checkpoint's, so only its owner can mend it.
+FIX_TEMPLATE = ("fix the template (chat_template.jinja, tokenizer_config.json chat_template or GGUF "
+                "tokenizer.chat_template), or drop --chat")
 
 
 def render_chat(template: str, messages: list[dict[str, str]], special_tokens: Mapping[str, str] | None = None, *,
@@ -31,13 +34,14 @@ def render_chat(template: str, messages: list[dict[str, str]], special_tokens: M
                              add_generation_prompt=add_generation_prompt, **dict(special_tokens or {}))
     except jinja2.TemplateSyntaxError as err:
         raise CheckpointError(f"the checkpoint's chat template is not valid Jinja: {_one_line(err.message)} "
-                              f"(line {err.lineno})") from None
+                              f"(line {err.lineno}); {FIX_TEMPLATE}") from None
     except jinja2.TemplateError as err:  # raise_exception(...), an undefined value used, a sandbox refusal
-        raise CheckpointError(f"the checkpoint's chat template fails: {_one_line(err)}") from None
+        raise CheckpointError(f"the checkpoint's chat template fails: {_one_line(err)}; {FIX_TEMPLATE}") from None
     except ImportError as err:  # transformers refuses a jinja2 with known sandbox escapes
         raise UnavailableError(f"--chat cannot render the checkpoint's chat template: {_one_line(err)}") from None
     except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as err:  # the template's Python
-        raise CheckpointError(f"the checkpoint's chat template fails: {type(err).__name__}: {_one_line(err)}") from None
+        raise CheckpointError(f"the checkpoint's chat template fails: {type(err).__name__}: {_one_line(err)}; "
+                              f"{FIX_TEMPLATE}") from None
     return rendered[0]
 
 

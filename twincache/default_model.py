@@ -50,7 +50,10 @@ TRAINED_BUILD_VERSION = 2  # 2: tokenizer_config.json names every special token 
 DEFAULT_SEED = 1234
 BUILD_VERSION = 2  # of the tiny model
 _COMPLETE_STAMP = ".twincache-complete"
-_FILE_LINE = "file"  # the stamp's lines "file NAME SIZE": what the build wrote
+_FILE_LINE = "file"  # the stamp's lines "file NAME SIZE DIGEST": what the build wrote
+# A stamp line's digest covers the head of its file: all of a small one (config.json, the tokenizer), and the weights'
+# header (~30 KB) with their first tensors; hashing all 520 MB of weights would cost every run a second.
+_DIGEST_BYTES = 1 << 20
 _SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 
 # The tiny model. Byte-level tokenizer (3 specials + 256 bytes), so the vocabulary is exactly 259.
@@ -77,7 +80,9 @@ _STAGING_PREFIX = ".building-"  # then the builder's host and pid: .building-<ho
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache")
+    # expanduser: a quoted "~/..." (a dotenv file, a systemd unit) reaches us unexpanded, and would put a 520 MB
+    # build under a directory named "~" in whatever directory each run starts in.
+    return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache").expanduser()
 
 
 def default_model_dir() -> Path:
@@ -255,8 +260,8 @@ def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
         try:
             write(staging)
             files = sorted(path for path in staging.iterdir() if path.is_file())
-            (staging / _COMPLETE_STAMP).write_text(
-                stamp + "\n" + "".join(f"{_FILE_LINE} {path.name} {path.stat().st_size}\n" for path in files))
+            (staging / _COMPLETE_STAMP).write_text(stamp + "\n" + "".join(
+                f"{_FILE_LINE} {path.name} {path.stat().st_size} {_head_digest(path)}\n" for path in files))
             try:
                 os.rename(staging, final)
             except OSError:  # another process finished first; its build is identical
@@ -268,19 +273,27 @@ def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
 
 
 def is_complete(final: Path) -> bool:
-    """Whether `final` holds a finished build whose files have the sizes the build gave them: one truncated, removed
-    or grown since (a full disk, a user's edit) makes it incomplete, so it is rebuilt instead of failing to load with
-    advice to re-download a checkpoint nobody downloaded. So does a stamp without the file list (an older build).
-    Sizes only: a changed byte that keeps the size is the loader's to find (its header and shape checks)."""
+    """Whether `final` holds a finished build whose files are as the build wrote them: one truncated, removed, grown
+    or edited since (a full disk, a user's edit, even one that keeps the size) makes it incomplete, so it is rebuilt
+    instead of failing to load with advice to re-download a checkpoint nobody downloaded, or with none. So does a
+    stamp without the file list and digests (an older build). Past a file's first _DIGEST_BYTES only the size is
+    checked: a changed weight byte there is the loader's to find, or not."""
     try:
         lines = (final / _COMPLETE_STAMP).read_text().splitlines()
     except OSError:
         return False
-    sizes = [line.split(" ") for line in lines if line.startswith(f"{_FILE_LINE} ")]
+    entries = [line.split(" ") for line in lines if line.startswith(f"{_FILE_LINE} ")]
     try:
-        return bool(sizes) and all((final / name).stat().st_size == int(size) for _, name, size in sizes)
+        return bool(entries) and all(
+            len(entry) == 4 and (final / entry[1]).stat().st_size == int(entry[2])
+            and _head_digest(final / entry[1]) == entry[3] for entry in entries)
     except (OSError, ValueError):  # a listed file is gone, or the stamp itself was edited
         return False
+
+
+def _head_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.sha256(f.read(_DIGEST_BYTES)).hexdigest()[:32]
 
 
 def _remove_stale_builds(parent: Path, max_age_s: float = 3600.0) -> None:
@@ -303,4 +316,9 @@ def _process_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, another user's
         return True
-    return True
+    # A builder killed while another run waited on the lock is a zombie until its parent reaps it: os.kill finds it,
+    # and the waiter, woken by its death, kept its half-built staging directory (hundreds of MB) until the next run.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no procfs (macOS): alive, as before
+        return True

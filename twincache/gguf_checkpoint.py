@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,15 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# The metadata key each config field comes from (after `<arch>.`, or whole for tokenizer.*): MistralConfig's own
+# checks name the field, a GGUF's reader knows the key.
+_CONFIG_KEYS = {"vocab_size": "vocab_size", "hidden_size": "embedding_length",
+                "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
+                "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+                "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+                "rope_theta": "rope.freq_base", "sliding_window": "attention.sliding_window",
+                "max_position_embeddings": "context_length", "bos_token_id": "tokenizer.ggml.bos_token_id",
+                "eos_token_id": "tokenizer.ggml.eos_token_id", "pad_token_id": "tokenizer.ggml.padding_token_id"}
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -136,6 +146,11 @@ def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFCheckpoint:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise CheckpointError(f"{path} is truncated or corrupted: the gguf reader fails on it ({reason}); "
                               "re-download the file") from None
+    if reader.byte_order != "I":  # gguf parses the metadata of either order, but dequantizes in the host's only
+        raise CheckpointError(f"{path} is a {reader.endianess.name.lower()}-endian GGUF but this host is "
+                              f"{sys.byteorder}-endian, and gguf dequantizes tensors in the host's byte order only; "
+                              "convert the model again for this host (llama.cpp's convert_hf_to_gguf.py writes "
+                              "big-endian files only with --bigendian)")
     data_end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if data_end > size:
         raise CheckpointError(f"{path} is truncated: its tensors need {data_end} bytes but the file has {size}; "
@@ -166,16 +181,21 @@ def config_from_metadata(metadata: dict[str, Any], path: Path, tensor_names: set
         raise ConfigError(f"{path} holds a {arch!r} model; twincache reads GGUF architectures "
                           f"{' and '.join(ARCHITECTURES)} only")
 
-    def get(key: str, default: Any = None, required: bool = False) -> Any:
+    def get(key: str, default: Any = None, required: bool = False, number: bool = True) -> Any:
         value = metadata.get(f"{arch}.{key}", default)
         if required and value is None:
-            raise CheckpointError(f"{path} lacks the GGUF metadata key {arch}.{key}")
+            raise CheckpointError(f"{path} lacks the GGUF metadata key {arch}.{key}, which llama.cpp needs too; "
+                                  "convert the model again with llama.cpp's convert_hf_to_gguf.py, which writes it")
         if isinstance(value, list):
             raise ConfigError(f"{path} gives {arch}.{key} per layer ({value[:4]}...); twincache supports one value "
                               "for every layer")
+        if number and isinstance(value, (str, bool)):  # arithmetic and float() below would fail without the key
+            raise ConfigError(f"{path} gives {arch}.{key}={value!r}, a {type(value).__name__}, where llama.cpp "
+                              "writes a number; rewrite the key as one (gguf's gguf_set_metadata.py) or convert the "
+                              "model again")
         return value
 
-    scaling = get("rope.scaling.type")
+    scaling = get("rope.scaling.type", number=False)
     if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
         raise ConfigError(f"{path} uses RoPE scaling ({scaling or 'rope_freqs.weight factors'}); twincache "
                           "implements plain RoPE only")
@@ -190,8 +210,9 @@ def config_from_metadata(metadata: dict[str, Any], path: Path, tensor_names: set
                               "them equal (full-width rotary embeddings)")
     vocab_size = get("vocab_size") or vocab_size_hint
     if vocab_size is None:
-        raise CheckpointError(f"{path} states no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
-    return MistralConfig(
+        raise CheckpointError(f"{path} states no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens); "
+                              "convert the model again with llama.cpp's convert_hf_to_gguf.py, which writes both")
+    fields = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length", required=True),
@@ -208,6 +229,14 @@ def config_from_metadata(metadata: dict[str, Any], path: Path, tensor_names: set
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
     )
+    try:
+        return MistralConfig(**fields)
+    except ConfigError as err:  # it names a config.json field, which a GGUF has none of: name the key as well
+        keys = [key if key.startswith("tokenizer.") else f"{arch}.{key}" for field, key in _CONFIG_KEYS.items()
+                if re.search(rf"\b{field}\b", str(err))]
+        source = f"the GGUF metadata key {' and '.join(keys)}" if keys else "its GGUF metadata"
+        raise ConfigError(f"{path}: {err}, from {source}; rewrite it (gguf's gguf_set_metadata.py) or convert the "
+                          "model again") from None
 
 
 def _map_tensors(reader: Any, config: MistralConfig, path: Path) -> dict[str, Any]:

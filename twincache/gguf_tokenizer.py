@@ -53,7 +53,7 @@ def tokenizer_from_gguf(metadata: dict[str, Any], arrays: dict[str, list | None]
         raise CheckpointError(f"{source} has a {kind!r} tokenizer; twincache builds 'gpt2' (byte-level BPE) and "
                               "'llama' (SentencePiece BPE) tokenizers only; pass token ids with --prompt-ids instead")
     _add_marked_tokens(tokenizer, tokens, arrays.get("tokenizer.ggml.token_type") or [])
-    tokenizer.post_processor = _bos_eos_template(tokens, metadata, add_bos_default)
+    tokenizer.post_processor = _bos_eos_template(tokens, metadata, add_bos_default, source)
     return tokenizer
 
 
@@ -119,13 +119,18 @@ def _add_marked_tokens(tokenizer: Tokenizer, tokens: list[str], token_types: lis
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
 
 
-def _bos_eos_template(tokens: list[str], metadata: dict[str, Any], add_bos_default: bool) -> processors.PostProcessor:
+def _bos_eos_template(tokens: list[str], metadata: dict[str, Any], add_bos_default: bool,
+                      source: str) -> processors.PostProcessor:
     """Prepend BOS / append EOS as the file asks (`tokenizer.ggml.add_bos_token` / `add_eos_token`)."""
     single, special = ["$A"], []
     for key, default, at_end in (("bos", add_bos_default, False), ("eos", False, True)):
         token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is None or not metadata.get(f"tokenizer.ggml.add_{key}_token", default):
             continue
+        if not 0 <= token_id < len(tokens):  # the model's vocabulary may be larger than the tokenizer's list
+            raise CheckpointError(f"{source} asks for tokenizer.ggml.{key}_token_id={token_id} to be added to every "
+                                  f"prompt, but its tokenizer.ggml.tokens lists {len(tokens)} tokens (ids 0 to "
+                                  f"{len(tokens) - 1}); pass token ids with --prompt-ids instead, or fix the key")
         token = tokens[token_id]
         single = single + [token] if at_end else [token] + single
         special.append((token, token_id))

@@ -140,12 +140,13 @@ class Tokenizer:
 
     def encode_chat(self, prompt: str) -> list[int]:
         """Ids of `chat_prompt(prompt)`: the template writes any BOS itself, so none is added (as transformers)."""
+        from twincache.chat import FIX_TEMPLATE
+
         text = self.chat_prompt(prompt)
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:  # the template's doing, whatever the prompt: encode's "give a non-empty prompt" misled
             raise CheckpointError(f"the checkpoint's chat template renders the prompt as {text!r}, which encodes to "
-                                  "zero tokens; fix the template (chat_template.jinja, tokenizer_config.json "
-                                  "chat_template or GGUF tokenizer.chat_template), or drop --chat")
+                                  f"zero tokens; {FIX_TEMPLATE}")
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -248,7 +248,8 @@ def read_prompt_ids_file(path: str) -> list[int]:
     return ids
 
 
-def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[list[int]], Tokenizer | None]:
+def resolve_prompts(args: argparse.Namespace, model_path: Path,
+                    vocab_size: int) -> tuple[list[list[int]], Tokenizer | None]:
     """One prompt's ids per occurrence of --prompt-ids(-file), or per --prompt(-file) tokenized (in the chat template
     with --chat); the tokenizer is None when the checkpoint has none. Prompt files are read before the tokenizer, so
     a bad file is reported first."""
@@ -271,7 +272,13 @@ def resolve_prompts(args: argparse.Namespace, model_path: Path) -> tuple[list[li
         return id_lists, tokenizer
     assert tokenizer is not None  # needs_tokenizer: no prompt ids were given
     encode = tokenizer.encode_chat if args.chat else tokenizer.encode
-    return _each_prompt(encode, texts or [DEFAULT_PROMPT]), tokenizer
+    prompts = _each_prompt(encode, texts or [DEFAULT_PROMPT])
+    for row, ids in enumerate(prompts):  # the user gave text: "prompt 0 holds token id ..." blamed them
+        if ids and max(ids) >= vocab_size:
+            raise InputError(f"the checkpoint's tokenizer encodes prompt {row} to token id {max(ids)}, but the model's "
+                             f"vocabulary is [0, {vocab_size}): the tokenizer does not fit these weights; use a "
+                             "checkpoint whose tokenizer does, or give token ids with --prompt-ids")
+    return prompts, tokenizer
 
 
 @contextlib.contextmanager
@@ -317,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     config = model_config(args, model_path)
     args.dtype = resolve_dtype(args.dtype, model_path)
     eos = config.eos_token_ids  # a row's text ends at any of them
-    prompts, tokenizer = resolve_prompts(args, model_path)
+    prompts, tokenizer = resolve_prompts(args, model_path, config.vocab_size)
     sampling = sampling_params(args, config)
     code = start_mesh(args, config, [backend])
     if code is not None:

@@ -683,7 +683,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_dir)
     args.dtype = resolve_dtype(args.dtype, model_dir)
-    prompts, _ = resolve_prompts(args, model_dir)  # several: one left-padded batch, each row against its own truth
+    # several: one left-padded batch, each row against its own truth
+    prompts, _ = resolve_prompts(args, model_dir, config.vocab_size)
     validate_prompts(prompts, config)
     if args.max_new_tokens < 2:  # one token is the prefill's alone: a PASS would judge no decode step
         raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 2 for a parity run: the first token "
