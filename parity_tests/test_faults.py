@@ -328,6 +328,17 @@ def test_final_directory_without_stamp_is_rebuilt(tmp_path, monkeypatch, checkpo
     _assert_good_default_model(tmp_path, reference_build)
 
 
+def test_a_build_has_the_modes_the_umask_gives_new_files(reference_build):
+    """mkdtemp made the built directory 0700 (and safetensors' writer model.safetensors 0600), so a TWINCACHE_HOME
+    shared by a team served only whoever built it. The umask is read from the kernel's own record of it."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    mask = int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    assert reference_build.stat().st_mode & 0o777 == 0o777 & ~mask
+    files = list(reference_build.iterdir())
+    assert {"model.safetensors", default_model._COMPLETE_STAMP} <= {path.name for path in files}
+    assert {path.name: path.stat().st_mode & 0o777 for path in files} == {path.name: 0o666 & ~mask for path in files}
+
+
 def test_a_home_given_with_a_tilde_is_under_the_users_home(tmp_path, monkeypatch):
     """TWINCACHE_HOME='~/models', quoted where no shell expands it, was a relative path: a directory named "~" in
     each working directory, each with its own build."""

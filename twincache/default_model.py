@@ -262,6 +262,12 @@ def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
             files = sorted(path for path in staging.iterdir() if path.is_file())
             (staging / _COMPLETE_STAMP).write_text(stamp + "\n" + "".join(
                 f"{_FILE_LINE} {path.name} {path.stat().st_size} {_head_digest(path)}\n" for path in files))
+            # mkdtemp (and safetensors' writer) make them owner-only: give them the modes the user's umask gives any
+            # new file, so that a TWINCACHE_HOME shared by a team serves everyone the umask lets in
+            mask = _umask()
+            for path in [*files, staging / _COMPLETE_STAMP]:
+                path.chmod(0o666 & ~mask)
+            staging.chmod(0o777 & ~mask)
             try:
                 os.rename(staging, final)
             except OSError:  # another process finished first; its build is identical
@@ -289,6 +295,17 @@ def is_complete(final: Path) -> bool:
             and _head_digest(final / entry[1]) == entry[3] for entry in entries)
     except (OSError, ValueError):  # a listed file is gone, or the stamp itself was edited
         return False
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, racing other threads' new files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022  # no procfs (macOS): the common default
 
 
 def _head_digest(path: Path) -> str:
