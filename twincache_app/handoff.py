@@ -30,7 +30,6 @@ from torch_cache import sharding as torch_sharding
 from twincache import cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
-from twincache.mesh import pad_rows
 
 
 def _to_jax(tensor: torch.Tensor) -> jax.Array:
@@ -159,8 +158,9 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
     # Both caches list their arrays in the same order (ARRAY_FIELDS); each copy is an owned JAX buffer, uncommitted as
     # make_cache's (_to_jax) unless placed on a mesh below.
     copies = [jnp.array(_to_jax(t.clone())) for t in cache.arrays()]
-    if padded != rows:  # the per-row arrays (K/V [B, H, L, D], slot_positions [B, L]); length is a scalar
-        copies = [jnp.asarray(pad_rows(np.asarray(copy), padded)) if copy.ndim else copy for copy in copies]
+    if padded != rows:  # the per-row arrays (K/V [B, H, L, D], slot_positions [B, L]) on their device; length: a scalar
+        copies = [jnp.pad(copy, [(0, padded - rows)] + [(0, 0)] * (copy.ndim - 1), mode="edge") if copy.ndim else copy
+                  for copy in copies]
     if mesh is not None:
         placements = jax_sharding.cache_shardings(mesh, jax_cache.num_layers, jax_cache.num_kv_heads)
         copies = [jax.device_put(copy, placement) for copy, placement in zip(copies, placements, strict=True)]
