@@ -22,8 +22,7 @@ import jax_cache.generate as jg
 from jax_cache import backend, sharding
 from jax_cache.cache import StaticCache
 from jax_cache.model import Mistral
-from twincache import cache_checks
-from twincache.errors import ResourceError
+from parity_tests.mesh_weights import reload_at_the_boundary
 from twincache.generation import SamplingParams
 
 NEW_TOKENS = 20  # with the tests' window of 8 and prompts of up to 12 tokens: each ring wraps several times
@@ -127,22 +126,7 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
 def weights_check(path: Path, mesh: jax.sharding.Mesh, held: int) -> dict[str, object]:
     """Load onto `mesh` again with the host reporting one byte less than the `held` bytes every device's shards of
     the loaded weights add up to (the devices share the host's memory), then exactly that: the refusal, and the load."""
-    available = cache_checks.host_available_bytes
-    try:
-        cache_checks.host_available_bytes = lambda: held - 1
-        try:
-            Mistral.from_pretrained(path, mesh=mesh)
-            refused = None
-        except ResourceError as err:
-            refused = str(err)
-        cache_checks.host_available_bytes = lambda: held
-        try:
-            loaded: bool | str = Mistral.from_pretrained(path, mesh=mesh).mesh is mesh
-        except ResourceError as err:  # recorded, so that the test names it
-            loaded = str(err)
-    finally:
-        cache_checks.host_available_bytes = available
-    return {"held": held, "refused": refused, "loaded_with_exactly_that": loaded}
+    return reload_at_the_boundary(lambda: Mistral.from_pretrained(path, mesh=mesh).mesh is mesh, held)
 
 
 def write_hlo(out: Path, model: Mistral, vocab: int, record: dict[str, object]) -> None:

@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 
 import torch_cache.generate as tg
+from parity_tests.mesh_weights import reload_at_the_boundary
 from torch_cache import backend, sharding
 from torch_cache.cache import make_cache
 from torch_cache.model import Mistral
-from twincache import cache_checks
-from twincache.errors import ResourceError
 from twincache_app import launch
 
 NEW_TOKENS = 20  # window 8, prompts of up to 12 tokens: each ring wraps several times
@@ -96,22 +95,7 @@ def weights_check(path: Path, model: Mistral) -> dict[str, object]:
     """Load onto the model's mesh again with the host reporting one byte less than this rank's loaded parameters
     hold, then exactly that: the refusal, and the load (every rank is refused alike, before any collective)."""
     held = sum(param.numel() * param.element_size() for param in model.parameters())
-    available = cache_checks.host_available_bytes
-    try:
-        cache_checks.host_available_bytes = lambda: held - 1
-        try:
-            Mistral.from_pretrained(path, mesh=model.mesh)
-            refused = None
-        except ResourceError as err:
-            refused = str(err)
-        cache_checks.host_available_bytes = lambda: held
-        try:
-            loaded: bool | str = Mistral.from_pretrained(path, mesh=model.mesh).mesh is model.mesh
-        except ResourceError as err:  # recorded, so that the test names it
-            loaded = str(err)
-    finally:
-        cache_checks.host_available_bytes = available
-    return {"held": held, "refused": refused, "loaded_with_exactly_that": loaded}
+    return reload_at_the_boundary(lambda: Mistral.from_pretrained(path, mesh=model.mesh).mesh is model.mesh, held)
 
 
 def chunked(checkpoint: Path, single: Mistral, meshes: dict[tuple, object]) -> list[dict[str, object]]:
