@@ -151,6 +151,24 @@ def test_ctrl_c_prints_the_record_of_the_steps_decoded_so_far(tiny_model_dir, ca
     assert record["decoded_steps"] == 3 and record["steps"] == 100 and record["rss_start_mb"] == 100.0, record
 
 
+def test_a_real_sigint_in_the_decode_prints_the_record_too(tiny_model_dir, tmp_path):
+    """The CLI's own SIGINT handling ended the process at once, past the soak's record (the test above raises the
+    interrupt in Python): a real process, sent SIGINT as its decode starts (phases' test hook), prints it too."""
+    import os
+    import subprocess
+
+    from parity_tests.test_cli_bad_inputs import REPO, _entry_point
+    from twincache import phases
+
+    env = dict(os.environ, TWINCACHE_HOME=str(tmp_path / "home"), PYTHONPATH=str(REPO), **{phases.ENV: "decode"})
+    proc = subprocess.run(_entry_point() + ["soak", "--steps", "100", "--mode", "eager", "--model",
+                                            str(tiny_model_dir)], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 130 and proc.stderr == "twincache: interrupted\n", proc.stderr[-2000:]
+    record = json.loads(proc.stdout)
+    assert record["interrupted"] is True and record["ok"] is False and record["steps"] == 100, record
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--steps", "0"], "--steps 0 (steps) must be >= 1"),
     (["--prompt-len", "0"], "--prompt-len 0 (prompt_len) must be >= 1"),

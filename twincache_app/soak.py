@@ -190,7 +190,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                            "(needed for a model without one, like most GGUFs)")
     parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help=DTYPE_HELP)
-    parser.set_defaults(run=run)
+    # Ctrl-C raises KeyboardInterrupt here (not the CLI's immediate exit), so the record of the steps so far prints
+    parser.set_defaults(run=run, keep_keyboard_interrupt=True)
 
 
 def run(args: argparse.Namespace) -> int:
