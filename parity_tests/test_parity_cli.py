@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -272,8 +273,27 @@ def test_bf16_on_a_tiny_model_within_bounds_of_its_floor(checkpoints):
     assert floor.max_abs_logit_diff > 1e-3, "a bf16 floor far from 0, else this judges nothing"
 
 
-def test_a_run_that_ignores_its_forced_tokens_is_named_where_it_strays():
-    """The parity numbers rest on forcing; a broken forcing says the row, the step and both tokens."""
+def test_a_run_that_ignores_its_forced_tokens_is_a_failed_row_naming_where(checkpoints, capsys, monkeypatch):
+    """The parity numbers rest on forcing. A tower whose forcing broke ended the run with "unexpected RuntimeError"
+    and no table: it is that implementation's failed row, saying the row, the step and both tokens; the others are
+    still judged."""
+    from torch_cache import backend as torch_backend
+
+    generate = torch_backend.generate
+
+    def strays_at_step_2(*args: object, forced_tokens: list[list[int]], **kwargs: object) -> object:
+        other = [row[:2] + [(row[2] + 1) % 64] + row[3:] for row in forced_tokens]  # a forcing off by one token
+        return generate(*args, forced_tokens=other, **kwargs)
+
+    monkeypatch.setattr(torch_backend, "generate", strays_at_step_2)
+    code = cli.main(["parity", "--model", str(checkpoints["gqa"]), "--prompt-ids", "1,2,3", "--cache", "static",
+                     "--max-new-tokens", "4", "--modes", "torch:eager", "jax:step", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in report["rows"]}
+    assert code == 1 and rows["jax:step"]["failed"] == [], rows
+    strayed = rows["torch:eager"]["failed"][0]
+    assert re.fullmatch(r"forced_tokens not followed \(row 0, step 2: (\d+) where (\d+) was forced\)", strayed), strayed
+    assert f"OUT OF BOUNDS: {strayed}" in parity.format_table(report)
     assert parity._first_difference([[4, 5, 6], [7, 8]], [[4, 5, 6], [7, 9]]) == "row 1, step 1: 8 where 9 was forced"
     assert parity._first_difference([[4, 5]], [[4, 5, 6]]) == "row 0, step 2: nothing where 6 was forced"
     assert parity._first_difference([[4]], [[4], [5]]) == "1 rows, not 2"
