@@ -11,50 +11,29 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.presets import Preset
-from twincache.checkpoint import expected_tensor_shapes, open_checkpoint
+from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
-from twincache.default_model import cache_root, default_weights, write_checkpoint
-from twincache.errors import TwincacheError
+from twincache.default_model import build_once, cache_root, default_weights, write_checkpoint
 from twincache_app.hf_loading import transformers_model
 
 _BUILD_VERSION = 1
-_COMPLETE = ".bench-complete"
 
 
 def checkpoint_dir(config: MistralConfig, seed: int, root: Path | None = None) -> Path:
-    """A checkpoint dir of `default_weights(config, seed)`, built once per (config, seed) and reused."""
+    """A checkpoint dir of `default_weights(config, seed)`, built once per (config, seed) and reused; as the default
+    model is built (`build_once`): under a lock, aside, with the umask's modes, and again when a file was truncated or
+    edited since (else every cell of every later run fails on it)."""
     key = json.dumps({"config": dataclasses.asdict(config), "seed": seed, "v": _BUILD_VERSION}, sort_keys=True)
     root = Path(root) if root is not None else cache_root() / "bench"
     final = root / f"mistral-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    if (final / _COMPLETE).is_file():
-        try:  # headers and sizes only: a file truncated or damaged since it was built is built again, not a
-            open_checkpoint(final)  # failed cell in every run until someone deletes it
-            return final
-        except TwincacheError:
-            pass
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-    try:  # build aside, then rename: a directory under the final name is always complete
-        write_checkpoint(staging, config, default_weights(config, seed))
-        (staging / _COMPLETE).write_text(key + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.rename(staging, final)
-        except OSError:  # a concurrent build won; it is identical
-            if not (final / _COMPLETE).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return build_once(final, lambda staging: write_checkpoint(staging, config, default_weights(config, seed)), key,
+                      f"building the bench's random weights into {final} (first use only)...")
 
 
 def preset_checkpoint(preset: Preset, root: Path | None = None) -> Path | None:

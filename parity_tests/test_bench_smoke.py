@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -277,6 +278,20 @@ def test_a_cached_random_checkpoint_damaged_since_its_build_is_built_again(tmp_p
     intact = weights.read_bytes()
     weights.write_bytes(intact[:1000])
     assert checkpoint_dir(config, 0, tmp_path) == built and weights.read_bytes() == intact
+
+
+def test_a_random_checkpoint_gets_the_umask_s_modes_as_the_default_model_does(tmp_path):
+    """Bench checkpoints were built owner-only (mkdtemp's 0700, safetensors' 0600) whatever the umask: a bench cache
+    shared by a team (--cache-dir) served only the user who built it."""
+    from bench.workload import checkpoint_dir
+
+    before = os.umask(0o027)
+    try:
+        built = checkpoint_dir(PRESETS["tiny"].config, 1, tmp_path)
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(built.stat().st_mode) == 0o750
+    assert {stat.S_IMODE(path.stat().st_mode) for path in built.iterdir()} == {0o640}
 
 
 def test_without_matplotlib_bench_names_the_extra_in_one_line(capsys, monkeypatch, tmp_path):

@@ -95,7 +95,7 @@ def default_model_dir() -> Path:
         return final
     _check_home(final.parent)  # a home that cannot hold the model is named before the wheel is looked for
     gguf_path = smollm2_gguf()
-    return _build_once(final, lambda staging: write_trained_model(staging, gguf_path),
+    return build_once(final, lambda staging: write_trained_model(staging, gguf_path),
                        f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}",
                        f"converting the default model from {SMOLLM2_GGUF} into {final} (first use only, ~5 s)...")
 
@@ -103,7 +103,7 @@ def default_model_dir() -> Path:
 def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
     """The tiny random checkpoint directory, built first if it is absent or incomplete."""
     final = cache_root() / f"tiny-mistral-v{BUILD_VERSION}-seed{seed}"
-    return _build_once(final, lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}",
+    return build_once(final, lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}",
                        f"building the tiny model into {final} (first use only)...")
 
 
@@ -116,7 +116,9 @@ def _reusable(final: Path) -> bool:
     return True
 
 
-def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str) -> Path:
+def build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str) -> Path:
+    """`final`, built by `write` into a sibling and renamed into place unless a complete build (`is_complete`) is
+    there; one process at a time (a file lock), with the files' modes from the user's umask (build_aside)."""
     if _reusable(final):
         return final
     _check_home(final.parent)
@@ -250,7 +252,7 @@ def build_tiny_model(final: Path, seed: int = DEFAULT_SEED) -> Path:
 def build_aside(final: Path, write: Callable[[Path], None], stamp: str) -> Path:
     """Build into a temporary sibling, then rename into place; a failure leaves nothing under the final name."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(final.parent)  # a direct call (bench, tests) skips _build_once
+    _remove_stale_builds(final.parent)  # a direct call (bench, tests) skips build_once
     if final.exists():  # present but without the stamp: an interrupted or tampered build; never trust it
         shutil.rmtree(final)
     staging = Path(tempfile.mkdtemp(prefix=f"{_STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-",
