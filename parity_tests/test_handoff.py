@@ -152,6 +152,12 @@ def test_caches_round_trip_exactly_in_both_directions(torch_model, jax_model):
     # The copies are independent: JAX's arrays never alias torch's in-place-written buffers.
     assert there.keys[0].unsafe_buffer_pointer() != torch_side.keys[0].data_ptr()
     assert back.keys[0].data_ptr() != torch_side.keys[0].data_ptr()
+    # batch_size keeps the first rows (a data split's padding rows come last) and is refused past the cache's
+    first = interop.cache_to_torch(there, jax_model.config, batch_size=1)
+    assert first.batch_size == 1 and torch.equal(first.keys[0], torch_side.keys[0][:1])
+    for rows in (0, len(PROMPTS) + 1):
+        with pytest.raises(InputError, match=f"batch_size={rows} must be"):
+            interop.cache_to_torch(there, jax_model.config, batch_size=rows)
 
 
 def test_a_donated_jax_cache_cannot_be_handed_to_torch(jax_model):

@@ -30,6 +30,7 @@ from torch_cache import sharding as torch_sharding
 from twincache import cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import CacheError, InputError
+from twincache.generation import check_count
 
 
 def _to_jax(tensor: torch.Tensor) -> jax.Array:
@@ -167,12 +168,15 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax_cache), copies)
 
 
-def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig,
-                   device: str | torch.device = "cpu") -> torch_caches.StaticCache:
-    """A torch_cache copy of a live JAX cache. Its buffers are fresh static addresses on `device`."""
+def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig, device: str | torch.device = "cpu",
+                   batch_size: int | None = None) -> torch_caches.StaticCache:
+    """A torch_cache copy of a live JAX cache. Its buffers are fresh static addresses on `device`. `batch_size`
+    keeps the first rows only: a cache from a JAX data split holds its padding rows after the batch's (copies of the
+    last row, pad_batch), which torch would count as rows of its own; pass the generation's batch to drop them."""
     _check_handoff(cache, jax_caches.StaticCache, config, "cache_to_torch")
-    torch_cache = torch_caches.make_cache(cache.kind, config, cache.batch_size, cache.max_cache_len,
-                                          _torch_dtype(cache.dtype), device)
-    for buffer, array in zip(torch_cache.arrays(), cache.arrays(), strict=True):
-        buffer.copy_(_to_torch(array, torch_cache.device))
+    rows = cache.batch_size if batch_size is None else check_count("batch_size", batch_size, 1, cache.batch_size)
+    torch_cache = torch_caches.make_cache(cache.kind, config, rows, cache.max_cache_len, _torch_dtype(cache.dtype),
+                                          device)
+    for buffer, array in zip(torch_cache.arrays(), cache.arrays(), strict=True):  # per-row arrays lead with the batch
+        buffer.copy_(_to_torch(array[:rows] if array.ndim else array, torch_cache.device))
     return torch_cache
