@@ -41,10 +41,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                        help="tiny: seconds, smoke test; small: ~57M params fp32 on CPU (minutes); long: a 16k-slot "
-                             "static cache on a small model, KV reads dominate (CPU, minutes); 7b: Mistral-7B shape "
-                             "bf16, GPU only; trained / trained-bf16: the trained default model (SmolLM2-135M, "
-                             "window 64) in fp32 / bf16 on CPU")
+                        help="tiny: seconds, smoke test (the default); small: ~57M params fp32 on CPU (minutes); "
+                             "long: a 16k-slot static cache on a small model, KV reads dominate (CPU, minutes); 7b: "
+                             "Mistral-7B shape bf16, GPU only; trained / trained-bf16: the trained default model "
+                             "(SmolLM2-135M, window 64) in fp32 / bf16 on CPU")
     parser.add_argument("--model", type=Path, default=None,
                         help="run the preset's workload on this HF Mistral or Llama directory or .gguf file instead "
                              "of its own weights (EOS off, so every run decodes its full budget); with "
@@ -57,7 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impls", type=_list(names), default=None,
                         help=f"comma-separated subset of {', '.join(names)} (default: the preset's)")
     parser.add_argument("--caches", type=_list(CACHE_KINDS), default=list(CACHE_KINDS),
-                        help="comma-separated subset of static, sliding_window")
+                        help="comma-separated subset of static, sliding_window (default: both)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per cell (default: the preset's)")
     parser.add_argument("--no-curves", action="store_true", help="skip latency vs context")
     parser.add_argument("--no-batch", action="store_true", help="skip tok/s vs batch")
@@ -92,7 +92,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--memory-limit-gb", type=float, default=prefill_memory.DEFAULT_LIMIT_GB,
                         help="a point whose RSS passes this is killed and recorded as such (default: %(default)s)")
     memory.add_argument("--backends", type=_list(tuple(BACKENDS)), default=list(BACKENDS),
-                        help="comma-separated subset of " + ", ".join(BACKENDS))
+                        help="comma-separated subset of " + ", ".join(BACKENDS) + " (default: all)")
     # Ctrl-C (or a timeout's SIGINT) raises KeyboardInterrupt here, so the runner saves what it measured first.
     parser.set_defaults(run=run, keep_keyboard_interrupt=True,
                         flag_defaults={flag: parser.get_default(_dest(flag)) for flags in _IGNORED.values()

@@ -352,6 +352,8 @@ def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: jnp.dtype, prefault: 
     dtype = np.dtype(dtype)
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     offsets, total = hugepages.arena_offsets(sizes)
+    # read at every allocation, so a bad TWINCACHE_HUGE_PAGES is refused for a tiny model too, not only past 2 MiB
+    hugepages.huge_pages_wanted()
     if total < hugepages.HUGE_PAGE:  # at most one TLB entry to save, and a whole 2 MiB page to take for it
         return [np.zeros(shape, dtype) for shape in shapes]
     arena = hugepages.host_buffer(total)  # [total] uint8

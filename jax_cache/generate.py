@@ -39,6 +39,7 @@ from twincache.generation import (
     build_sized_cache,
     check_budget,
     check_first_step,
+    check_given_cache_len,
     check_positions,
     pad_token_id,
     plan_cache,
@@ -570,7 +571,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
-    object to reuse (it is reset first, and donated: use `result.cache` afterwards). `fused` decodes in jitted blocks
+    object to reuse (it is reset first, and donated: use `result.cache` afterwards; a `max_cache_len` beside it
+    must be its own). `fused` decodes in jitted blocks
     of steps (`on_token` then receives a block's steps when it ends); `fused=False` one jitted step at a time. The
     prompt is prefilled in chunks of `prefill_chunk` columns. `result.max_cache_len` is the capacity planned for this
     generation's tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too, rounded
@@ -592,6 +594,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
+        check_given_cache_len(max_cache_len, cache.max_cache_len)
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         planned_len = cache.max_cache_len

@@ -361,3 +361,23 @@ def test_the_readme_mesh_examples_fit_the_default_model(trained_model_dir):
     assert len(examples) >= 3, examples
     for mesh in examples:
         plan_shards(config, parse_mesh(mesh))  # raises MeshError, naming the heads, for a mesh the model cannot use
+
+
+def test_every_flag_with_a_default_says_it_in_its_help():
+    """`--help` is where a user reads what a flag left out does: --max-new-tokens (64), soak's --prompt-len (16),
+    bench's --preset (tiny: a bare `twincache bench` runs it), --backend and parity's --cache said nothing."""
+    import argparse
+
+    from twincache_app.cli import build_parser
+
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    silent = []
+    for name, parser in subcommands.items():
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS, "==SUPPRESS=="):
+                continue
+            shown = parser._get_formatter()._expand_help(action) if action.help else ""
+            scalar = not isinstance(action.default, list)
+            if "default" not in shown or (scalar and str(action.default) not in shown):
+                silent.append(f"{name} {action.option_strings[0]} (default {action.default!r}): {shown!r}")
+    assert not silent, "flags whose help does not state their default:\n" + "\n".join(silent)

@@ -205,16 +205,21 @@ def test_twincache_huge_pages_0_gives_plain_pages_and_another_value_a_clear_erro
 
     with pytest.raises(InputError, match=r"TWINCACHE_HUGE_PAGES='yes': set it to 0 .* or 1"):
         hugepages.host_buffer(hugepages.HUGE_PAGE)
+    for host_buffers, dtype in ((torch_host_buffers, torch.float32), (jax_host_buffers, np.float32)):
+        # under one huge page: plain zeros, but the setting is still read (a tiny model's weights took it silently)
+        with pytest.raises(InputError, match=r"TWINCACHE_HUGE_PAGES='yes'"):
+            host_buffers([(4, 4)], dtype)
 
 
 def test_the_cli_reports_a_bad_twincache_huge_pages_in_one_line(tiny_model_dir, monkeypatch):
-    """A model too small for an arena reads no setting; the 2 MiB cache below does."""
+    """A model and a cache far under one huge page (plain zeros) still read the setting: they took a bad one silently,
+    and only a cache past 2 MiB refused it."""
     import subprocess
 
     env = {**__import__("os").environ, "TWINCACHE_HUGE_PAGES": "2"}
     run = subprocess.run([sys.executable, "-m", "twincache_app.cli", "generate", "--model", str(tiny_model_dir),
-                          "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--max-cache-len", "65536",
-                          "--cache", "static"], capture_output=True, text=True, env=env, timeout=300)
+                          "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--mode", "eager"],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert lines[-1].startswith("twincache: ") and "TWINCACHE_HUGE_PAGES='2'" in lines[-1]

@@ -224,6 +224,17 @@ def test_item1_the_same_window_still_works(side):
     assert side.generate([PROMPT], 3, cache=cache).token_ids == side.generate([PROMPT], 3).token_ids
 
 
+def test_item1_a_max_cache_len_that_contradicts_the_given_cache_is_refused(side):
+    """generate(cache=<object>, max_cache_len=N) used the object's capacity and ignored N without a word; N must be
+    the object's own (or left out)."""
+    cache = side.fill(side.make_cache("static", length=24), 3)
+    with refused(InputError, "max_cache_len=8", "built for max_cache_len=24", side=side, cache=cache):
+        side.generate([PROMPT], 3, cache=cache, max_cache_len=8)
+    with refused(InputError, "max_cache_len=24.0", "integer", side=side, cache=cache):
+        side.generate([PROMPT], 3, cache=cache, max_cache_len=24.0)
+    assert side.generate([PROMPT], 3, cache=cache, max_cache_len=24).token_ids == side.generate([PROMPT], 3).token_ids
+
+
 def test_item1_jax_cache_on_another_device_is_refused(checkpoints, tmp_path):
     """Two XLA-CPU devices (a subprocess: the device count is fixed when JAX starts). A cache on device 1 under a
     model on device 0 is refused by every entry point, naming both devices, and left as it was."""

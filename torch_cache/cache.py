@@ -276,6 +276,8 @@ def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, prefault
     be taken by the first write (a loader that writes every byte next: one pass over the memory, not two)."""
     sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
     offsets, total = hugepages.arena_offsets(sizes)
+    # read at every allocation, so a bad TWINCACHE_HUGE_PAGES is refused for a tiny model too, not only past 2 MiB
+    hugepages.huge_pages_wanted()
     if total < hugepages.HUGE_PAGE:  # at most one TLB entry to save, and a whole 2 MiB page to take for it
         return [torch.zeros(shape, dtype=dtype) for shape in shapes]
     arena = hugepages.host_buffer(total)  # [total] uint8

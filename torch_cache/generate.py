@@ -43,6 +43,7 @@ from twincache.generation import (
     build_sized_cache,
     check_budget,
     check_first_step,
+    check_given_cache_len,
     check_positions,
     plan_cache,
     positions_from_mask,
@@ -615,11 +616,11 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     """Generate up to `max_new_tokens` per prompt. Rows are left-padded; each stops at its own EOS.
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
-    object to reuse (it is reset first); a cache built here without `max_cache_len` has prompt + max_new_tokens slots
-    rounded up to a size class, and `result.max_cache_len` reports the planned capacity (docs/design.md §5).
-    `on_token` receives each step's tokens, one per row. The prompt is prefilled
-    in chunks of `prefill_chunk` columns. Every input is validated before a given cache is touched: a refused call
-    changes nothing.
+    object to reuse (it is reset first; a `max_cache_len` beside it must be its own); a cache built here without
+    `max_cache_len` has prompt + max_new_tokens slots rounded up to a size class, and `result.max_cache_len` reports
+    the planned capacity (docs/design.md §5). `on_token` receives each step's tokens, one per row. The prompt is
+    prefilled in chunks of `prefill_chunk` columns. Every input is validated before a given cache is touched: a
+    refused call changes nothing.
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
@@ -640,6 +641,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits, device)
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
+        check_given_cache_len(max_cache_len, cache.max_cache_len)
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
         model._check_mesh(cache)
         check_budget(cache.capacity, prompt_len, max_new_tokens)

@@ -370,6 +370,17 @@ def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> 
                          "cache or generate fewer tokens")
 
 
+def check_given_cache_len(max_cache_len: object, built_len: int) -> None:
+    """A cache object handed to generate keeps the capacity it was built with: a `max_cache_len` beside it that says
+    otherwise was ignored without a word, so it is refused (the same value, or None, is fine)."""
+    if max_cache_len is None:
+        return
+    if check_count("max_cache_len", max_cache_len, minimum=1) != built_len:
+        raise InputError(f"max_cache_len={max_cache_len} was given with a cache object built for max_cache_len="
+                         f"{built_len}; a given cache keeps its own capacity: leave max_cache_len out, or build the "
+                         f"cache with max_cache_len={max_cache_len}")
+
+
 def prefill_chunks(num_columns: int, chunk_size: int) -> list[tuple[int, int]]:
     """The [start, stop) column ranges a prefill of `num_columns` runs, each at most `chunk_size` wide. A remainder
     comes first, so every later chunk is exactly `chunk_size` wide (one compiled shape in JAX)."""

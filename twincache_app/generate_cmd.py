@@ -60,7 +60,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="format the prompt as one user message with the checkpoint's chat template (for "
                              "-Instruct models)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default: "
+                                                                     "%(default)s)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help=DTYPE_HELP)
     parser.add_argument("--mesh", type=mesh_argument,
                         help="split the model and its cache over devices: model=N[,data=M] (Megatron-style over N, "
@@ -134,7 +135,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "generate", help="generate text with any backend",
         description="Prefill, then decode token by token in the backend's --mode; streaming modes print the text "
                     "as it is decoded (docs/design.md §5).")
-    parser.add_argument("--backend", choices=list(BACKENDS), default="torch")
+    parser.add_argument("--backend", choices=list(BACKENDS), default="torch", help="(default: torch)")
     parser.add_argument("--mode", help=f"decode mode, each backend's own ({modes_help()}); every mode streams the "
                                        "text, jax's fused mode a block of steps at a time")
     parser.add_argument("--cache", choices=CACHE_KINDS,

@@ -678,7 +678,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "max |Δlogit| bound there), and so must torch vs JAX directly. Exit 0 when every row passes, 1 "
                     "when one does not, 2 on bad input. See docs/design.md §4.")
     add_model_arguments(parser)
-    parser.add_argument("--cache", choices=(*CACHE_KINDS, "both"), default="both")
+    parser.add_argument("--cache", choices=(*CACHE_KINDS, "both"), default="both",
+                        help="the cache(s) to judge each implementation with (default: both)")
     parser.add_argument("--modes", nargs="+", default=["all"], metavar="MODE",
                         help=f"implementations to measure: all (default: {', '.join(IMPLEMENTATIONS)}), default "
                              f"(what generate runs: {', '.join(DEFAULTS)}), or any of those labels")

@@ -179,7 +179,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="A long greedy decode (EOS ignored) with the sliding-window cache. Prints one JSON record; exits "
                     "0 when nothing recompiled after the first step, every logit was finite and the ring held the "
                     "last W positions.")
-    parser.add_argument("--backend", choices=list(BACKENDS), default="torch")
+    parser.add_argument("--backend", choices=list(BACKENDS), default="torch", help="(default: torch)")
     parser.add_argument("--mode", help="a streaming decode mode of the backend (default: its first: "
                                        + "; ".join(f"{b.name}: {b.streaming_modes[0]}" for b in BACKENDS.values())
                                        + ")")
@@ -188,7 +188,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                                    "the default model, SmolLM2-135M-Instruct with a window of 64)")
     parser.add_argument("--sliding-window", type=int, help="run with this sliding window instead of the model's "
                                                            "(needed for a model without one, like most GGUFs)")
-    parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN)
+    parser.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN,
+                        help=f"tokens of the deterministic prompt prefilled first (default {DEFAULT_PROMPT_LEN})")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help=DTYPE_HELP)
     # Ctrl-C raises KeyboardInterrupt here (not the CLI's immediate exit), so the record of the steps so far prints
     parser.set_defaults(run=run, keep_keyboard_interrupt=True)
