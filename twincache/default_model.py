@@ -35,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from twincache import exit_cleanup
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
-from twincache.errors import CheckpointError
+from twincache.errors import CheckpointError, StorageError
 from twincache.generation import NOTICES
 from twincache.storage import writable_directory
 
@@ -122,12 +122,40 @@ def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: 
     _check_home(final.parent)
     # Concurrent first runs take turns: the one that waited finds the other's complete build and uses it, instead of
     # treating it as incomplete and deleting it while its builder reads from it.
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock_path = final.parent / f".{final.name}.lock"
+    try:
+        fd = _open_lock(lock_path)
+    except OSError as err:  # another user's lock file that this one may not even read (their umask 077)
+        raise StorageError(f"cannot open the default model's lock file {lock_path} ({err.strerror or err}); ask its "
+                           "owner to make it readable, or point TWINCACHE_HOME at a directory of your own, or pass "
+                           "--model") from None
+    with os.fdopen(fd, "rb") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process is building it: say so, or the wait is a silence of seconds
+            NOTICES.info(f"waiting for another process building the default model into {final}...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if is_complete(final):
             return final
         NOTICES.info(notice)  # seconds of silence otherwise, before anything else is printed
         return build_aside(final, write, stamp)
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened read-only (flock needs no write access): another user of a shared home created it with
+    the modes their umask gave (0644 under 022), and opening it for writing was a PermissionError for everyone
+    else. An existing file is opened without O_CREAT, which fs.protected_regular refuses on another user's file in a
+    sticky world-writable directory (/tmp-like shared homes)."""
+    for _ in range(2):  # created by another process between the two opens: open it again, as an existing file
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask takes its share
+        except FileExistsError:
+            continue
+    return os.open(path, os.O_RDONLY)
 
 
 def _check_home(home: Path) -> None:
