@@ -867,6 +867,26 @@ def test_item12_twincache_home_that_is_a_file_or_read_only(tmp_path, monkeypatch
     monkeypatch.setenv("TWINCACHE_HOME", str(read_only))
     with refused(StorageError, str(read_only), "is not a writable directory", "TWINCACHE_HOME"):
         default_model.default_model_dir()
+    # a link to a directory that is gone (a disk not mounted): mkdir said only "(File exists)"
+    dangling = tmp_path / "home_link"
+    dangling.symlink_to(tmp_path / "unmounted" / "cache")
+    monkeypatch.setenv("TWINCACHE_HOME", str(dangling))
+    with refused(StorageError, f"{dangling} is a symbolic link to {tmp_path / 'unmounted' / 'cache'}, which does not "
+                 "exist", "TWINCACHE_HOME"):
+        default_model.default_model_dir()
+    # no home at all (a container run as a uid without a passwd entry, HOME unset): "unexpected RuntimeError: Could
+    # not determine home directory."
+    import pwd
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    for home in ("", "~/models"):
+        monkeypatch.setenv("TWINCACHE_HOME", home)
+        with refused(StorageError, "there is none (HOME is unset and uid", "set TWINCACHE_HOME"):
+            default_model.default_model_dir()
 
 
 

@@ -82,7 +82,13 @@ _STAGING_PREFIX = ".building-"  # then the builder's host and pid: .building-<ho
 def cache_root() -> Path:
     # expanduser: a quoted "~/..." (a dotenv file, a systemd unit) reaches us unexpanded, and would put a 520 MB
     # build under a directory named "~" in whatever directory each run starts in.
-    return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache").expanduser()
+    home = os.environ.get("TWINCACHE_HOME")
+    try:
+        return Path(home or Path.home() / ".cache" / "twincache").expanduser()
+    except RuntimeError:  # HOME unset and no passwd entry (a container run as an arbitrary uid): Python's bare message
+        raise StorageError(f"the default-model directory {'TWINCACHE_HOME=' + home if home else '~/.cache/twincache'} "
+                           f"needs a home directory, and there is none (HOME is unset and uid {os.getuid()} has no "
+                           "passwd entry); set TWINCACHE_HOME to a writable directory, or pass --model") from None
 
 
 def default_model_dir() -> Path:
