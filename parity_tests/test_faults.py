@@ -9,6 +9,7 @@ test_cli_bad_inputs.py, and the default-model build is framework-free.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import struct
@@ -381,7 +382,7 @@ def test_a_home_given_with_a_tilde_is_under_the_users_home(tmp_path, monkeypatch
 @pytest.mark.parametrize("damage", ["weights_truncated", "tokenizer_removed", "config_grown",
                                     "stamp_of_an_older_build", "config_edited_same_size",
                                     "weights_header_same_size", "stamp_without_digests"])
-def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, reference_build, damage: str):
+def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, caplog, reference_build, damage: str):
     """A finished build whose files changed since (a disk that filled up while copying a home, a user's edit) is
     rebuilt on the next run, not loaded into "model.safetensors is truncated ... re-download or re-save the
     checkpoint", advice that fits no file twincache built itself. So is a stamp without the build's file list, and
@@ -410,9 +411,14 @@ def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, r
     else:
         stamp.write_text(stamp.read_text().splitlines()[0] + "\n")
     assert not default_model.is_complete(final)
+    caplog.set_level(logging.INFO, logger="twincache")
     assert default_model.tiny_model_dir() == final
     _assert_good_default_model(tmp_path, reference_build)
     assert default_model.is_complete(final)
+    # the notice said "(first use only)" of a rebuild that drops the user's edits
+    assert [record.getMessage() for record in caplog.records] == [
+        f"building the tiny model into {final} again: the build there is incomplete or its files changed since it "
+        "was built (edits there are lost; give another window with --sliding-window N)..."]
 
 
 # --- 4. non-finite logits stop generation -----------------------------------------------------------------------------

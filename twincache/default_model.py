@@ -103,14 +103,14 @@ def default_model_dir() -> Path:
     gguf_path = smollm2_gguf()
     return _build_once(final, lambda staging: write_trained_model(staging, gguf_path),
                        f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}",
-                       f"converting the default model from {SMOLLM2_GGUF} into {final} (first use only, ~5 s)...")
+                       f"converting the default model from {SMOLLM2_GGUF} into {final}", "~5 s")
 
 
 def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
     """The tiny random checkpoint directory, built first if it is absent or incomplete."""
     final = cache_root() / f"tiny-mistral-v{BUILD_VERSION}-seed{seed}"
     return _build_once(final, lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}",
-                       f"building the tiny model into {final} (first use only)...")
+                       f"building the tiny model into {final}")
 
 
 def _reusable(final: Path) -> bool:
@@ -122,7 +122,8 @@ def _reusable(final: Path) -> bool:
     return True
 
 
-def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str) -> Path:
+def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str, takes: str = "") -> Path:
+    """Build `final` unless it is complete, saying so first: `notice` is what is done, `takes` how long it takes."""
     if _reusable(final):
         return final
     _check_home(final.parent)
@@ -143,7 +144,13 @@ def _build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: 
             fcntl.flock(lock, fcntl.LOCK_EX)
         if is_complete(final):
             return final
-        NOTICES.info(notice)  # seconds of silence otherwise, before anything else is printed
+        # seconds of silence otherwise, before anything else is printed. A directory there is a build damaged or cut
+        # short, rebuilt: "first use only" was wrong then, and a user who edited it was not told the edits are gone
+        if final.exists():
+            NOTICES.info(f"{notice} again: the build there is incomplete or its files changed since it was built "
+                         f"(edits there are lost; give another window with --sliding-window N)...")
+        else:
+            NOTICES.info(f"{notice} (first use only{', ' + takes if takes else ''})...")
         return build_aside(final, write, stamp)
 
 
