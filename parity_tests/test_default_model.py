@@ -168,6 +168,17 @@ def test_a_first_run_says_it_is_converting_the_default_model(tmp_path, monkeypat
     assert first.startswith(notice) and first.endswith("(first use only, ~5 s)..."), first
     assert cli.main(["generate", "--mode", "eager"]) == 2
     assert notice not in capsys.readouterr().err, "the model exists: nothing to convert"
+    # parity and soak build the default model too: they were silent through it (parity: not with --json)
+    for argv in (["parity", "--json"], ["parity"], ["soak", "--steps", "1"]):
+        for path in tmp_path.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path)
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        if "--json" in argv:
+            assert notice not in err, "--json prints no notices"
+        else:
+            assert err.splitlines()[0].startswith(notice), (argv, err)
 
 
 def test_concurrent_first_runs_build_the_trained_default_once(tmp_path, monkeypatch, caplog):
