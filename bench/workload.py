@@ -33,7 +33,7 @@ def checkpoint_dir(config: MistralConfig, seed: int, root: Path | None = None) -
     root = Path(root) if root is not None else cache_root() / "bench"
     final = root / f"mistral-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     return build_once(final, lambda staging: write_checkpoint(staging, config, default_weights(config, seed)), key,
-                      f"building the bench's random weights into {final} (first use only)...")
+                      f"building the bench's random weights into {final}")
 
 
 def preset_checkpoint(preset: Preset, root: Path | None = None) -> Path | None:

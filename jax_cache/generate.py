@@ -594,7 +594,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
-        check_given_cache_len(max_cache_len, cache.max_cache_len)
+        check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity)
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         planned_len = cache.max_cache_len

@@ -36,6 +36,36 @@ def test_registry_lists_each_tower_with_its_modes_default_first():
         BACKENDS["torch"].check_mode("fused")
 
 
+def test_jax_keeps_no_executables_on_disk_for_a_uid_without_a_passwd_entry(monkeypatch):
+    """Run as a uid with no passwd entry, every executable JAX wrote to the persistent cache warned (etils' stat
+    looks up the file owner's name): 17 UserWarnings around one `generate --backend jax`. The cache stays off then."""
+    import pwd
+
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from twincache_app import backends
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_compilation_cache_max_size")
+    saved = {name: getattr(jax.config, name) for name in names}  # the session's (conftest), put back below
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        backends._persist_xla_compiles()
+        assert jax.config.jax_compilation_cache_dir is None
+        monkeypatch.undo()
+        backends._persist_xla_compiles()  # the same call for a uid with an entry turns it on
+        assert jax.config.jax_compilation_cache_dir == str(backends.compiled_programs_dir("jax"))
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
 def test_an_unimportable_backend_is_one_clear_error():
     def missing() -> None:
         raise ImportError("No module named 'jax'")

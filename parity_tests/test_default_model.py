@@ -168,12 +168,26 @@ def test_a_first_run_says_it_is_converting_the_default_model(tmp_path, monkeypat
     assert first.startswith(notice) and first.endswith("(first use only, ~5 s)..."), first
     assert cli.main(["generate", "--mode", "eager"]) == 2
     assert notice not in capsys.readouterr().err, "the model exists: nothing to convert"
+    # parity and soak build the default model too: they were silent through it (parity: not with --json)
+    for argv in (["parity", "--json"], ["parity"], ["soak", "--steps", "1"]):
+        for path in tmp_path.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path)
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        if "--json" in argv:
+            assert notice not in err, "--json prints no notices"
+        else:
+            assert err.splitlines()[0].startswith(notice), (argv, err)
 
 
-def test_concurrent_first_runs_build_the_trained_default_once(tmp_path, monkeypatch):
-    """Racing first runs take turns under the lock: one builds, the others wait and reuse its build."""
+def test_concurrent_first_runs_build_the_trained_default_once(tmp_path, monkeypatch, caplog):
+    """Racing first runs take turns under the lock: one builds, the others wait and reuse its build. A run that waits
+    says so (it waited in silence for the other's build, seconds on a loaded machine, with no word)."""
+    import logging
     import threading
 
+    caplog.set_level(logging.INFO, logger="twincache")
     monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
     calls: list[str] = []
     monkeypatch.setattr(default_model, "write_trained_model", _counting_writer(calls, delay_s=0.5))
@@ -192,6 +206,10 @@ def test_concurrent_first_runs_build_the_trained_default_once(tmp_path, monkeypa
         thread.join()
     assert not errors and len(dirs) == 1 and len(calls) == 1, (errors, dirs, calls)
     assert not list(tmp_path.glob(".building-*"))
+    said = [record.getMessage() for record in caplog.records]
+    wait = f"waiting for another process building {dirs.pop()}..."
+    waits = [line for line in said if line == wait]
+    assert 1 <= len(waits) <= 3 and sum(line.startswith("converting the default model") for line in said) == 1, said
 
 
 def test_trained_bench_presets_load_the_default_model_without_eos(trained_model_dir):

@@ -9,6 +9,7 @@ test_cli_bad_inputs.py, and the default-model build is framework-free.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import struct
@@ -339,6 +340,36 @@ def test_a_build_has_the_modes_the_umask_gives_new_files(reference_build):
     assert {path.name: path.stat().st_mode & 0o777 for path in files} == {path.name: 0o666 & ~mask for path in files}
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists(),
+                    reason="acting as a second user needs root and setpriv")
+def test_a_second_user_of_a_shared_home_can_take_the_first_users_lock():
+    """A home shared by a team (here sticky and world-writable, like /tmp): the first user's run left the build's
+    lock file with the modes its umask 022 gave, 0644, and a second user's first run opened it for writing:
+    "unexpected PermissionError: ... .lock". The lock is only flock'd, so it is opened read-only."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="twincache-shared-home-"))  # under /tmp: pytest's tmp_path is root-only
+    try:
+        shared.chmod(0o1777)
+        lock = shared / f".tiny-mistral-v{default_model.BUILD_VERSION}-seed{default_model.DEFAULT_SEED}.lock"
+        lock.touch()
+        lock.chmod(0o644)  # the first user's, as umask 022 left it
+        env = {"PATH": os.environ["PATH"], "HOME": str(shared), "TWINCACHE_HOME": str(shared),
+               "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        second_user = subprocess.run(
+            ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+             "from twincache import default_model; print(default_model.tiny_model_dir())"],
+            env=env, capture_output=True, text=True, timeout=120)
+        assert second_user.returncode == 0, second_user.stderr[-2000:]
+        built = Path(second_user.stdout.strip())
+        assert built.parent == shared and default_model.is_complete(built)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 def test_a_home_given_with_a_tilde_is_under_the_users_home(tmp_path, monkeypatch):
     """TWINCACHE_HOME='~/models', quoted where no shell expands it, was a relative path: a directory named "~" in
     each working directory, each with its own build."""
@@ -351,7 +382,7 @@ def test_a_home_given_with_a_tilde_is_under_the_users_home(tmp_path, monkeypatch
 @pytest.mark.parametrize("damage", ["weights_truncated", "tokenizer_removed", "config_grown",
                                     "stamp_of_an_older_build", "config_edited_same_size",
                                     "weights_header_same_size", "stamp_without_digests"])
-def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, reference_build, damage: str):
+def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, caplog, reference_build, damage: str):
     """A finished build whose files changed since (a disk that filled up while copying a home, a user's edit) is
     rebuilt on the next run, not loaded into "model.safetensors is truncated ... re-download or re-save the
     checkpoint", advice that fits no file twincache built itself. So is a stamp without the build's file list, and
@@ -380,9 +411,14 @@ def test_a_complete_build_damaged_afterwards_is_rebuilt(tmp_path, monkeypatch, r
     else:
         stamp.write_text(stamp.read_text().splitlines()[0] + "\n")
     assert not default_model.is_complete(final)
+    caplog.set_level(logging.INFO, logger="twincache")
     assert default_model.tiny_model_dir() == final
     _assert_good_default_model(tmp_path, reference_build)
     assert default_model.is_complete(final)
+    # the notice said "(first use only)" of a rebuild that drops the user's edits
+    assert [record.getMessage() for record in caplog.records] == [
+        f"building the tiny model into {final} again: the build there is incomplete or its files changed since it "
+        "was built (edits there are lost; give another window with --sliding-window N)..."]
 
 
 # --- 4. non-finite logits stop generation -----------------------------------------------------------------------------

@@ -233,6 +233,13 @@ def test_item1_a_max_cache_len_that_contradicts_the_given_cache_is_refused(side)
     with refused(InputError, "max_cache_len=24.0", "integer", side=side, cache=cache):
         side.generate([PROMPT], 3, cache=cache, max_cache_len=24.0)
     assert side.generate([PROMPT], 3, cache=cache, max_cache_len=24).token_ids == side.generate([PROMPT], 3).token_ids
+    # a ring asked for 24 slots holds its window of 8 and serves any length: 24 again (as the bench passes it with
+    # the cache of its previous run) is that cache's own request; 6 is not
+    ring = side.make_cache("sliding_window", length=24)
+    assert side.generate([PROMPT], 3, cache=ring, max_cache_len=24).cache.max_cache_len == WINDOW
+    ring = side.make_cache("sliding_window", length=24)  # a JAX generate consumed the first
+    with refused(InputError, "max_cache_len=6", f"built for max_cache_len={WINDOW}", side=side, cache=ring):
+        side.generate([PROMPT], 3, cache=ring, max_cache_len=6)
 
 
 def test_item1_jax_cache_on_another_device_is_refused(checkpoints, tmp_path):
@@ -878,6 +885,26 @@ def test_item12_twincache_home_that_is_a_file_or_read_only(tmp_path, monkeypatch
     monkeypatch.setenv("TWINCACHE_HOME", str(read_only))
     with refused(StorageError, str(read_only), "is not a writable directory", "TWINCACHE_HOME"):
         default_model.default_model_dir()
+    # a link to a directory that is gone (a disk not mounted): mkdir said only "(File exists)"
+    dangling = tmp_path / "home_link"
+    dangling.symlink_to(tmp_path / "unmounted" / "cache")
+    monkeypatch.setenv("TWINCACHE_HOME", str(dangling))
+    with refused(StorageError, f"{dangling} is a symbolic link to {tmp_path / 'unmounted' / 'cache'}, which does not "
+                 "exist", "TWINCACHE_HOME"):
+        default_model.default_model_dir()
+    # no home at all (a container run as a uid without a passwd entry, HOME unset): "unexpected RuntimeError: Could
+    # not determine home directory."
+    import pwd
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    for home in ("", "~/models"):
+        monkeypatch.setenv("TWINCACHE_HOME", home)
+        with refused(StorageError, "there is none (HOME is unset and uid", "set TWINCACHE_HOME"):
+            default_model.default_model_dir()
 
 
 

@@ -641,7 +641,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits, device)
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
-        check_given_cache_len(max_cache_len, cache.max_cache_len)
+        check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity)
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
         model._check_mesh(cache)
         check_budget(cache.capacity, prompt_len, max_new_tokens)

@@ -35,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from twincache import exit_cleanup
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
-from twincache.errors import CheckpointError
+from twincache.errors import CheckpointError, StorageError
 from twincache.generation import NOTICES
 from twincache.storage import writable_directory
 
@@ -82,7 +82,13 @@ _STAGING_PREFIX = ".building-"  # then the builder's host and pid: .building-<ho
 def cache_root() -> Path:
     # expanduser: a quoted "~/..." (a dotenv file, a systemd unit) reaches us unexpanded, and would put a 520 MB
     # build under a directory named "~" in whatever directory each run starts in.
-    return Path(os.environ.get("TWINCACHE_HOME") or Path.home() / ".cache" / "twincache").expanduser()
+    home = os.environ.get("TWINCACHE_HOME")
+    try:
+        return Path(home or Path.home() / ".cache" / "twincache").expanduser()
+    except RuntimeError:  # HOME unset and no passwd entry (a container run as an arbitrary uid): Python's bare message
+        raise StorageError(f"the default-model directory {'TWINCACHE_HOME=' + home if home else '~/.cache/twincache'} "
+                           f"needs a home directory, and there is none (HOME is unset and uid {os.getuid()} has no "
+                           "passwd entry); set TWINCACHE_HOME to a writable directory, or pass --model") from None
 
 
 def default_model_dir() -> Path:
@@ -96,15 +102,15 @@ def default_model_dir() -> Path:
     _check_home(final.parent)  # a home that cannot hold the model is named before the wheel is looked for
     gguf_path = smollm2_gguf()
     return build_once(final, lambda staging: write_trained_model(staging, gguf_path),
-                       f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}",
-                       f"converting the default model from {SMOLLM2_GGUF} into {final} (first use only, ~5 s)...")
+                      f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}",
+                      f"converting the default model from {SMOLLM2_GGUF} into {final}", "~5 s")
 
 
 def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
     """The tiny random checkpoint directory, built first if it is absent or incomplete."""
     final = cache_root() / f"tiny-mistral-v{BUILD_VERSION}-seed{seed}"
     return build_once(final, lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}",
-                       f"building the tiny model into {final} (first use only)...")
+                      f"building the tiny model into {final}")
 
 
 def _reusable(final: Path) -> bool:
@@ -116,20 +122,55 @@ def _reusable(final: Path) -> bool:
     return True
 
 
-def build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str) -> Path:
+def build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str, takes: str = "") -> Path:
     """`final`, built by `write` into a sibling and renamed into place unless a complete build (`is_complete`) is
-    there; one process at a time (a file lock), with the files' modes from the user's umask (build_aside)."""
+    there; one process at a time (a file lock), with the files' modes from the user's umask (build_aside). Says so
+    first: `notice` is what is done, `takes` how long it takes."""
     if _reusable(final):
         return final
     _check_home(final.parent)
     # Concurrent first runs take turns: the one that waited finds the other's complete build and uses it, instead of
     # treating it as incomplete and deleting it while its builder reads from it.
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock_path = final.parent / f".{final.name}.lock"
+    try:
+        fd = _open_lock(lock_path)
+    except OSError as err:  # another user's lock file that this one may not even read (their umask 077)
+        raise StorageError(f"cannot open the lock file {lock_path} ({err.strerror or err}); ask its "
+                           "owner to make it readable, or point TWINCACHE_HOME at a directory of your own, or pass "
+                           "--model") from None
+    with os.fdopen(fd, "rb") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process is building it: say so, or the wait is a silence of seconds
+            NOTICES.info(f"waiting for another process building {final}...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if is_complete(final):
             return final
-        NOTICES.info(notice)  # seconds of silence otherwise, before anything else is printed
+        # seconds of silence otherwise, before anything else is printed. A directory there is a build damaged or cut
+        # short, rebuilt: "first use only" was wrong then, and a user who edited it was not told the edits are gone
+        if final.exists():
+            NOTICES.info(f"{notice} again: the build there is incomplete or its files changed since it was built "
+                         f"(edits there are lost; give another window with --sliding-window N)...")
+        else:
+            NOTICES.info(f"{notice} (first use only{', ' + takes if takes else ''})...")
         return build_aside(final, write, stamp)
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened read-only (flock needs no write access): another user of a shared home created it with
+    the modes their umask gave (0644 under 022), and opening it for writing was a PermissionError for everyone
+    else. An existing file is opened without O_CREAT, which fs.protected_regular refuses on another user's file in a
+    sticky world-writable directory (/tmp-like shared homes)."""
+    for _ in range(2):  # created by another process between the two opens: open it again, as an existing file
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask takes its share
+        except FileExistsError:
+            continue
+    return os.open(path, os.O_RDONLY)
 
 
 def _check_home(home: Path) -> None:

@@ -370,12 +370,14 @@ def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> 
                          "cache or generate fewer tokens")
 
 
-def check_given_cache_len(max_cache_len: object, built_len: int) -> None:
+def check_given_cache_len(max_cache_len: object, built_len: int, capacity: int | None) -> None:
     """A cache object handed to generate keeps the capacity it was built with: a `max_cache_len` beside it that says
-    otherwise was ignored without a word, so it is refused (the same value, or None, is fine)."""
+    otherwise was ignored without a word, so it is refused (the same value, or None, is fine; so is any value from
+    the window up for a ring as long as its window, which every such request builds: `capacity` None)."""
     if max_cache_len is None:
         return
-    if check_count("max_cache_len", max_cache_len, minimum=1) != built_len:
+    asked = check_count("max_cache_len", max_cache_len, minimum=1)
+    if asked != built_len and not (capacity is None and asked >= built_len):
         raise InputError(f"max_cache_len={max_cache_len} was given with a cache object built for max_cache_len="
                          f"{built_len}; a given cache keeps its own capacity: leave max_cache_len out, or build the "
                          f"cache with max_cache_len={max_cache_len}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -13,6 +14,9 @@ def writable_directory(path: Path, what: str, advice: str) -> Path:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise StorageError(f"{what} {path} is a file, not a directory; {advice}")
+    if path.is_symlink() and not path.exists():  # mkdir said only "(File exists)"; its target may be a disk not mounted
+        raise StorageError(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist; create "
+                           f"that directory, or {advice}")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path, prefix=".twincache-write-check-"):

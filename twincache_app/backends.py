@@ -89,6 +89,8 @@ def _persist_xla_compiles() -> None:
     # Config flags are set dynamically: jax 0.10's stubs lack them, 0.11's type them Any (hence unused-ignore too).
     if jax.config.jax_compilation_cache_dir is not None:  # type: ignore[attr-defined, unused-ignore]
         return
+    if not _owner_names_known():
+        return
     directory = compiled_programs_dir("jax")
     existing = next(parent for parent in (directory, *directory.parents) if parent.exists())
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -98,6 +100,22 @@ def _persist_xla_compiles() -> None:
     # A bounded cache evicts the least recently used entries, and reads and writes its entries under a file lock:
     # unbounded, a run could read an entry another run was still writing (the tests start several at once).
     jax.config.update("jax_compilation_cache_max_size", 1 << 30)
+
+
+def _owner_names_known() -> bool:
+    """Whether this process's uid and gid have passwd and group entries. JAX reads its cache's files through etils,
+    whose stat looks up the owner's names: for a uid without one (a container run as an arbitrary uid) each
+    executable written gave a UserWarning "Error writing persistent compilation cache entry ...: KeyError:
+    'getpwuid(): uid not found: ...'", 17 of them around the text of one `generate --backend jax`."""
+    import grp
+    import pwd
+
+    try:
+        pwd.getpwuid(os.getuid())
+        grp.getgrgid(os.getgid())
+    except KeyError:
+        return False
+    return True
 
 
 def _inductor_persists_by_itself() -> None:

@@ -38,7 +38,7 @@ from twincache.generation import CACHE_KINDS, check_positions, validate_prompts
 from twincache.mesh import MeshShape
 from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
-from twincache_app.generate_cmd import add_model_arguments, model_config, resolve_prompts, set_window
+from twincache_app.generate_cmd import add_model_arguments, model_config, notices_on_stderr, resolve_prompts, set_window
 from twincache_app.hf_loading import transformers_model
 
 NOT_INSTALLED = "transformers is not installed"
@@ -691,7 +691,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     impls = resolve_implementations(args.modes)
-    model_dir = args.model if args.model is not None else default_model_dir()
+    with notices_on_stderr(not args.json):  # a first run converts the default model: seconds, said before
+        model_dir = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_dir)
     args.dtype = resolve_dtype(args.dtype, model_dir)
     # several: one left-padded batch, each row against its own truth

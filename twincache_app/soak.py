@@ -87,8 +87,10 @@ def soak(backend: str = "torch", steps: int = DEFAULT_STEPS, model_dir: Path | N
     check_window_flag(sliding_window)
     if model_dir is None:
         from twincache.default_model import default_model_dir
+        from twincache_app.generate_cmd import notices_on_stderr
 
-        model_dir = default_model_dir()
+        with notices_on_stderr(True):  # a first run converts the default model: seconds, said on stderr (not stdout's
+            model_dir = default_model_dir()  # JSON record)
     config = load_config(model_dir)
     dtype = resolve_dtype(dtype, model_dir)
     if sliding_window is not None:
