@@ -229,3 +229,21 @@ def test_trained_bench_presets_load_the_default_model_without_eos(trained_model_
     for backend in BACKENDS.values():
         assert bench_model(workload, backend).config.eos_token_id is None, backend.name
     assert "transformers" in PRESETS["trained"].impls and "jax_fused" in PRESETS["trained"].impls
+
+
+def test_a_build_removes_the_builds_of_earlier_versions_it_replaces(tmp_path, monkeypatch, caplog):
+    """An upgrade that bumps a build version left the earlier build behind for good (~520 MB for the trained model's
+    v1): once the new one is built, each earlier build our stamp marks is removed, and a directory of that name
+    without our stamp (not ours) is kept."""
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(default_model, "BUILD_VERSION", 3)
+    earlier = [tmp_path / f"tiny-mistral-v{version}-seed7" for version in (1, 2)]
+    for old in earlier:
+        old.mkdir()
+        (old / "model.safetensors").write_bytes(b"x" * 100)
+    (earlier[0] / ".twincache-complete").write_text("seed=7 version=1\n")  # ours; earlier[1] has no stamp
+    with caplog.at_level("INFO", logger="twincache"):
+        built = default_model.tiny_model_dir(seed=7)
+    assert built == tmp_path / "tiny-mistral-v3-seed7" and default_model.is_complete(built)
+    assert not earlier[0].exists() and (earlier[1] / "model.safetensors").is_file()
+    assert f"removed {earlier[0]}, a build by an earlier version of twincache" in caplog.text

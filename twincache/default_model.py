@@ -25,7 +25,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -103,14 +103,18 @@ def default_model_dir() -> Path:
     gguf_path = smollm2_gguf()
     return build_once(final, lambda staging: write_trained_model(staging, gguf_path),
                       f"{SMOLLM2_GGUF} sha256={SMOLLM2_SHA256} window={DEFAULT_WINDOW}",
-                      f"converting the default model from {SMOLLM2_GGUF} into {final}", "~5 s")
+                      f"converting the default model from {SMOLLM2_GGUF} into {final}", "~5 s",
+                      [final.with_name(f"smollm2-135m-instruct-w{DEFAULT_WINDOW}-v{version}")
+                       for version in range(1, TRAINED_BUILD_VERSION)])
 
 
 def tiny_model_dir(seed: int = DEFAULT_SEED) -> Path:
     """The tiny random checkpoint directory, built first if it is absent or incomplete."""
     final = cache_root() / f"tiny-mistral-v{BUILD_VERSION}-seed{seed}"
     return build_once(final, lambda staging: write_tiny_model(staging, seed), f"seed={seed} version={BUILD_VERSION}",
-                      f"building the tiny model into {final}")
+                      f"building the tiny model into {final}",
+                      replaces=[final.with_name(f"tiny-mistral-v{version}-seed{seed}")
+                                for version in range(1, BUILD_VERSION)])
 
 
 def _reusable(final: Path) -> bool:
@@ -122,10 +126,12 @@ def _reusable(final: Path) -> bool:
     return True
 
 
-def build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str, takes: str = "") -> Path:
+def build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: str, takes: str = "",
+               replaces: Sequence[Path] = ()) -> Path:
     """`final`, built by `write` into a sibling and renamed into place unless a complete build (`is_complete`) is
     there; one process at a time (a file lock), with the files' modes from the user's umask (build_aside). Says so
-    first: `notice` is what is done, `takes` how long it takes."""
+    first: `notice` is what is done, `takes` how long it takes. Once built, the builds of earlier versions it
+    `replaces` (hundreds of MB each, never used again) are removed."""
     if _reusable(final):
         return final
     _check_home(final.parent)
@@ -153,7 +159,19 @@ def build_once(final: Path, write: Callable[[Path], None], stamp: str, notice: s
                          f"(edits there are lost; give another window with --sliding-window N)...")
         else:
             NOTICES.info(f"{notice} (first use only{', ' + takes if takes else ''})...")
-        return build_aside(final, write, stamp)
+        build_aside(final, write, stamp)
+    _remove_earlier_builds(replaces)
+    return final
+
+
+def _remove_earlier_builds(earlier: Sequence[Path]) -> None:
+    """Remove the builds an upgrade left behind, saying so; only directories our stamp marks as ours (a build, even
+    an unfinished one, never a user's directory of that name)."""
+    for old in earlier:
+        if (old / _COMPLETE_STAMP).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+            if not old.exists():
+                NOTICES.info(f"removed {old}, a build by an earlier version of twincache")
 
 
 def _open_lock(path: Path) -> int:
