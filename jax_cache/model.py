@@ -333,6 +333,7 @@ class Mistral(nnx.Module):
         converting to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted.
         On `mesh`, each device reads only its own slice of every safetensors tensor (as each host would, on many hosts);
         a GGUF is dequantized whole, then placed."""
+        _check_model_dtype(dtype)
         if mesh is None and jnp.dtype(dtype) == jnp.float32 and default_device().platform == "cpu":
             gguf = open_gguf(path) if is_gguf_file(path) else None
             config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
@@ -368,6 +369,21 @@ class Mistral(nnx.Module):
                         weights[name] = jax.make_array_from_callback(
                             tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh), read)
         return cls.from_weights(config, weights, mesh)
+
+
+def _check_model_dtype(dtype: object) -> None:
+    """An integer dtype built an integer model, float64 without jax_enable_x64 silently a float32 one, and a torch
+    dtype raised TypeError: refused here in one line, as the caches refuse theirs."""
+    try:
+        name = jnp.dtype(cast(Any, dtype)).name
+    except TypeError:
+        name = None
+    if name is None or not jnp.issubdtype(name, jnp.floating):
+        raise InputError(f"dtype={dtype!r} must be a floating-point jax dtype, e.g. jnp.float32 or jnp.bfloat16 "
+                         "(jax_cache.backend.load takes the name: dtype=\"bfloat16\")")
+    if name == "float64" and not jax.config.jax_enable_x64:  # type: ignore[attr-defined, unused-ignore]
+        raise InputError("dtype=float64 needs JAX's 64-bit mode, which is off: JAX would build a float32 model; set "
+                         "jax.config.update(\"jax_enable_x64\", True) first, or load in float32")
 
 
 def _check_weights_fit(config: MistralConfig, dtype: jnp.dtype, mesh: Mesh | None = None) -> None:

@@ -972,9 +972,12 @@ def test_item13_a_donated_jax_cache_is_named_stale_by_every_method_that_reads_it
             read()
 
 
-def test_item13_arguments_of_the_wrong_kind_are_named(side):
+def test_item13_arguments_of_the_wrong_kind_are_named(side, checkpoints):
     """A dict for sampling, a list for mode, a dtype of the other framework or an integer one for a cache: each
-    raised an AttributeError or TypeError from inside."""
+    raised an AttributeError or TypeError from inside. So did a model's: torch's from_pretrained raised
+    AttributeError for a name, load_state_dict's wall for torch.int32; JAX's built an int32 model, or a float32 one
+    for float64 (x64 off); backend.load crashed in torch on np.dtype("float32"), which JAX took, and said
+    'dtype=torch.bfloat16 is not one of float32, bfloat16, float16'."""
     with refused(InputError, "sampling must be a twincache.generation.SamplingParams", "not dict"):
         side.generate([PROMPT], 2, sampling={"temperature": 1.0})
     with refused(InputError, "mode ['eager'] is not a"):
@@ -984,6 +987,16 @@ def test_item13_arguments_of_the_wrong_kind_are_named(side):
     for dtype in (other_framework, integer):
         with refused(CacheError, f"dtype={dtype!r} must be a floating-point"):
             side.cache_module.StaticCache(side.config, 1, 8, dtype=dtype)
+    model_class, example = type(side.model), "torch.bfloat16" if side.name == "torch" else "jnp.bfloat16"
+    for dtype in (other_framework, integer):
+        with refused(InputError, f"dtype={dtype!r} must be a floating-point", example, "load takes the name"):
+            model_class.from_pretrained(checkpoints["gqa"], dtype)
+    if side.name == "jax":  # x64 is off (JAX's default): a float64 model would be float32
+        with refused(InputError, "dtype=float64 needs JAX's 64-bit mode", "jax_enable_x64"):
+            model_class.from_pretrained(checkpoints["gqa"], jnp.float64)
+    for dtype in (torch.bfloat16, jnp.bfloat16, np.dtype("float32")):
+        with refused(InputError, f"dtype={dtype!r} must be a dtype name", 'dtype="bfloat16"'):
+            _backend(side).load(checkpoints["gqa"], dtype)
 
 
 def test_item13_the_handoff_names_a_model_or_config_of_the_wrong_kind(pair):

@@ -332,6 +332,7 @@ class Mistral(nn.Module):
         `device`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted. On `mesh`,
         this rank reads only its slice of every safetensors tensor, onto its own device (a GGUF is dequantized whole,
         then sliced)."""
+        _check_model_dtype(dtype)
         gguf = open_gguf(path) if is_gguf_file(path) else None
         config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
         if mesh is not None:
@@ -357,6 +358,14 @@ class Mistral(nn.Module):
                     part = () if mesh is None else sharding.weight_slice(name, config, mesh)
                     state[name] = _aligned(f.get_slice(name)[part].to(dtype) if part else f.get_tensor(name).to(dtype))
         return cls._assemble(config, state, mesh)
+
+
+def _check_model_dtype(dtype: object) -> None:
+    """A name ("bfloat16"), another framework's dtype or an integer one raised AttributeError or load_state_dict's
+    wall of RuntimeErrors: refused here in one line, as the caches refuse theirs."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InputError(f"dtype={dtype!r} must be a floating-point torch.dtype, e.g. torch.float32 or torch.bfloat16 "
+                         "(torch_cache.backend.load takes the name: dtype=\"bfloat16\")")
 
 
 def _check_weights_fit(config: MistralConfig, dtype: torch.dtype, device: torch.device,

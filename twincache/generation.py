@@ -467,8 +467,13 @@ def announce_compile(compiler: str) -> None:
                  "and sampling kind...", compiler)
 
 
-def check_dtype(dtype: str) -> str:
-    """Refuse a dtype name that no backend computes in."""
+def check_dtype(dtype: object) -> str:
+    """Refuse a dtype name that no backend computes in. Only a name: a framework's dtype object (torch.bfloat16,
+    jnp.bfloat16, np.dtype("float32"), which == "float32" and slipped through a membership test) was refused with
+    "is not one of ..." naming the very dtype given, or crashed torch's getattr."""
+    if not isinstance(dtype, str):
+        raise InputError(f"dtype={dtype!r} must be a dtype name, one of {', '.join(DTYPES)} (e.g. dtype=\"bfloat16\"), "
+                         f"not a {type(dtype).__name__}; a tower's Mistral.from_pretrained takes its framework's dtype")
     if dtype not in DTYPES:
         raise InputError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     return dtype
