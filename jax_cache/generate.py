@@ -629,8 +629,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     first = np.asarray(first).tolist()
     prefill_s = time.perf_counter() - start
     _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
-    if on_token is not None:
-        on_token(first)
+    if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
+        on_token(list(first))
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:, 1:], first_step=1)

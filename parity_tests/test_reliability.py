@@ -949,6 +949,21 @@ def test_item13_an_on_token_that_cannot_be_called_is_refused_before_the_cache_is
         side.generate([PROMPT], 3, cache=cache, on_token=5)
 
 
+def test_item13_an_on_token_that_edits_its_list_changes_no_token(side):
+    """on_token was handed generate's own list of first tokens, which then fed the continuation: a callback that
+    cleared it got 'no last tokens given' mid-run, one that edited it changed the tokens generated."""
+    expected = side.generate([PROMPT, PROMPT[:2]], 4).token_ids
+    seen: list[list[int]] = []
+
+    def edits(tokens: list[int]) -> None:
+        seen.append(list(tokens))
+        tokens[0] = VOCAB - 1
+        tokens.append(3)
+
+    assert side.generate([PROMPT, PROMPT[:2]], 4, on_token=edits).token_ids == expected
+    assert seen == [list(step) for step in zip(*expected)]
+
+
 def test_item13_step_logits_checks_its_sequence_and_prompt_len(side):
     backend, mode = _backend(side), _mode(side)
     for sequence, prompt_len, fragment in (([5, 2.7, 9], 1, "sequence 0"), ("579", 1, "tokenize"),

@@ -667,8 +667,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
     first = _first_tokens(logits, sampling, _eos_tensor(config, eos, device), first_forced)
     prefill_s = time.perf_counter() - start
-    if on_token is not None:
-        on_token(first)
+    if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
+        on_token(list(first))
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:, 1:], first_step=1)
