@@ -773,6 +773,10 @@ def test_item12_a_cache_of_the_other_backend_is_named(side, pair):
     (["hello"], "prompt 0 is 'hello', not a sequence of token ids"),
     ("hello", "prompts must be a list of token-id lists"),
     ([np.asarray([5.0, 6.0])], "which is not an integer"),
+    (np.asarray(5), "prompts must be a list of token-id lists, e.g. [[1, 2, 3]], not ndarray"),  # 0-d: TypeError
+    ([torch.tensor(5)], "prompt 0 is tensor(5), not a sequence of token ids"),
+    ([{5, 6}], "prompt 0 is a set, whose ids have no order"),  # was decoded in the set's iteration order
+    ([{5: 1, 6: 2}], "prompt 0 is a dict, whose ids have no order"),
 ])
 def test_item12_float_and_malformed_ids_are_refused_not_truncated(side, prompts, fragment):
     with refused(InputError, fragment):
@@ -783,6 +787,8 @@ def test_item12_float_last_tokens_are_refused(side):
     cache = side.fill(side.make_cache("static", side.config), 4)
     with refused(InputError, "last token of row 0 holds token id 5.9", side=side, cache=cache):
         side.continue_(cache, [5.9], 2)
+    with refused(InputError, "last_tokens must be a list of one token id per row, not ndarray", side=side, cache=cache):
+        side.continue_(cache, np.asarray(5), 2)  # 0-d: iterating it raised TypeError
 
 
 @pytest.mark.parametrize(("content", "fragment"), [

@@ -11,7 +11,7 @@ import math
 import numbers
 import operator
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from typing import Any, SupportsIndex, TypeVar, cast
 
 import numpy as np
@@ -133,21 +133,28 @@ def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: tuple[int, .
             tokens[row].append(token)
 
 
+def _scalar_array(value: object) -> bool:
+    """A 0-d numpy array, tensor or jax array: it has __len__ and __iter__, but both raise TypeError."""
+    return getattr(value, "ndim", None) == 0
+
+
 def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, config: MistralConfig,
                      label: str = "prompt") -> list[list[int]]:
     """Check token ids and lengths of a batch of prompts; returns them as lists of Python ints.
 
     Ids must be integers (a float id would be truncated) inside the vocabulary; `label` names a row in messages."""
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or _scalar_array(prompts):
         raise InputError(f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]], not {type(prompts).__name__}")
     if len(prompts) == 0:
         plural = {"last token of row": "last tokens (one per cache row)"}.get(label, f"{label}s")
         raise InputError(f"no {plural} given; pass at least one")
     checked = []
     for row, prompt in enumerate(prompts):
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__") or _scalar_array(prompt):
             raise InputError(f"{label} {row} is {prompt!r}, not a sequence of token ids; pass one list of ids per row, "
                              "e.g. [[1, 2, 3]] (tokenize text first)")
+        if isinstance(prompt, (Set, Mapping)):  # iterates, but in no order a prompt could mean
+            raise InputError(f"{label} {row} is a {type(prompt).__name__}, whose ids have no order; pass a list of ids")
         ids = []
         for token in prompt:
             try:
@@ -290,7 +297,7 @@ def prepare_continuation(last_tokens: Sequence[int], config: MistralConfig, samp
     """Validate a continuation's inputs: one last token per row, sampling, the budget, the streaming callback.
     Positions are checked by the caller against its cache (check_positions)."""
     check_on_token(on_token)
-    if isinstance(last_tokens, (str, bytes)) or not hasattr(last_tokens, "__iter__"):
+    if isinstance(last_tokens, (str, bytes)) or not hasattr(last_tokens, "__iter__") or _scalar_array(last_tokens):
         raise InputError(f"last_tokens must be a list of one token id per row, not {type(last_tokens).__name__}")
     rows = validate_prompts([[token] for token in last_tokens], config, label="last token of row")
     sampling = check_sampling(sampling).validate(config.vocab_size)
