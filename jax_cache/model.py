@@ -24,7 +24,13 @@ from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers, memory_label
 from jax_cache.projection import matmul_precision, project, stored_dtype
 from twincache import cache_checks
-from twincache.checkpoint import check_weight_shapes, expected_tensor_shapes, fill_weights, open_checkpoint
+from twincache.checkpoint import (
+    check_weight_arrays,
+    check_weight_shapes,
+    expected_tensor_shapes,
+    fill_weights,
+    open_checkpoint,
+)
 from twincache.config import MistralConfig
 from twincache.errors import InputError
 from twincache.generation import INT32_MAX, check_count, validate_attention_mask
@@ -306,6 +312,9 @@ class Mistral(nnx.Module):
     def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array], mesh: Mesh | None = None) -> Mistral:
         """Build a model from HF-named arrays (no copy of the arrays themselves, but for the half-precision ones
         stored_dtype widens on CPU, when the host has the memory for them), or place them on `mesh`."""
+        check_weight_arrays(weights, jax.Array, lambda array: jnp.dtype(array.dtype).name,
+                            "pass jax arrays (jnp.asarray(array); a torch_cache model's weights: "
+                            "twincache_app.handoff.from_torch)")
         check_weight_shapes(config, {name: tuple(array.shape) for name, array in weights.items()})
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)

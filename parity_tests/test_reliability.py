@@ -712,6 +712,23 @@ def test_item4_weights_handed_over_in_another_shape_are_refused_naming_the_tenso
                  f"[{config.vocab_size // 2}, {config.hidden_size}]", f"needs [{config.vocab_size}, "
                  f"{config.hidden_size}]", "pass the tensors of a checkpoint saved for this config"):
         SIDES[backend][1].from_weights(config, weights)
+    # Arrays of another kind raised load_state_dict's RuntimeError wall (torch) or AttributeError (JAX); integer
+    # ones built an int32 JAX model; two dtypes built a torch model whose first matmul raised RuntimeError.
+    own, other = ("torch.Tensor", jnp.asarray) if backend == "torch" else ("jax.Array", torch.from_numpy)
+    convert = "torch.from_numpy(array)" if backend == "torch" else "jnp.asarray(array)"
+    name = "model.norm.weight"
+    for foreign in (np.asarray, other):
+        weights = {key: as_backend(array) for key, array in arrays.items()} | {name: foreign(arrays[name])}
+        with refused(CheckpointError, f"weights tensor {name} is a", f"not a {own}", convert):
+            SIDES[backend][1].from_weights(config, weights)
+    weights = {key: as_backend(array) for key, array in arrays.items()} | {name: as_backend(arrays[name].astype(
+        np.int32))}
+    with refused(CheckpointError, f"weights tensor {name} is int32", "floating-point weights"):
+        SIDES[backend][1].from_weights(config, weights)
+    if backend == "torch":
+        weights = {key: as_backend(array) for key, array in arrays.items()} | {name: as_backend(arrays[name]).half()}
+        with refused(CheckpointError, "is torch.float32 but model.norm.weight is torch.float16", "convert every"):
+            SIDES[backend][1].from_weights(config, weights)
 
 
 # --- 9. absurd configs are refused before anything large is built -----------------------------------------------------

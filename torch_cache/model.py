@@ -23,9 +23,15 @@ from torch_cache import sharding
 from torch_cache.cache import StaticCache, available_memory, host_buffers, memory_label
 from torch_cache.projection import project, project_stacked
 from twincache import cache_checks
-from twincache.checkpoint import check_weight_shapes, expected_tensor_shapes, fill_weights, open_checkpoint
+from twincache.checkpoint import (
+    check_weight_arrays,
+    check_weight_shapes,
+    expected_tensor_shapes,
+    fill_weights,
+    open_checkpoint,
+)
 from twincache.config import MistralConfig
-from twincache.errors import CacheError, InputError
+from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX, check_count, validate_attention_mask
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
@@ -309,7 +315,15 @@ class Mistral(nn.Module):
                      mesh: DeviceMesh | None = None) -> Mistral:
         """Build a model from HF-named tensors (no copy: the model holds the tensors themselves). On `mesh`, the
         tensors are whole and this rank keeps copies of its slices of them."""
+        check_weight_arrays(weights, torch.Tensor, lambda tensor: str(tensor.dtype).removeprefix("torch."),
+                            "pass torch tensors (torch.from_numpy(array); a jax_cache model's weights: "
+                            "twincache_app.handoff.to_torch)")
         check_weight_shapes(config, {name: tuple(tensor.shape) for name, tensor in weights.items()})
+        dtypes = {tensor.dtype: name for name, tensor in weights.items()}
+        if len(dtypes) > 1:  # torch's matmuls refuse operands of two dtypes: the first forward raised RuntimeError
+            (first, one), (second, other) = list(dtypes.items())[:2]
+            raise CheckpointError(f"weights tensor {one} is {first} but {other} is {second}; a torch_cache model "
+                                  "computes in one dtype: convert every tensor to it (tensor.to(dtype))")
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
         return cls._assemble(config, weights, mesh)
