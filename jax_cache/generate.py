@@ -39,6 +39,7 @@ from twincache.generation import (
     build_sized_cache,
     check_budget,
     check_first_step,
+    check_flags,
     check_positions,
     pad_token_id,
     plan_cache,
@@ -579,6 +580,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
+    check_flags(fused=fused, return_logits=return_logits)
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk, on_token)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
@@ -658,6 +660,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     and teacher-forced tokens do not depend on it.
     """
     config = model.config
+    check_flags(fused=fused, return_logits=return_logits)
     cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)

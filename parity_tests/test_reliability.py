@@ -1035,6 +1035,18 @@ def test_item13_arguments_of_the_wrong_kind_are_named(side, checkpoints):
     for dtype in (torch.bfloat16, jnp.bfloat16, np.dtype("float32")):
         with refused(InputError, f"dtype={dtype!r} must be a dtype name", 'dtype="bfloat16"'):
             _backend(side).load(checkpoints["gqa"], dtype)
+    # switches were read for their truth: fused="step" / compile="no" ran the compiled mode, return_logits="no" kept
+    # the logits, fused=None ran the step mode
+    switch = "compile" if side.name == "torch" else "fused"
+    generate, continue_ = (tg.generate, tg.continue_generation) if side.name == "torch" else (
+        jg.generate, jg.continue_generation)
+    cache = side.generate([PROMPT], 2, cache="static", max_cache_len=16).cache
+    for kwargs in ({switch: "step"}, {switch: None}, {"return_logits": "no"}):
+        (name, value), = kwargs.items()
+        with refused(InputError, f"{name}={value!r} must be True or False", side=side, cache=cache):
+            generate(side.model, [PROMPT], 2, cache=cache, **kwargs)
+        with refused(InputError, f"{name}={value!r} must be True or False", side=side, cache=cache):
+            continue_(side.model, cache, [5], 2, **kwargs)
 
 
 def test_item13_the_handoff_names_a_model_or_config_of_the_wrong_kind(pair):

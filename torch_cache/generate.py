@@ -43,6 +43,7 @@ from twincache.generation import (
     build_sized_cache,
     check_budget,
     check_first_step,
+    check_flags,
     check_positions,
     plan_cache,
     positions_from_mask,
@@ -624,6 +625,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
     config = model.config
+    check_flags(compile=compile, return_logits=return_logits)
     _guard_skip_wanted()  # a bad TWINCACHE_SKIP_GUARDS or TWINCACHE_OVERLAP_STEPS is refused before the prefill
     _overlap_wanted(model.device)  # writes anything
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk, on_token)
@@ -697,6 +699,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     teacher-forced tokens do not depend on it.
     """
     config = model.config
+    check_flags(compile=compile, return_logits=return_logits)
     skip_guards = _guard_skip_wanted()
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
     overlap = _overlap_wanted(cache.device)

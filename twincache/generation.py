@@ -269,6 +269,15 @@ def check_sampling(sampling: object) -> SamplingParams:
     return sampling
 
 
+def check_flags(**flags: object) -> None:
+    """Refuse a switch (return_logits, compile, fused) that is not a bool: `fused="step"` or `compile="no"` ran the
+    compiled mode, `return_logits="no"` kept the logits, `fused=None` ran the step mode, all without a word."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InputError(f"{name}={value!r} must be True or False, not {type(value).__name__}" + (
+                "; backend.generate(..., mode=...) takes a mode's name" if name in ("compile", "fused") else ""))
+
+
 def check_on_token(on_token: object) -> None:
     """Refuse a streaming callback that cannot be called, before any cache is touched (it is first called after
     the prefill, when a JAX cache has been donated)."""
