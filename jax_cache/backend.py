@@ -19,6 +19,7 @@ from jax_cache.cache import StaticCache
 from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
+from twincache import cache_checks
 from twincache.checkpoint import resolve_dtype
 from twincache.config import MistralConfig
 from twincache.errors import InputError
@@ -99,6 +100,9 @@ def compiled_variants() -> int:
 def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
     """Bytes of the model's weights and of the cache's K/V on each device, read from the arrays' addressable shards
     (on a mesh, each device's share; docs/design.md §10)."""
+    # the other tower's cache (or None) raised AttributeError from inside device_bytes
+    cache_checks.check_cache_type(cache, StaticCache, "jax_cache", cache_checks.cache_hint("jax_cache"))
+    cache.check_live()  # a donated cache raised JAX's bare "Array has been deleted"
     weights = [variable.get_value() for _, variable in nnx.to_flat_state(nnx.state(model))]
     return {"weights": sharding.device_bytes(weights), "kv": sharding.device_bytes([*cache.keys, *cache.values])}
 

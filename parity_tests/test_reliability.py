@@ -775,7 +775,8 @@ def test_item12_a_cache_of_the_other_backend_is_named(side, pair):
     foreign = (jc.make_cache("sliding_window", jax_model.config, 1, 24) if side.name == "torch" else
                tc.make_cache("sliding_window", torch_model.config, 1, 24))
     other = "jax_cache" if side.name == "torch" else "torch_cache"
-    for call in (lambda: side.continue_(foreign, [5], 2), lambda: side.generate([PROMPT], 2, cache=foreign)):
+    for call in (lambda: side.continue_(foreign, [5], 2), lambda: side.generate([PROMPT], 2, cache=foreign),
+                 lambda: _backend(side).memory_per_device(side.model, foreign)):  # AttributeError from inside
         with refused(CacheError, f"cache is a {other}.cache.SlidingWindowCache", f"not a {side.name}_cache cache",
                      "twincache_app.handoff.cache_"):
             call()
@@ -1005,7 +1006,8 @@ def test_item13_a_donated_jax_cache_is_named_stale_by_every_method_that_reads_it
     cache = side.make_cache("static", batch=1, length=8)
     side.step([[5]], [[0]], cache)  # donates it
     for read in (lambda: cache.advance(jnp.zeros((1, 1), jnp.int32)), lambda: cache.next_positions(),
-                 lambda: cache.attended_positions(jnp.zeros((1, 1), jnp.int32))):
+                 lambda: cache.attended_positions(jnp.zeros((1, 1), jnp.int32)),
+                 lambda: jb.memory_per_device(side.model, cache)):  # was JAX's bare "Array has been deleted"
         with refused(StaleCacheError, "donated to a jitted call"):
             read()
 

@@ -15,6 +15,7 @@ from torch_cache.cache import StaticCache
 from torch_cache.generate import generate as _generate
 from torch_cache.inductor_cpu import start_compiler_probe
 from torch_cache.model import Mistral
+from twincache import cache_checks
 from twincache.checkpoint import resolve_dtype
 from twincache.config import MistralConfig
 from twincache.errors import InputError
@@ -91,6 +92,8 @@ def compiled_variants() -> int:
 def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
     """Bytes of the model's weights and of the cache's K/V on each device this process holds, read from the tensors'
     storage (on a mesh, this rank's shards; docs/design.md §10)."""
+    # the other tower's cache (or None) raised AttributeError from inside device_bytes
+    cache_checks.check_cache_type(cache, StaticCache, "torch_cache", cache_checks.cache_hint("torch_cache"))
     return {"weights": sharding.device_bytes(list(model.parameters())),
             "kv": sharding.device_bytes([*cache.keys, *cache.values])}
 
