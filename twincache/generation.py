@@ -139,12 +139,14 @@ def _scalar_array(value: object) -> bool:
 
 
 def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, config: MistralConfig,
-                     label: str = "prompt") -> list[list[int]]:
+                     label: str = "prompt", allow_empty: bool = False) -> list[list[int]]:
     """Check token ids and lengths of a batch of prompts; returns them as lists of Python ints.
 
-    Ids must be integers (a float id would be truncated) inside the vocabulary; `label` names a row in messages."""
+    Ids must be integers (a float id would be truncated) inside the vocabulary; `label` names a row in messages.
+    `allow_empty`: rows may hold no ids (forced_tokens for max_new_tokens=0)."""
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or _scalar_array(prompts):
-        raise InputError(f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]], not {type(prompts).__name__}")
+        name = "forced_tokens" if label == "forced_tokens row" else "prompts"
+        raise InputError(f"{name} must be a list of token-id lists, e.g. [[1, 2, 3]], not {type(prompts).__name__}")
     if len(prompts) == 0:
         plural = {"last token of row": "last tokens (one per cache row)"}.get(label, f"{label}s")
         raise InputError(f"no {plural} given; pass at least one")
@@ -161,7 +163,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, config: Mist
                 ids.append(as_integer("token id", token))
             except InputError:
                 raise InputError(f"{label} {row} holds token id {token!r}, which is not an integer") from None
-        if not ids:
+        if not ids and not allow_empty:
             raise InputError(f"{label} {row} is empty; every prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < config.vocab_size]
         if bad:
@@ -370,8 +372,8 @@ def check_positions(config: MistralConfig, first_position: int, max_new_tokens: 
 def validate_forced_tokens(forced_tokens: Sequence[Sequence[int]] | np.ndarray, batch: int, max_new_tokens: int,
                            config: MistralConfig) -> np.ndarray:
     """Teacher forcing: one row of exactly `max_new_tokens` in-vocabulary ids per prompt. Returns [B, N] int32."""
-    rows = validate_prompts(forced_tokens, config, label="forced_tokens row") if max_new_tokens else [
-        list(row) for row in forced_tokens]
+    # rows of no ids are checked too: unchecked, an int raised TypeError and a string was read as rows of letters
+    rows = validate_prompts(forced_tokens, config, label="forced_tokens row", allow_empty=not max_new_tokens)
     if len(rows) != batch or any(len(row) != max_new_tokens for row in rows):
         raise InputError(f"forced_tokens has {len(rows)} rows of lengths {sorted({len(row) for row in rows})}; "
                          f"give one row of exactly max_new_tokens={max_new_tokens} ids per prompt ({batch})")
