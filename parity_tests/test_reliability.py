@@ -1060,6 +1060,13 @@ def test_item13_the_handoff_names_a_model_or_config_of_the_wrong_kind(pair):
     cache = tc.make_cache("static", torch_model.config, 1, 8)
     with refused(InputError, "cache_from_torch needs the model's twincache.config.MistralConfig", "not dict"):
         handoff.cache_from_torch(cache, {})
+    # a device torch cannot use raised RuntimeError (or, for "cuda" on a CPU-only torch, AssertionError) from inside
+    jax_cache = jc.make_cache("static", jax_model.config, 1, 8)
+    for call in (lambda: handoff.to_torch(jax_model, "tpu"),
+                 lambda: handoff.cache_to_torch(jax_cache, jax_model.config, "tpu"),
+                 lambda: tc.StaticCache(torch_model.config, 1, 8, device="tpu")):
+        with refused(InputError, "device='tpu' is not usable by this torch", "pass 'cpu', 'cuda' or 'cuda:N'"):
+            call()
 
 
 def test_item13_continuing_a_row_that_ended_with_eos_gives_it_nothing(side):

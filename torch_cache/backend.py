@@ -11,14 +11,13 @@ import numpy as np
 import torch
 
 from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
-from torch_cache.cache import StaticCache
+from torch_cache.cache import StaticCache, usable_device
 from torch_cache.generate import generate as _generate
 from torch_cache.inductor_cpu import start_compiler_probe
 from torch_cache.model import Mistral
 from twincache import cache_checks
 from twincache.checkpoint import resolve_dtype
 from twincache.config import MistralConfig
-from twincache.errors import InputError
 from twincache.generation import (
     PREFILL_CHUNK,
     GenerationResult,
@@ -42,11 +41,7 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
         return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)),
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.empty(0, device=device)  # an unknown or absent device is named here, before the weights are read
-    except (RuntimeError, AssertionError) as err:  # AssertionError: a CPU-only torch asked for CUDA
-        raise InputError(f"device={device!r} is not usable by this torch ({' '.join(str(err).split())[:160]}); "
-                         "pass 'cpu', 'cuda' or 'cuda:N' for a device it sees") from None
+    usable_device(device)  # an unknown or absent device is named here, before the weights are read
     if str(device).split(":")[0] == "cpu":  # inductor's CPU checks run while the weights load
         start_compiler_probe()
     return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)), device)
