@@ -38,21 +38,26 @@ from twincache.mesh import MeshShape
 def load(path: str | Path, dtype: str = "float32", device: str | None = None,
          mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: JAX's default
-    device; "cuda" and "gpu" both mean the first GPU), or split over a `mesh` of the devices JAX sees
-    (docs/design.md §10). Needs no torch. dtype "auto" is the checkpoint's stored dtype, as transformers'
-    from_pretrained picks it."""
+    device; "cuda" and "gpu" both mean the first GPU, "cuda:N" / "cpu:N" the Nth), or split over a `mesh` of the
+    devices JAX sees (docs/design.md §10). Needs no torch. dtype "auto" is the checkpoint's stored dtype, as
+    transformers' from_pretrained picks it."""
     dtype = resolve_dtype(dtype, path)
     if mesh is not None:
         return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)),
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))
     placement = contextlib.nullcontext()
     if device is not None:
+        # "platform:N" as torch spells it: "cuda:1" was placed on the first GPU and "cpu:0" refused
+        platform, _, index = str(device).partition(":")
         try:
-            devices = jax.devices("gpu" if device.startswith("cuda") else device)
+            devices = jax.devices("gpu" if platform == "cuda" else platform)
         except RuntimeError as err:  # an unknown platform, or one JAX has no device of
             raise InputError(f"device={device!r} is not usable by this JAX ({' '.join(str(err).split())[:160]}); "
                              f"pass one of its platforms, e.g. {jax.default_backend()!r}") from None
-        placement = jax.default_device(devices[0])
+        if index and not (index.isdigit() and int(index) < len(devices)):
+            raise InputError(f"device={device!r} names no device of this JAX: it sees {len(devices)} {platform} "
+                             f"device(s), {platform}:0 to {platform}:{len(devices) - 1}")
+        placement = jax.default_device(devices[int(index or 0)])
     with placement:
         return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)))
 

@@ -1116,6 +1116,12 @@ def test_item13_a_device_the_framework_cannot_use_is_named_before_loading(checkp
     module = tb if backend == "torch" else jb
     with refused(InputError, "device='nope' is not usable by this"):
         module.load(checkpoints["gqa"], device="nope")
+    # torch's "platform:N" spelling: JAX refused "cpu:0" and put "cuda:1" on the first GPU
+    assert "cpu" in str(module.load(checkpoints["gqa"], device="cpu:0").device)
+    if backend == "jax":
+        count = len(jax.devices("cpu"))
+        with refused(InputError, f"device='cpu:{count}' names no device of this JAX", f"cpu:0 to cpu:{count - 1}"):
+            module.load(checkpoints["gqa"], device=f"cpu:{count}")
 
 
 def test_a_prefill_validates_its_mask_once(side, monkeypatch):
