@@ -30,6 +30,7 @@ from twincache.generation import (
     TokenCallback,
     check_dtype,
     check_mode,
+    check_model_type,
     split_teacher_forced,
 )
 from twincache.mesh import MeshShape
@@ -106,6 +107,7 @@ def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str,
     """Bytes of the model's weights and of the cache's K/V on each device, read from the arrays' addressable shards
     (on a mesh, each device's share; docs/design.md §10)."""
     # the other tower's cache (or None) raised AttributeError from inside device_bytes
+    check_model_type(model, Mistral, "jax_cache")
     cache_checks.check_cache_type(cache, StaticCache, "jax_cache", cache_checks.cache_hint("jax_cache"))
     cache.check_live()  # a donated cache raised JAX's bare "Array has been deleted"
     weights = [variable.get_value() for _, variable in nnx.to_flat_state(nnx.state(model))]

@@ -40,6 +40,7 @@ from twincache.generation import (
     check_budget,
     check_first_step,
     check_flags,
+    check_model_type,
     check_positions,
     pad_token_id,
     plan_cache,
@@ -496,6 +497,7 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> (logits [B, V], cache)`,
     jitted once per attention bucket `attend_len` (twincache.buckets; None: every slot), with the cache donated: the
     input cache is consumed and the returned one reuses its buffers."""
+    check_model_type(model, Mistral, "jax_cache")
     graph, params = split_model(model)
 
     def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache,
@@ -579,6 +581,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
+    check_model_type(model, Mistral, "jax_cache")
     config = model.config
     check_flags(fused=fused, return_logits=return_logits)
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk, on_token)
@@ -659,6 +662,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     with the seed's key folded with `first_step + k`, as torch_cache does (each backend from its own stream). Greedy
     and teacher-forced tokens do not depend on it.
     """
+    check_model_type(model, Mistral, "jax_cache")
     config = model.config
     check_flags(fused=fused, return_logits=return_logits)
     cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)

@@ -780,6 +780,17 @@ def test_item12_a_cache_of_the_other_backend_is_named(side, pair):
         with refused(CacheError, f"cache is a {other}.cache.SlidingWindowCache", f"not a {side.name}_cache cache",
                      "twincache_app.handoff.cache_"):
             call()
+    # the other tower's model: torch raised AttributeError ('str' has no 'type'), JAX blamed the cache's dtype or device
+    other_model = jax_model if side.name == "torch" else torch_model
+    tower, backend = (tg, tb) if side.name == "torch" else (jg, jb)
+    own = side.make_cache("sliding_window")
+    for call in (lambda: tower.generate(other_model, [PROMPT], 2), lambda: tower.decode_step_fn(other_model),
+                 lambda: tower.continue_generation(other_model, own, [5], 2),
+                 lambda: backend.generate(other_model, [PROMPT], 2),
+                 lambda: backend.memory_per_device(other_model, own)):
+        with refused(InputError, f"model is a {other}.model.Mistral, not a {side.name}_cache.model.Mistral",
+                     "twincache_app.handoff."):
+            call()
 
 
 @pytest.mark.parametrize(("prompts", "fragment"), [

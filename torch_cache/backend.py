@@ -25,6 +25,7 @@ from twincache.generation import (
     TokenCallback,
     check_dtype,
     check_mode,
+    check_model_type,
     split_teacher_forced,
 )
 from twincache.mesh import MeshShape
@@ -88,6 +89,7 @@ def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str,
     """Bytes of the model's weights and of the cache's K/V on each device this process holds, read from the tensors'
     storage (on a mesh, this rank's shards; docs/design.md §10)."""
     # the other tower's cache (or None) raised AttributeError from inside device_bytes
+    check_model_type(model, Mistral, "torch_cache")
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", cache_checks.cache_hint("torch_cache"))
     return {"weights": sharding.device_bytes(list(model.parameters())),
             "kv": sharding.device_bytes([*cache.keys, *cache.values])}

@@ -44,6 +44,7 @@ from twincache.generation import (
     check_budget,
     check_first_step,
     check_flags,
+    check_model_type,
     check_positions,
     plan_cache,
     positions_from_mask,
@@ -560,6 +561,8 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]` fp32,
     compiled once per model: the graph generate runs (its greedy choice unused here). `attend_len` is the step's
     attention bucket (twincache.buckets; None: every slot). Inputs, cache and bucket are checked before dispatch."""
+    check_model_type(model, Mistral, "torch_cache")
+    check_flags(compile=compile)
     decode_one = _decode_one_fn(model, compile)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
@@ -624,6 +627,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
+    check_model_type(model, Mistral, "torch_cache")
     config = model.config
     check_flags(compile=compile, return_logits=return_logits)
     _guard_skip_wanted()  # a bad TWINCACHE_SKIP_GUARDS or TWINCACHE_OVERLAP_STEPS is refused before the prefill
@@ -698,6 +702,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     with the seed and step index `first_step + k`, as jax_cache does (each backend from its own stream). Greedy and
     teacher-forced tokens do not depend on it.
     """
+    check_model_type(model, Mistral, "torch_cache")
     config = model.config
     check_flags(compile=compile, return_logits=return_logits)
     skip_guards = _guard_skip_wanted()

@@ -280,6 +280,17 @@ def check_flags(**flags: object) -> None:
                 "; backend.generate(..., mode=...) takes a mode's name" if name in ("compile", "fused") else ""))
 
 
+def check_model_type(model: object, own_type: type, tower: str) -> None:
+    """Refuse a model of the other tower (or anything else) where `tower`'s Mistral is needed: the torch tower raised
+    AttributeError on a jax_cache model, the JAX tower blamed the cache's dtype or device."""
+    if not isinstance(model, own_type):
+        other = {"torch_cache": "jax_cache", "jax_cache": "torch_cache"}[tower]
+        copy = "to_torch" if tower == "torch_cache" else "from_torch"
+        raise InputError(f"model is a {type(model).__module__}.{type(model).__name__}, not a {tower}.model.Mistral; "
+                         f"call {other}'s own functions for a {other} model, or copy it with "
+                         f"twincache_app.handoff.{copy}")
+
+
 def check_on_token(on_token: object) -> None:
     """Refuse a streaming callback that cannot be called, before any cache is touched (it is first called after
     the prefill, when a JAX cache has been donated)."""
