@@ -1127,6 +1127,9 @@ def test_item13_a_device_the_framework_cannot_use_is_named_before_loading(checkp
     module = tb if backend == "torch" else jb
     with refused(InputError, "device='nope' is not usable by this"):
         module.load(checkpoints["gqa"], device="nope")
+    if backend == "torch":  # the model's own loader raised torch's RuntimeError
+        with refused(InputError, "device='nope' is not usable by this torch"):
+            TorchMistral.from_pretrained(checkpoints["gqa"], torch.float32, "nope")
     # torch's "platform:N" spelling: JAX refused "cpu:0" and put "cuda:1" on the first GPU
     assert "cpu" in str(module.load(checkpoints["gqa"], device="cpu:0").device)
     if backend == "jax":

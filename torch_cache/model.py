@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
 from torch_cache import sharding
-from torch_cache.cache import StaticCache, available_memory, host_buffers, memory_label
+from torch_cache.cache import StaticCache, available_memory, host_buffers, memory_label, usable_device
 from torch_cache.projection import project, project_stacked
 from twincache import cache_checks
 from twincache.checkpoint import (
@@ -347,6 +347,8 @@ class Mistral(nn.Module):
         this rank reads only its slice of every safetensors tensor, onto its own device (a GGUF is dequantized whole,
         then sliced)."""
         _check_model_dtype(dtype)
+        if mesh is None:  # "tpu" raised RuntimeError, "cuda" on a CPU-only torch AssertionError, from inside
+            device = usable_device(device)
         gguf = open_gguf(path) if is_gguf_file(path) else None
         config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
         if mesh is not None:
