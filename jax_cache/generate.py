@@ -40,6 +40,7 @@ from twincache.generation import (
     check_budget,
     check_first_step,
     check_flags,
+    check_given_cache_len,
     check_model_type,
     check_positions,
     pad_token_id,
@@ -598,6 +599,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
+        check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity is None)
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         planned_len = cache.max_cache_len
         bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens, chunk)

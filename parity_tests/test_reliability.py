@@ -1054,6 +1054,12 @@ def test_item13_arguments_of_the_wrong_kind_are_named(side, checkpoints):
     generate, continue_ = (tg.generate, tg.continue_generation) if side.name == "torch" else (
         jg.generate, jg.continue_generation)
     cache = side.generate([PROMPT], 2, cache="static", max_cache_len=16).cache
+    for wrong, fragment in ((-1, "max_cache_len=-1 must be > 0"), (32, "max_cache_len=32 was given with a cache "
+                                                                        "object built with max_cache_len=16")):
+        with refused(InputError, fragment, side=side, cache=cache):  # was ignored without a word
+            generate(side.model, [PROMPT], 2, cache=cache, max_cache_len=wrong)
+    assert generate(side.model, [PROMPT], 2, cache=cache, max_cache_len=16).max_cache_len == 16  # its own: accepted
+    cache = side.generate([PROMPT], 2, cache="static", max_cache_len=16).cache  # JAX consumed the one given
     for kwargs in ({switch: "step"}, {switch: None}, {"return_logits": "no"}):
         (name, value), = kwargs.items()
         with refused(InputError, f"{name}={value!r} must be True or False", side=side, cache=cache):

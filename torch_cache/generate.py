@@ -44,6 +44,7 @@ from twincache.generation import (
     check_budget,
     check_first_step,
     check_flags,
+    check_given_cache_len,
     check_model_type,
     check_positions,
     plan_cache,
@@ -648,6 +649,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
         cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
         model._check_mesh(cache)
+        check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity is None)
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
         planned_len = cache.max_cache_len

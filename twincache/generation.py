@@ -391,6 +391,19 @@ def validate_forced_tokens(forced_tokens: Sequence[Sequence[int]] | np.ndarray, 
     return np.asarray(rows, dtype=np.int32).reshape(batch, max_new_tokens)  # [B, N]
 
 
+def check_given_cache_len(max_cache_len: object, cache_max_len: int, unbounded: bool) -> None:
+    """`max_cache_len` sizes a cache `generate` builds; beside a cache object it was ignored without a word (even -1
+    or 1.5). None, or what the cache was built with, is accepted: its own max_cache_len, or for a full-window ring
+    (`unbounded`, which reads as max_cache_len = the window) any length past the window, as generate builds it."""
+    if max_cache_len is None:
+        return
+    value = check_count("max_cache_len", max_cache_len, minimum=1)
+    if value != cache_max_len and not (unbounded and value > cache_max_len):
+        raise InputError(f"max_cache_len={value} was given with a cache object built with max_cache_len="
+                         f"{cache_max_len}; it sizes only a cache generate builds: leave it out, or build the cache "
+                         f"with max_cache_len={value}")
+
+
 def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> None:
     """Refuse up front a generation that would overflow a given cache's capacity (None: an unbounded ring)."""
     if capacity is not None and prompt_len + max_new_tokens > capacity:
