@@ -19,6 +19,7 @@ from jax_cache.cache import StaticCache
 from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
+from twincache import cache_checks
 from twincache.checkpoint import resolve_dtype
 from twincache.config import MistralConfig
 from twincache.errors import InputError
@@ -29,6 +30,7 @@ from twincache.generation import (
     TokenCallback,
     check_dtype,
     check_mode,
+    check_model_type,
     split_teacher_forced,
 )
 from twincache.mesh import MeshShape
@@ -37,21 +39,26 @@ from twincache.mesh import MeshShape
 def load(path: str | Path, dtype: str = "float32", device: str | None = None,
          mesh: MeshShape | None = None) -> Mistral:
     """A model from a checkpoint directory or GGUF file, in `dtype` (a name) on `device` (default: JAX's default
-    device; "cuda" and "gpu" both mean the first GPU), or split over a `mesh` of the devices JAX sees
-    (docs/design.md §10). Needs no torch. dtype "auto" is the checkpoint's stored dtype, as transformers'
-    from_pretrained picks it."""
+    device; "cuda" and "gpu" both mean the first GPU, "cuda:N" / "cpu:N" the Nth), or split over a `mesh` of the
+    devices JAX sees (docs/design.md §10). Needs no torch. dtype "auto" is the checkpoint's stored dtype, as
+    transformers' from_pretrained picks it."""
     dtype = resolve_dtype(dtype, path)
     if mesh is not None:
         return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)),
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))
     placement = contextlib.nullcontext()
     if device is not None:
+        # "platform:N" as torch spells it: "cuda:1" was placed on the first GPU and "cpu:0" refused
+        platform, _, index = str(device).partition(":")
         try:
-            devices = jax.devices("gpu" if device.startswith("cuda") else device)
+            devices = jax.devices("gpu" if platform == "cuda" else platform)
         except RuntimeError as err:  # an unknown platform, or one JAX has no device of
             raise InputError(f"device={device!r} is not usable by this JAX ({' '.join(str(err).split())[:160]}); "
                              f"pass one of its platforms, e.g. {jax.default_backend()!r}") from None
-        placement = jax.default_device(devices[0])
+        if index and not (index.isdigit() and int(index) < len(devices)):
+            raise InputError(f"device={device!r} names no device of this JAX: it sees {len(devices)} {platform} "
+                             f"device(s), {platform}:0 to {platform}:{len(devices) - 1}")
+        placement = jax.default_device(devices[int(index or 0)])
     with placement:
         return Mistral.from_pretrained(path, jnp.dtype(check_dtype(dtype)))
 
@@ -99,6 +106,10 @@ def compiled_variants() -> int:
 def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
     """Bytes of the model's weights and of the cache's K/V on each device, read from the arrays' addressable shards
     (on a mesh, each device's share; docs/design.md §10)."""
+    # the other tower's cache (or None) raised AttributeError from inside device_bytes
+    check_model_type(model, Mistral, "jax_cache")
+    cache_checks.check_cache_type(cache, StaticCache, "jax_cache", cache_checks.cache_hint("jax_cache"))
+    cache.check_live()  # a donated cache raised JAX's bare "Array has been deleted"
     weights = [variable.get_value() for _, variable in nnx.to_flat_state(nnx.state(model))]
     return {"weights": sharding.device_bytes(weights), "kv": sharding.device_bytes([*cache.keys, *cache.values])}
 

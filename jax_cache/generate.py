@@ -39,7 +39,9 @@ from twincache.generation import (
     build_sized_cache,
     check_budget,
     check_first_step,
+    check_flags,
     check_given_cache_len,
+    check_model_type,
     check_positions,
     pad_token_id,
     plan_cache,
@@ -496,6 +498,7 @@ def decode_step_fn(model: Mistral) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> (logits [B, V], cache)`,
     jitted once per attention bucket `attend_len` (twincache.buckets; None: every slot), with the cache donated: the
     input cache is consumed and the returned one reuses its buffers."""
+    check_model_type(model, Mistral, "jax_cache")
     graph, params = split_model(model)
 
     def step(input_ids: jax.Array, positions: jax.Array, cache: StaticCache,
@@ -580,7 +583,9 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
+    check_model_type(model, Mistral, "jax_cache")
     config = model.config
+    check_flags(fused=fused, return_logits=return_logits)
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk, on_token)
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
@@ -632,8 +637,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     first = np.asarray(first).tolist()
     prefill_s = time.perf_counter() - start
     _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
-    if on_token is not None:
-        on_token(first)
+    if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
+        on_token(list(first))
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:, 1:], first_step=1)
@@ -660,7 +665,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     with the seed's key folded with `first_step + k`, as torch_cache does (each backend from its own stream). Greedy
     and teacher-forced tokens do not depend on it.
     """
+    check_model_type(model, Mistral, "jax_cache")
     config = model.config
+    check_flags(fused=fused, return_logits=return_logits)
     cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)

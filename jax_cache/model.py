@@ -24,7 +24,13 @@ from jax_cache import sharding
 from jax_cache.cache import StaticCache, available_memory, default_device, device_label, host_buffers, memory_label
 from jax_cache.projection import matmul_precision, project, stored_dtype
 from twincache import cache_checks
-from twincache.checkpoint import check_weight_shapes, expected_tensor_shapes, fill_weights, open_checkpoint
+from twincache.checkpoint import (
+    check_weight_arrays,
+    check_weight_shapes,
+    expected_tensor_shapes,
+    fill_weights,
+    open_checkpoint,
+)
 from twincache.config import MistralConfig
 from twincache.errors import InputError
 from twincache.generation import INT32_MAX, check_count, validate_attention_mask
@@ -306,6 +312,9 @@ class Mistral(nnx.Module):
     def from_weights(cls, config: MistralConfig, weights: dict[str, jax.Array], mesh: Mesh | None = None) -> Mistral:
         """Build a model from HF-named arrays (no copy of the arrays themselves, but for the half-precision ones
         stored_dtype widens on CPU, when the host has the memory for them), or place them on `mesh`."""
+        check_weight_arrays(weights, jax.Array, lambda array: jnp.dtype(array.dtype).name,
+                            "pass jax arrays (jnp.asarray(array); a torch_cache model's weights: "
+                            "twincache_app.handoff.from_torch)")
         check_weight_shapes(config, {name: tuple(array.shape) for name, array in weights.items()})
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
@@ -333,6 +342,7 @@ class Mistral(nnx.Module):
         converting to `dtype`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted.
         On `mesh`, each device reads only its own slice of every safetensors tensor (as each host would, on many hosts);
         a GGUF is dequantized whole, then placed."""
+        _check_model_dtype(dtype)
         if mesh is None and jnp.dtype(dtype) == jnp.float32 and default_device().platform == "cpu":
             gguf = open_gguf(path) if is_gguf_file(path) else None
             config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
@@ -368,6 +378,21 @@ class Mistral(nnx.Module):
                         weights[name] = jax.make_array_from_callback(
                             tuple(tensor.get_shape()), sharding.weight_sharding(name, config, mesh), read)
         return cls.from_weights(config, weights, mesh)
+
+
+def _check_model_dtype(dtype: object) -> None:
+    """An integer dtype built an integer model, float64 without jax_enable_x64 silently a float32 one, and a torch
+    dtype raised TypeError: refused here in one line, as the caches refuse theirs."""
+    try:
+        name = jnp.dtype(cast(Any, dtype)).name
+    except TypeError:
+        name = None
+    if name is None or not jnp.issubdtype(name, jnp.floating):
+        raise InputError(f"dtype={dtype!r} must be a floating-point jax dtype, e.g. jnp.float32 or jnp.bfloat16 "
+                         "(jax_cache.backend.load takes the name: dtype=\"bfloat16\")")
+    if name == "float64" and not jax.config.jax_enable_x64:  # type: ignore[attr-defined, unused-ignore]
+        raise InputError("dtype=float64 needs JAX's 64-bit mode, which is off: JAX would build a float32 model; set "
+                         "jax.config.update(\"jax_enable_x64\", True) first, or load in float32")
 
 
 def _check_weights_fit(config: MistralConfig, dtype: jnp.dtype, mesh: Mesh | None = None) -> None:

@@ -137,6 +137,19 @@ def test_bad_forced_tokens_are_refused_before_anything_changes(models, tower, fo
     assert isinstance(cache, cache_module.StaticCache)
 
 
+@pytest.mark.parametrize("tower", ["torch", "jax"])
+def test_forced_tokens_that_are_not_rows_are_refused_even_for_no_new_tokens(models, tower):
+    """With max_new_tokens=0 the rows went unchecked: an int raised TypeError, a 0-d array 'iteration over a 0-d
+    array', and a string was counted as rows of letters ('forced_tokens has 2 rows of lengths [1]')."""
+    module, _, model, mode = tower_of(models, tower)
+    for steps in (0, 2):
+        for forced in ("ab", 5, np.asarray(5)):
+            with pytest.raises(InputError, match=f"^forced_tokens must be a list of token-id lists.*not "
+                                                 f"{type(forced).__name__}$"):
+                module.generate(model, [[7, 8]], steps, forced_tokens=forced, **mode)
+    assert module.generate(model, [[7, 8]], 0, forced_tokens=[[]], **mode).token_ids == [[]]
+
+
 def test_forced_tokens_cross_fused_block_boundaries(models, monkeypatch):
     """The fused mode runs its loop in blocks (jax_cache.generate.FUSED_BLOCK_STEPS, here 4 steps) and hands each
     block its slice of the forced tokens: with 11 decode steps in blocks of 4, 4 and 3, every step still emits and

@@ -35,6 +35,8 @@ TORCH_ONLY = {
     "model.compile_region": "regional compilation for torch.compile (one decoder layer traced once); XLA compiles a "
                             "whole step in seconds",
     "model.DecoderLayer.forward_in_place": "the compiled region: a decoder layer and its cache write on tensors alone",
+    "cache.usable_device": "a torch cache and model take a device argument, checked here; JAX places new arrays on "
+                           "its default device (cache.default_device)",
     "cache.StaticCache.in_place_slots": "as model.DecoderLayer.forward_in_place: the write's slots, as a tensor",
     "cache.StaticCache.write_in_place": "as model.DecoderLayer.forward_in_place: the write itself, on the buffers; a "
                                         "JAX cache's update returns new arrays, which XLA writes in place",

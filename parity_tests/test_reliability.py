@@ -730,6 +730,23 @@ def test_item4_weights_handed_over_in_another_shape_are_refused_naming_the_tenso
                  f"[{config.vocab_size // 2}, {config.hidden_size}]", f"needs [{config.vocab_size}, "
                  f"{config.hidden_size}]", "pass the tensors of a checkpoint saved for this config"):
         SIDES[backend][1].from_weights(config, weights)
+    # Arrays of another kind raised load_state_dict's RuntimeError wall (torch) or AttributeError (JAX); integer
+    # ones built an int32 JAX model; two dtypes built a torch model whose first matmul raised RuntimeError.
+    own, other = ("torch.Tensor", jnp.asarray) if backend == "torch" else ("jax.Array", torch.from_numpy)
+    convert = "torch.from_numpy(array)" if backend == "torch" else "jnp.asarray(array)"
+    name = "model.norm.weight"
+    for foreign in (np.asarray, other):
+        weights = {key: as_backend(array) for key, array in arrays.items()} | {name: foreign(arrays[name])}
+        with refused(CheckpointError, f"weights tensor {name} is a", f"not a {own}", convert):
+            SIDES[backend][1].from_weights(config, weights)
+    weights = {key: as_backend(array) for key, array in arrays.items()} | {name: as_backend(arrays[name].astype(
+        np.int32))}
+    with refused(CheckpointError, f"weights tensor {name} is int32", "floating-point weights"):
+        SIDES[backend][1].from_weights(config, weights)
+    if backend == "torch":
+        weights = {key: as_backend(array) for key, array in arrays.items()} | {name: as_backend(arrays[name]).half()}
+        with refused(CheckpointError, "is torch.float32 but model.norm.weight is torch.float16", "convert every"):
+            SIDES[backend][1].from_weights(config, weights)
 
 
 # --- 9. absurd configs are refused before anything large is built -----------------------------------------------------
@@ -776,9 +793,21 @@ def test_item12_a_cache_of_the_other_backend_is_named(side, pair):
     foreign = (jc.make_cache("sliding_window", jax_model.config, 1, 24) if side.name == "torch" else
                tc.make_cache("sliding_window", torch_model.config, 1, 24))
     other = "jax_cache" if side.name == "torch" else "torch_cache"
-    for call in (lambda: side.continue_(foreign, [5], 2), lambda: side.generate([PROMPT], 2, cache=foreign)):
+    for call in (lambda: side.continue_(foreign, [5], 2), lambda: side.generate([PROMPT], 2, cache=foreign),
+                 lambda: _backend(side).memory_per_device(side.model, foreign)):  # AttributeError from inside
         with refused(CacheError, f"cache is a {other}.cache.SlidingWindowCache", f"not a {side.name}_cache cache",
                      "twincache_app.handoff.cache_"):
+            call()
+    # the other tower's model: torch raised AttributeError ('str' has no 'type'), JAX blamed the cache's dtype or device
+    other_model = jax_model if side.name == "torch" else torch_model
+    tower, backend = (tg, tb) if side.name == "torch" else (jg, jb)
+    own = side.make_cache("sliding_window")
+    for call in (lambda: tower.generate(other_model, [PROMPT], 2), lambda: tower.decode_step_fn(other_model),
+                 lambda: tower.continue_generation(other_model, own, [5], 2),
+                 lambda: backend.generate(other_model, [PROMPT], 2),
+                 lambda: backend.memory_per_device(other_model, own)):
+        with refused(InputError, f"model is a {other}.model.Mistral, not a {side.name}_cache.model.Mistral",
+                     "twincache_app.handoff."):
             call()
 
 
@@ -791,6 +820,10 @@ def test_item12_a_cache_of_the_other_backend_is_named(side, pair):
     (["hello"], "prompt 0 is 'hello', not a sequence of token ids"),
     ("hello", "prompts must be a list of token-id lists"),
     ([np.asarray([5.0, 6.0])], "which is not an integer"),
+    (np.asarray(5), "prompts must be a list of token-id lists, e.g. [[1, 2, 3]], not ndarray"),  # 0-d: TypeError
+    ([torch.tensor(5)], "prompt 0 is tensor(5), not a sequence of token ids"),
+    ([{5, 6}], "prompt 0 is a set, whose ids have no order"),  # was decoded in the set's iteration order
+    ([{5: 1, 6: 2}], "prompt 0 is a dict, whose ids have no order"),
 ])
 def test_item12_float_and_malformed_ids_are_refused_not_truncated(side, prompts, fragment):
     with refused(InputError, fragment):
@@ -801,6 +834,8 @@ def test_item12_float_last_tokens_are_refused(side):
     cache = side.fill(side.make_cache("static", side.config), 4)
     with refused(InputError, "last token of row 0 holds token id 5.9", side=side, cache=cache):
         side.continue_(cache, [5.9], 2)
+    with refused(InputError, "last_tokens must be a list of one token id per row, not ndarray", side=side, cache=cache):
+        side.continue_(cache, np.asarray(5), 2)  # 0-d: iterating it raised TypeError
 
 
 @pytest.mark.parametrize(("content", "fragment"), [
@@ -987,6 +1022,21 @@ def test_item13_an_on_token_that_cannot_be_called_is_refused_before_the_cache_is
         side.generate([PROMPT], 3, cache=cache, on_token=5)
 
 
+def test_item13_an_on_token_that_edits_its_list_changes_no_token(side):
+    """on_token was handed generate's own list of first tokens, which then fed the continuation: a callback that
+    cleared it got 'no last tokens given' mid-run, one that edited it changed the tokens generated."""
+    expected = side.generate([PROMPT, PROMPT[:2]], 4).token_ids
+    seen: list[list[int]] = []
+
+    def edits(tokens: list[int]) -> None:
+        seen.append(list(tokens))
+        tokens[0] = VOCAB - 1
+        tokens.append(3)
+
+    assert side.generate([PROMPT, PROMPT[:2]], 4, on_token=edits).token_ids == expected
+    assert seen == [list(step) for step in zip(*expected)]
+
+
 def test_item13_step_logits_checks_its_sequence_and_prompt_len(side):
     backend, mode = _backend(side), _mode(side)
     for sequence, prompt_len, fragment in (([5, 2.7, 9], 1, "sequence 0"), ("579", 1, "tokenize"),
@@ -1005,14 +1055,18 @@ def test_item13_a_donated_jax_cache_is_named_stale_by_every_method_that_reads_it
     cache = side.make_cache("static", batch=1, length=8)
     side.step([[5]], [[0]], cache)  # donates it
     for read in (lambda: cache.advance(jnp.zeros((1, 1), jnp.int32)), lambda: cache.next_positions(),
-                 lambda: cache.attended_positions(jnp.zeros((1, 1), jnp.int32))):
+                 lambda: cache.attended_positions(jnp.zeros((1, 1), jnp.int32)),
+                 lambda: jb.memory_per_device(side.model, cache)):  # was JAX's bare "Array has been deleted"
         with refused(StaleCacheError, "donated to a jitted call"):
             read()
 
 
-def test_item13_arguments_of_the_wrong_kind_are_named(side):
+def test_item13_arguments_of_the_wrong_kind_are_named(side, checkpoints):
     """A dict for sampling, a list for mode, a dtype of the other framework or an integer one for a cache: each
-    raised an AttributeError or TypeError from inside."""
+    raised an AttributeError or TypeError from inside. So did a model's: torch's from_pretrained raised
+    AttributeError for a name, load_state_dict's wall for torch.int32; JAX's built an int32 model, or a float32 one
+    for float64 (x64 off); backend.load crashed in torch on np.dtype("float32"), which JAX took, and said
+    'dtype=torch.bfloat16 is not one of float32, bfloat16, float16'."""
     with refused(InputError, "sampling must be a twincache.generation.SamplingParams", "not dict"):
         side.generate([PROMPT], 2, sampling={"temperature": 1.0})
     with refused(InputError, "mode ['eager'] is not a"):
@@ -1022,6 +1076,34 @@ def test_item13_arguments_of_the_wrong_kind_are_named(side):
     for dtype in (other_framework, integer):
         with refused(CacheError, f"dtype={dtype!r} must be a floating-point"):
             side.cache_module.StaticCache(side.config, 1, 8, dtype=dtype)
+    model_class, example = type(side.model), "torch.bfloat16" if side.name == "torch" else "jnp.bfloat16"
+    for dtype in (other_framework, integer):
+        with refused(InputError, f"dtype={dtype!r} must be a floating-point", example, "load takes the name"):
+            model_class.from_pretrained(checkpoints["gqa"], dtype)
+    if side.name == "jax":  # x64 is off (JAX's default): a float64 model would be float32
+        with refused(InputError, "dtype=float64 needs JAX's 64-bit mode", "jax_enable_x64"):
+            model_class.from_pretrained(checkpoints["gqa"], jnp.float64)
+    for dtype in (torch.bfloat16, jnp.bfloat16, np.dtype("float32")):
+        with refused(InputError, f"dtype={dtype!r} must be a dtype name", 'dtype="bfloat16"'):
+            _backend(side).load(checkpoints["gqa"], dtype)
+    # switches were read for their truth: fused="step" / compile="no" ran the compiled mode, return_logits="no" kept
+    # the logits, fused=None ran the step mode
+    switch = "compile" if side.name == "torch" else "fused"
+    generate, continue_ = (tg.generate, tg.continue_generation) if side.name == "torch" else (
+        jg.generate, jg.continue_generation)
+    cache = side.generate([PROMPT], 2, cache="static", max_cache_len=16).cache
+    for wrong, fragment in ((-1, "max_cache_len=-1 must be > 0"), (32, "max_cache_len=32 was given with a cache "
+                                                                        "object built for max_cache_len=16")):
+        with refused(InputError, fragment, side=side, cache=cache):  # was ignored without a word
+            generate(side.model, [PROMPT], 2, cache=cache, max_cache_len=wrong)
+    assert generate(side.model, [PROMPT], 2, cache=cache, max_cache_len=16).max_cache_len == 16  # its own: accepted
+    cache = side.generate([PROMPT], 2, cache="static", max_cache_len=16).cache  # JAX consumed the one given
+    for kwargs in ({switch: "step"}, {switch: None}, {"return_logits": "no"}):
+        (name, value), = kwargs.items()
+        with refused(InputError, f"{name}={value!r} must be True or False", side=side, cache=cache):
+            generate(side.model, [PROMPT], 2, cache=cache, **kwargs)
+        with refused(InputError, f"{name}={value!r} must be True or False", side=side, cache=cache):
+            continue_(side.model, cache, [5], 2, **kwargs)
 
 
 def test_item13_the_handoff_names_a_model_or_config_of_the_wrong_kind(pair):
@@ -1033,6 +1115,13 @@ def test_item13_the_handoff_names_a_model_or_config_of_the_wrong_kind(pair):
     cache = tc.make_cache("static", torch_model.config, 1, 8)
     with refused(InputError, "cache_from_torch needs the model's twincache.config.MistralConfig", "not dict"):
         handoff.cache_from_torch(cache, {})
+    # a device torch cannot use raised RuntimeError (or, for "cuda" on a CPU-only torch, AssertionError) from inside
+    jax_cache = jc.make_cache("static", jax_model.config, 1, 8)
+    for call in (lambda: handoff.to_torch(jax_model, "tpu"),
+                 lambda: handoff.cache_to_torch(jax_cache, jax_model.config, "tpu"),
+                 lambda: tc.StaticCache(torch_model.config, 1, 8, device="tpu")):
+        with refused(InputError, "device='tpu' is not usable by this torch", "pass 'cpu', 'cuda' or 'cuda:N'"):
+            call()
 
 
 def test_item13_continuing_a_row_that_ended_with_eos_gives_it_nothing(side):
@@ -1082,6 +1171,15 @@ def test_item13_a_device_the_framework_cannot_use_is_named_before_loading(checkp
     module = tb if backend == "torch" else jb
     with refused(InputError, "device='nope' is not usable by this"):
         module.load(checkpoints["gqa"], device="nope")
+    if backend == "torch":  # the model's own loader raised torch's RuntimeError
+        with refused(InputError, "device='nope' is not usable by this torch"):
+            TorchMistral.from_pretrained(checkpoints["gqa"], torch.float32, "nope")
+    # torch's "platform:N" spelling: JAX refused "cpu:0" and put "cuda:1" on the first GPU
+    assert "cpu" in str(module.load(checkpoints["gqa"], device="cpu:0").device)
+    if backend == "jax":
+        count = len(jax.devices("cpu"))
+        with refused(InputError, f"device='cpu:{count}' names no device of this JAX", f"cpu:0 to cpu:{count - 1}"):
+            module.load(checkpoints["gqa"], device=f"cpu:{count}")
 
 
 def test_a_prefill_validates_its_mask_once(side, monkeypatch):

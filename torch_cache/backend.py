@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
-from torch_cache.cache import StaticCache
+from torch_cache.cache import StaticCache, usable_device
 from torch_cache.generate import generate as _generate
 from torch_cache.inductor_cpu import start_compiler_probe
 from torch_cache.model import Mistral
+from twincache import cache_checks
 from twincache.checkpoint import resolve_dtype
 from twincache.config import MistralConfig
-from twincache.errors import InputError
 from twincache.generation import (
     PREFILL_CHUNK,
     GenerationResult,
@@ -25,6 +25,7 @@ from twincache.generation import (
     TokenCallback,
     check_dtype,
     check_mode,
+    check_model_type,
     split_teacher_forced,
 )
 from twincache.mesh import MeshShape
@@ -41,11 +42,7 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
         return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)),
                                        mesh=sharding.make_mesh(mesh.model, mesh.data))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.empty(0, device=device)  # an unknown or absent device is named here, before the weights are read
-    except (RuntimeError, AssertionError) as err:  # AssertionError: a CPU-only torch asked for CUDA
-        raise InputError(f"device={device!r} is not usable by this torch ({' '.join(str(err).split())[:160]}); "
-                         "pass 'cpu', 'cuda' or 'cuda:N' for a device it sees") from None
+    usable_device(device)  # an unknown or absent device is named here, before the weights are read
     if str(device).split(":")[0] == "cpu":  # inductor's CPU checks run while the weights load
         start_compiler_probe()
     return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)), device)
@@ -91,6 +88,9 @@ def compiled_variants() -> int:
 def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:
     """Bytes of the model's weights and of the cache's K/V on each device this process holds, read from the tensors'
     storage (on a mesh, this rank's shards; docs/design.md §10)."""
+    # the other tower's cache (or None) raised AttributeError from inside device_bytes
+    check_model_type(model, Mistral, "torch_cache")
+    cache_checks.check_cache_type(cache, StaticCache, "torch_cache", cache_checks.cache_hint("torch_cache"))
     return {"weights": sharding.device_bytes(list(model.parameters())),
             "kv": sharding.device_bytes([*cache.keys, *cache.values])}
 

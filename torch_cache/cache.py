@@ -53,7 +53,7 @@ class StaticCache(BufferSizes):
             device = sharding.local_device(mesh)
         self.mesh = mesh
         self._num_kv_heads = config.num_key_value_heads  # the whole cache's: a rank on a mesh holds some of them
-        device = torch.empty(0, device=device).device  # normalised as tensors report it: "cuda" -> cuda:0
+        device = usable_device(device)  # normalised as tensors report it: "cuda" -> cuda:0
         cache_len = self._buffer_len(config, max_cache_len)
         shape = (batch_size, config.num_key_value_heads, cache_len, config.head_dim)  # the whole cache
         # Refused before allocating: a cache that cannot fit would otherwise be allocated until the OS kills us.
@@ -258,6 +258,17 @@ class SlidingWindowCache(StaticCache):
         return num_new == 1
 
 
+def usable_device(device: str | torch.device) -> torch.device:
+    """`device` as tensors report it ("cuda" -> cuda:0), or an InputError naming it when this torch cannot place a
+    tensor there: "tpu" raised RuntimeError, "cuda" on a CPU-only torch AssertionError, from inside a cache's
+    constructor or the handoff."""
+    try:
+        return torch.empty(0, device=device).device
+    except (RuntimeError, AssertionError, TypeError) as err:  # TypeError: not a device at all (None, 3.5)
+        raise InputError(f"device={device!r} is not usable by this torch ({' '.join(str(err).split())[:160]}); "
+                         "pass 'cpu', 'cuda' or 'cuda:N' for a device it sees") from None
+
+
 def available_memory(device: torch.device) -> int | None:
     """Bytes a new allocation on `device` can still take (None when unknown: no check)."""
     if device.type == "cpu":
@@ -301,4 +312,5 @@ def make_cache(kind: str, config: MistralConfig, batch_size: int, max_cache_len:
     return classes[kind](config, batch_size, max_cache_len, dtype, device, mesh)
 
 
-__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "available_memory", "host_buffers", "memory_label"]
+__all__ = ["StaticCache", "SlidingWindowCache", "make_cache", "available_memory", "host_buffers", "memory_label",
+           "usable_device"]

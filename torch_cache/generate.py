@@ -43,7 +43,9 @@ from twincache.generation import (
     build_sized_cache,
     check_budget,
     check_first_step,
+    check_flags,
     check_given_cache_len,
+    check_model_type,
     check_positions,
     plan_cache,
     positions_from_mask,
@@ -560,6 +562,8 @@ def decode_step_fn(model: Mistral, compile: bool = True) -> DecodeStep:
     """The one-token step `(input_ids [B, 1], positions [B, 1], cache, attend_len=None) -> logits [B, V]` fp32,
     compiled once per model: the graph generate runs (its greedy choice unused here). `attend_len` is the step's
     attention bucket (twincache.buckets; None: every slot). Inputs, cache and bucket are checked before dispatch."""
+    check_model_type(model, Mistral, "torch_cache")
+    check_flags(compile=compile)
     decode_one = _decode_one_fn(model, compile)
 
     def step(input_ids: torch.Tensor, positions: torch.Tensor, cache: StaticCache,
@@ -624,7 +628,9 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     `forced_tokens` teacher-forces the same decode path: row r emits forced_tokens[r][i] at step i instead of a
     sampled token and feeds it to step i + 1. Each row gives exactly max_new_tokens ids, and EOS ends no forced row.
     """
+    check_model_type(model, Mistral, "torch_cache")
     config = model.config
+    check_flags(compile=compile, return_logits=return_logits)
     _guard_skip_wanted()  # a bad TWINCACHE_SKIP_GUARDS or TWINCACHE_OVERLAP_STEPS is refused before the prefill
     _overlap_wanted(model.device)  # writes anything
     inputs = prepare_batch(prompts, config, sampling, max_new_tokens, prefill_chunk, on_token)
@@ -669,8 +675,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
     first = _first_tokens(logits, sampling, _eos_tensor(config, eos, device), first_forced)
     prefill_s = time.perf_counter() - start
-    if on_token is not None:
-        on_token(first)
+    if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
+        on_token(list(first))
     rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:, 1:], first_step=1)
@@ -698,7 +704,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     with the seed and step index `first_step + k`, as jax_cache does (each backend from its own stream). Greedy and
     teacher-forced tokens do not depend on it.
     """
+    check_model_type(model, Mistral, "torch_cache")
     config = model.config
+    check_flags(compile=compile, return_logits=return_logits)
     skip_guards = _guard_skip_wanted()
     cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
     overlap = _overlap_wanted(cache.device)

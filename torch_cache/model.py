@@ -20,12 +20,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.torch_version import TorchVersion
 
 from torch_cache import sharding
-from torch_cache.cache import StaticCache, available_memory, host_buffers, memory_label
+from torch_cache.cache import StaticCache, available_memory, host_buffers, memory_label, usable_device
 from torch_cache.projection import project, project_stacked
 from twincache import cache_checks
-from twincache.checkpoint import check_weight_shapes, expected_tensor_shapes, fill_weights, open_checkpoint
+from twincache.checkpoint import (
+    check_weight_arrays,
+    check_weight_shapes,
+    expected_tensor_shapes,
+    fill_weights,
+    open_checkpoint,
+)
 from twincache.config import MistralConfig
-from twincache.errors import CacheError, InputError
+from twincache.errors import CacheError, CheckpointError, InputError
 from twincache.generation import INT32_MAX, check_count, validate_attention_mask
 from twincache.gguf_checkpoint import GGUFCheckpoint, is_gguf_file, open_gguf
 
@@ -309,7 +315,15 @@ class Mistral(nn.Module):
                      mesh: DeviceMesh | None = None) -> Mistral:
         """Build a model from HF-named tensors (no copy: the model holds the tensors themselves). On `mesh`, the
         tensors are whole and this rank keeps copies of its slices of them."""
+        check_weight_arrays(weights, torch.Tensor, lambda tensor: str(tensor.dtype).removeprefix("torch."),
+                            "pass torch tensors (torch.from_numpy(array); a jax_cache model's weights: "
+                            "twincache_app.handoff.to_torch)")
         check_weight_shapes(config, {name: tuple(tensor.shape) for name, tensor in weights.items()})
+        dtypes = {tensor.dtype: name for name, tensor in weights.items()}
+        if len(dtypes) > 1:  # torch's matmuls refuse operands of two dtypes: the first forward raised RuntimeError
+            (first, one), (second, other) = list(dtypes.items())[:2]
+            raise CheckpointError(f"weights tensor {one} is {first} but {other} is {second}; a torch_cache model "
+                                  "computes in one dtype: convert every tensor to it (tensor.to(dtype))")
         if mesh is not None:
             weights = sharding.shard_weights(config, weights, mesh)
         return cls._assemble(config, weights, mesh)
@@ -332,6 +346,9 @@ class Mistral(nn.Module):
         `device`. GGUF tensors of any type the `gguf` library dequantizes are dequantized, then converted. On `mesh`,
         this rank reads only its slice of every safetensors tensor, onto its own device (a GGUF is dequantized whole,
         then sliced)."""
+        _check_model_dtype(dtype)
+        if mesh is None:  # "tpu" raised RuntimeError, "cuda" on a CPU-only torch AssertionError, from inside
+            device = usable_device(device)
         gguf = open_gguf(path) if is_gguf_file(path) else None
         config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
         if mesh is not None:
@@ -357,6 +374,14 @@ class Mistral(nn.Module):
                     part = () if mesh is None else sharding.weight_slice(name, config, mesh)
                     state[name] = _aligned(f.get_slice(name)[part].to(dtype) if part else f.get_tensor(name).to(dtype))
         return cls._assemble(config, state, mesh)
+
+
+def _check_model_dtype(dtype: object) -> None:
+    """A name ("bfloat16"), another framework's dtype or an integer one raised AttributeError or load_state_dict's
+    wall of RuntimeErrors: refused here in one line, as the caches refuse theirs."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InputError(f"dtype={dtype!r} must be a floating-point torch.dtype, e.g. torch.float32 or torch.bfloat16 "
+                         "(torch_cache.backend.load takes the name: dtype=\"bfloat16\")")
 
 
 def _check_weights_fit(config: MistralConfig, dtype: torch.dtype, device: torch.device,

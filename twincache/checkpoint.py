@@ -133,6 +133,27 @@ def missing_tensors_error(config: MistralConfig, missing: list[str]) -> Checkpoi
                            + "; pass every tensor of a checkpoint saved for this config")
 
 
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")  # what a from_weights takes, by name
+
+
+def check_weight_arrays(weights: object, array_type: type, dtype_name: Callable[[Any], str], hint: str) -> None:
+    """Refuse weights handed to a tower's `from_weights` that are not a mapping of its framework's arrays
+    (`array_type`; `hint` says how to convert) of a floating-point dtype (`dtype_name` reads one's name). numpy
+    arrays or the other tower's raised load_state_dict's wall of RuntimeErrors in torch and AttributeError in JAX;
+    integer ones built an integer JAX model."""
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"weights must map HF tensor names to arrays, not be a {type(weights).__name__}; {hint}")
+    wanted = f"{array_type.__module__.split('.')[0]}.{array_type.__name__.rsplit('.', 1)[-1]}"  # jax.Array's name
+    for name, array in weights.items():  # is "jaxlib._jax.Array"
+        if not isinstance(array, array_type):
+            raise CheckpointError(f"weights tensor {name} is a {type(array).__module__}.{type(array).__name__}, not a "
+                                  f"{wanted}; {hint}")
+        dtype = dtype_name(array)
+        if dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"weights tensor {name} is {dtype}; a model takes floating-point weights "
+                                  f"({', '.join(WEIGHT_DTYPES)}): dequantize or convert it first")
+
+
 def check_weight_shapes(config: MistralConfig, shapes: Mapping[str, Sequence[int]]) -> None:
     """Refuse weights handed to a `from_weights` (name -> shape) that lack a tensor `config` needs or hold one of
     another shape, naming it. A checkpoint's own files are checked from their headers (check_tensor_shapes); arrays

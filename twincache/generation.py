@@ -11,7 +11,7 @@ import math
 import numbers
 import operator
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence, Set
 from typing import Any, SupportsIndex, TypeVar, cast
 
 import numpy as np
@@ -133,28 +133,37 @@ def append_tokens(tokens: list[list[int]], row_ids: list[int], eos: tuple[int, .
             tokens[row].append(token)
 
 
+def _scalar_array(value: object) -> bool:
+    """A 0-d numpy array, tensor or jax array: it has __len__ and __iter__, but both raise TypeError."""
+    return getattr(value, "ndim", None) == 0
+
+
 def validate_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, config: MistralConfig,
-                     label: str = "prompt") -> list[list[int]]:
+                     label: str = "prompt", allow_empty: bool = False) -> list[list[int]]:
     """Check token ids and lengths of a batch of prompts; returns them as lists of Python ints.
 
-    Ids must be integers (a float id would be truncated) inside the vocabulary; `label` names a row in messages."""
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise InputError(f"prompts must be a list of token-id lists, e.g. [[1, 2, 3]], not {type(prompts).__name__}")
+    Ids must be integers (a float id would be truncated) inside the vocabulary; `label` names a row in messages.
+    `allow_empty`: rows may hold no ids (forced_tokens for max_new_tokens=0)."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or _scalar_array(prompts):
+        name = "forced_tokens" if label == "forced_tokens row" else "prompts"
+        raise InputError(f"{name} must be a list of token-id lists, e.g. [[1, 2, 3]], not {type(prompts).__name__}")
     if len(prompts) == 0:
         plural = {"last token of row": "last tokens (one per cache row)"}.get(label, f"{label}s")
         raise InputError(f"no {plural} given; pass at least one")
     checked = []
     for row, prompt in enumerate(prompts):
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__") or _scalar_array(prompt):
             raise InputError(f"{label} {row} is {prompt!r}, not a sequence of token ids; pass one list of ids per row, "
                              "e.g. [[1, 2, 3]] (tokenize text first)")
+        if isinstance(prompt, (Set, Mapping)):  # iterates, but in no order a prompt could mean
+            raise InputError(f"{label} {row} is a {type(prompt).__name__}, whose ids have no order; pass a list of ids")
         ids = []
         for token in prompt:
             try:
                 ids.append(as_integer("token id", token))
             except InputError:
                 raise InputError(f"{label} {row} holds token id {token!r}, which is not an integer") from None
-        if not ids:
+        if not ids and not allow_empty:
             raise InputError(f"{label} {row} is empty; every prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < config.vocab_size]
         if bad:
@@ -262,6 +271,26 @@ def check_sampling(sampling: object) -> SamplingParams:
     return sampling
 
 
+def check_flags(**flags: object) -> None:
+    """Refuse a switch (return_logits, compile, fused) that is not a bool: `fused="step"` or `compile="no"` ran the
+    compiled mode, `return_logits="no"` kept the logits, `fused=None` ran the step mode, all without a word."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InputError(f"{name}={value!r} must be True or False, not {type(value).__name__}" + (
+                "; backend.generate(..., mode=...) takes a mode's name" if name in ("compile", "fused") else ""))
+
+
+def check_model_type(model: object, own_type: type, tower: str) -> None:
+    """Refuse a model of the other tower (or anything else) where `tower`'s Mistral is needed: the torch tower raised
+    AttributeError on a jax_cache model, the JAX tower blamed the cache's dtype or device."""
+    if not isinstance(model, own_type):
+        other = {"torch_cache": "jax_cache", "jax_cache": "torch_cache"}[tower]
+        copy = "to_torch" if tower == "torch_cache" else "from_torch"
+        raise InputError(f"model is a {type(model).__module__}.{type(model).__name__}, not a {tower}.model.Mistral; "
+                         f"call {other}'s own functions for a {other} model, or copy it with "
+                         f"twincache_app.handoff.{copy}")
+
+
 def check_on_token(on_token: object) -> None:
     """Refuse a streaming callback that cannot be called, before any cache is touched (it is first called after
     the prefill, when a JAX cache has been donated)."""
@@ -290,7 +319,7 @@ def prepare_continuation(last_tokens: Sequence[int], config: MistralConfig, samp
     """Validate a continuation's inputs: one last token per row, sampling, the budget, the streaming callback.
     Positions are checked by the caller against its cache (check_positions)."""
     check_on_token(on_token)
-    if isinstance(last_tokens, (str, bytes)) or not hasattr(last_tokens, "__iter__"):
+    if isinstance(last_tokens, (str, bytes)) or not hasattr(last_tokens, "__iter__") or _scalar_array(last_tokens):
         raise InputError(f"last_tokens must be a list of one token id per row, not {type(last_tokens).__name__}")
     rows = validate_prompts([[token] for token in last_tokens], config, label="last token of row")
     sampling = check_sampling(sampling).validate(config.vocab_size)
@@ -354,8 +383,8 @@ def check_positions(config: MistralConfig, first_position: int, max_new_tokens: 
 def validate_forced_tokens(forced_tokens: Sequence[Sequence[int]] | np.ndarray, batch: int, max_new_tokens: int,
                            config: MistralConfig) -> np.ndarray:
     """Teacher forcing: one row of exactly `max_new_tokens` in-vocabulary ids per prompt. Returns [B, N] int32."""
-    rows = validate_prompts(forced_tokens, config, label="forced_tokens row") if max_new_tokens else [
-        list(row) for row in forced_tokens]
+    # rows of no ids are checked too: unchecked, an int raised TypeError and a string was read as rows of letters
+    rows = validate_prompts(forced_tokens, config, label="forced_tokens row", allow_empty=not max_new_tokens)
     if len(rows) != batch or any(len(row) != max_new_tokens for row in rows):
         raise InputError(f"forced_tokens has {len(rows)} rows of lengths {sorted({len(row) for row in rows})}; "
                          f"give one row of exactly max_new_tokens={max_new_tokens} ids per prompt ({batch})")
@@ -480,8 +509,13 @@ def announce_compile(compiler: str) -> None:
                  "and sampling kind...", compiler)
 
 
-def check_dtype(dtype: str) -> str:
-    """Refuse a dtype name that no backend computes in."""
+def check_dtype(dtype: object) -> str:
+    """Refuse a dtype name that no backend computes in. Only a name: a framework's dtype object (torch.bfloat16,
+    jnp.bfloat16, np.dtype("float32"), which == "float32" and slipped through a membership test) was refused with
+    "is not one of ..." naming the very dtype given, or crashed torch's getattr."""
+    if not isinstance(dtype, str):
+        raise InputError(f"dtype={dtype!r} must be a dtype name, one of {', '.join(DTYPES)} (e.g. dtype=\"bfloat16\"), "
+                         f"not a {type(dtype).__name__}; a tower's Mistral.from_pretrained takes its framework's dtype")
     if dtype not in DTYPES:
         raise InputError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     return dtype

@@ -105,10 +105,10 @@ def to_torch(model: Mistral, device: str | torch.device = "cpu") -> torch_model.
     from flax import nnx
 
     _check_model_type(model, Mistral, "to_torch", "from_torch")
-
+    device = torch_caches.usable_device(device)  # before any weight is copied
     # astype: the weights a half-precision model keeps as float32 on CPU (jax_cache.projection.stored_dtype) go back
     # exactly.
-    state = {".".join(map(str, path)): _to_torch(variable.get_value().astype(model.dtype), torch.device(device))
+    state = {".".join(map(str, path)): _to_torch(variable.get_value().astype(model.dtype), device)
              for path, variable in nnx.to_flat_state(nnx.state(model))}
     return torch_model.Mistral.from_weights(model.config, state)
 
