@@ -55,6 +55,9 @@ class StaticCache(BufferSizes):
         if not floating:
             raise CacheError(f"dtype={dtype!r} must be a floating-point jax dtype (the model's), e.g. jnp.float32 or "
                              "jnp.bfloat16")
+        if jnp.dtype(dtype) == jnp.float64 and not jax.config.jax_enable_x64:  # type: ignore[attr-defined, unused-ignore]
+            raise CacheError("dtype=float64 needs JAX's 64-bit mode, which is off: JAX would build a float32 cache "
+                             "(with a warning); set jax.config.update(\"jax_enable_x64\", True) first")
         if mesh is not None:  # a mesh that cannot split this model or batch is refused before anything is built
             sharding.plan(mesh, config)
             sharding.check_batch_size(mesh, batch_size)

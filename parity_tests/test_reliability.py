@@ -1083,6 +1083,8 @@ def test_item13_arguments_of_the_wrong_kind_are_named(side, checkpoints):
     if side.name == "jax":  # x64 is off (JAX's default): a float64 model would be float32
         with refused(InputError, "dtype=float64 needs JAX's 64-bit mode", "jax_enable_x64"):
             model_class.from_pretrained(checkpoints["gqa"], jnp.float64)
+        with refused(CacheError, "dtype=float64 needs JAX's 64-bit mode", "jax_enable_x64"):  # a float32 cache
+            side.cache_module.StaticCache(side.config, 1, 8, dtype=jnp.float64)
     for dtype in (torch.bfloat16, jnp.bfloat16, np.dtype("float32")):
         with refused(InputError, f"dtype={dtype!r} must be a dtype name", 'dtype="bfloat16"'):
             _backend(side).load(checkpoints["gqa"], dtype)
