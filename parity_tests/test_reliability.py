@@ -192,7 +192,7 @@ def test_item13_the_decode_step_refuses_before_dispatch(side):
     the cache cannot hold, before anything runs: nothing compiles and the cache is unchanged."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     full = side.fill(side.make_cache("static", length=4), 4)
-    with refused(CacheError, "columns 4..4", "capacity [0, 4)", side=side, cache=full):
+    with refused(CacheError, "columns 4..4", "capacity [0, 4)", "room for the continuation", side=side, cache=full):
         side.step([[5]], [[4]], full)
     cache = side.fill(side.make_cache("static"), 3)  # 3 live slots of 24
     with refused(InputError, VOCAB + 9, side=side, cache=cache):
