@@ -280,6 +280,29 @@ def test_packing_that_would_crowd_the_host_is_skipped_and_drops_stale_copies(che
     assert fresh._packed_head is None
 
 
+@packed_only
+def test_packed_copies_follow_weights_reloaded_in_place_under_inference_mode(checkpoints: dict[str, Path]):
+    """A server loads a model and later loads other weights into it, both under inference mode. The model's own
+    tensors are plain wherever it is loaded (an inference tensor counts no writes, and dynamo compiles a step again
+    for one), so the packed copies follow the reload; a model handed inference tensors is never packed. Judged by
+    F.linear in float64 on the new weights."""
+    with torch.inference_mode():
+        model = Mistral.from_pretrained(checkpoints["gqa"])
+    assert not any(parameter.is_inference() for parameter in model.parameters())
+    tp.pack_projections(model, 8)
+    other = Mistral.from_pretrained(checkpoints["sharded"])  # the same shapes, other weights
+    with torch.inference_mode():
+        model.load_state_dict(other.state_dict())
+    tp.pack_projections(model, 8)
+    x = torch.randn(8, model.config.hidden_size)
+    out = torch.ops.torch_cache.packed_linear(x, model._packed_head, model.config.vocab_size)  # [N, V]
+    torch.testing.assert_close(out.double(), F.linear(x.double(), other.lm_head.weight.double()), rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        held = Mistral.from_weights(model.config, {name: tensor.clone() for name, tensor in other.state_dict().items()})
+    tp.pack_projections(held, 8)
+    assert held._packed_head is None and held.model.layers[0].mlp._packed_gate_up is None, "writes it cannot see"
+
+
 # --- a compiled CPU decode step computes a layer's normed input and its rotated query once, not once per row --------
 
 def reduction_loops(source: str) -> list[str]:

@@ -349,31 +349,37 @@ class Mistral(nn.Module):
         _check_model_dtype(dtype)
         if mesh is None:  # "tpu" raised RuntimeError, "cuda" on a CPU-only torch AssertionError, from inside
             device = usable_device(device)
-        gguf = open_gguf(path) if is_gguf_file(path) else None
-        config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
-        if mesh is not None:
-            sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
-            device = sharding.local_device(mesh)
-        _check_weights_fit(config, dtype, torch.device(device), mesh)
-        if mesh is None and torch.device(device).type == "cpu":
-            return cls._assemble(config, _read_to_host(config, gguf, files, dtype), None)
-        if gguf is not None:
-            state = {}
-            for name, array in gguf.arrays():
-                part = () if mesh is None else sharding.weight_slice(name, config, mesh)
-                tensor = torch.from_numpy(array)
-                state[name] = _aligned((tensor[part] if part else tensor).to(device=device, dtype=dtype).contiguous())
-            return cls._assemble(config, state, mesh)
-        wanted = expected_tensor_shapes(config)
-        state = {}
-        for file in sorted(set(files.values())):
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for name in f.keys():
-                    if name not in wanted:
-                        continue
+        # Plain tensors wherever the model is loaded, as the caches are (StaticCache): dynamo guards on a tensor's
+        # inference-ness, so a model loaded in inference mode compiled the decode step again, and an inference tensor
+        # counts no in-place writes, so a model reloaded in place kept stale packed copies (pack_projections).
+        with torch.inference_mode(False):
+            gguf = open_gguf(path) if is_gguf_file(path) else None
+            config, files = (gguf.config, {}) if gguf is not None else open_checkpoint(path)
+            if mesh is not None:
+                sharding.plan(mesh, config)  # an impossible mesh is refused before anything is read
+                device = sharding.local_device(mesh)
+            _check_weights_fit(config, dtype, torch.device(device), mesh)
+            if mesh is None and torch.device(device).type == "cpu":
+                return cls._assemble(config, _read_to_host(config, gguf, files, dtype), None)
+            if gguf is not None:
+                state = {}
+                for name, array in gguf.arrays():
                     part = () if mesh is None else sharding.weight_slice(name, config, mesh)
-                    state[name] = _aligned(f.get_slice(name)[part].to(dtype) if part else f.get_tensor(name).to(dtype))
-        return cls._assemble(config, state, mesh)
+                    tensor = torch.from_numpy(array)
+                    tensor = tensor[part] if part else tensor
+                    state[name] = _aligned(tensor.to(device=device, dtype=dtype).contiguous())
+                return cls._assemble(config, state, mesh)
+            wanted = expected_tensor_shapes(config)
+            state = {}
+            for file in sorted(set(files.values())):
+                with safe_open(str(file), framework="pt", device=str(device)) as f:
+                    for name in f.keys():
+                        if name not in wanted:
+                            continue
+                        part = () if mesh is None else sharding.weight_slice(name, config, mesh)
+                        tensor = f.get_slice(name)[part] if part else f.get_tensor(name)
+                        state[name] = _aligned(tensor.to(dtype))
+            return cls._assemble(config, state, mesh)
 
 
 def _check_model_dtype(dtype: object) -> None:

@@ -134,7 +134,10 @@ def pack_projections(model: Mistral, rows: int) -> None:
     """Give the projection weights of a CPU float32 or bfloat16 model oneDNN-packed copies (laid out for `rows`-row
     inputs; any row count reads them), which compiled steps of _packed_rows_from(dtype) rows or more read instead of
     F.linear: q, k and v stacked into one copy per layer, gate and up into another, o, down and the LM head one each.
-    Made once, and again when a weight was replaced or written in place since: a copy never goes stale."""
+    Made once, and again when a weight was replaced or written in place since (its data pointer or version counter
+    moved). An inference tensor counts no writes, so a model holding one (from_weights keeps the tensors it is given)
+    is never packed: its steps read the weights themselves (F.linear: slower, the same results). A write through
+    `.data`, which torch does not count either, is not seen: write the parameter itself (load_state_dict, copy_)."""
     if not _PACKED_LINEAR or model.device.type != "cpu" or rows < _packed_rows_from(model.dtype):
         return
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
@@ -144,8 +147,9 @@ def pack_projections(model: Mistral, rows: int) -> None:
                for linear in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)]
     linears += [linear for mlp in mlps for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     weights = [linear.weight for linear in linears] + [head]
-    made_from = [(weight.data_ptr(), 0 if weight.is_inference() else weight._version) for weight in weights]
-    if made_from == model._packed_from:
+    counted = not any(weight.is_inference() for weight in weights)  # an inference tensor has no version counter
+    made_from = [(weight.data_ptr(), weight._version) for weight in weights] if counted else []
+    if counted and made_from == model._packed_from:
         return
     model._packed_head, model._packed_from = None, []  # a stale copy is never read, even if repacking stops here
     for linear in linears:
@@ -154,6 +158,8 @@ def pack_projections(model: Mistral, rows: int) -> None:
         attention._packed_qkv = None
     for mlp in mlps:
         mlp._packed_gate_up = None
+    if not counted:  # rewritten in place under inference mode, a copy would be read stale (wrong tokens)
+        return
     free = available_memory(model.device)
     if free is not None and 2 * sum(weight.nbytes for weight in weights) > free:
         return  # the copies would crowd the host: F.linear reads the weights themselves (slower, same results)

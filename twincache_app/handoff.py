@@ -65,8 +65,11 @@ def _uncommitted(array: jax.Array) -> jax.Array:
         return array
 
 
+@torch.inference_mode(False)
 def _to_torch(array: jax.Array, device: torch.device) -> torch.Tensor:
-    """A torch copy of a JAX array on `device` (a copy: torch will write it in place)."""
+    """A torch copy of a JAX array on `device` (a copy: torch will write it in place). A plain tensor even under
+    inference mode, as torch_cache's own loader makes: an inference tensor counts no in-place writes (a reloaded
+    model's packed copies would go stale, so one is never packed) and compiles the decode step again."""
     try:
         return torch.from_dlpack(array).to(device).clone()
     except Exception:  # noqa: BLE001 - fall back to a host round trip
