@@ -38,6 +38,7 @@ from twincache.generation import (
     append_tokens,
     build_sized_cache,
     check_budget,
+    check_continuation_room,
     check_first_step,
     check_given_cache_len,
     check_positions,
@@ -672,6 +673,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
     # attention bucket
+    check_continuation_room(cache.capacity, int(cache.length), max_new_tokens)
     length = cache._check_write_range(max_new_tokens)
     # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
     check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, length + max_new_tokens)
