@@ -625,7 +625,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
     key = jax.random.key(sampling.seed)
-    announce_compile("XLA")  # the prefill and the decode loop or step are jitted
+    # the prefill and the decode loop or step are jitted; one new token is the prefill's alone (no decode step)
+    announce_compile("XLA", "the decode step" if max_new_tokens > 1 else "the prefill")
     start = time.perf_counter()
     logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
     first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos, jnp.int32(0),

@@ -487,14 +487,14 @@ def build_sized_cache(build: Callable[[int], CacheT], config: MistralConfig, cac
 NOTICES = logging.getLogger("twincache")  # progress a person waits on; the CLI prints it on stderr (not with --json)
 
 
-def announce_compile(compiler: str) -> None:
-    """Say that decoding may be about to compile (with `compiler`), once every input has been checked and the cache
-    allocated: a compile takes seconds (XLA) to tens of seconds (torch.compile on a small CPU), and a line before that
-    silence explains it. Whether it compiles is not known before the step runs (a process compiles again for each
+def announce_compile(compiler: str, what: str = "the decode step") -> None:
+    """Say that decoding may be about to compile `what` (with `compiler`), once every input has been checked and the
+    cache allocated: a compile takes seconds (XLA) to tens of seconds (torch.compile on a small CPU), and a line before
+    that silence explains it. Whether it compiles is not known before the step runs (a process compiles again for each
     new cache shape, batch and sampling kind), so the line says both. Logged at INFO, which Python shows nowhere
     unless a handler is set."""
-    NOTICES.info("compiling the decode step with %s, unless this process already has it for this cache shape, batch "
-                 "and sampling kind...", compiler)
+    NOTICES.info("compiling %s with %s, unless this process already has it for this cache shape, batch and sampling "
+                 "kind...", what, compiler)
 
 
 def check_dtype(dtype: str) -> str:
