@@ -38,6 +38,7 @@ from twincache.generation import (
     append_tokens,
     build_sized_cache,
     check_budget,
+    check_continuation_room,
     check_first_step,
     check_flags,
     check_given_cache_len,
@@ -629,7 +630,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
     key = jax.random.key(sampling.seed)
-    announce_compile("XLA")  # the prefill and the decode loop or step are jitted
+    # the prefill and the decode loop or step are jitted; one new token is the prefill's alone (no decode step)
+    announce_compile("XLA", "the decode step" if max_new_tokens > 1 else "the prefill")
     start = time.perf_counter()
     logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
     first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos, jnp.int32(0),
@@ -679,6 +681,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
     # attention bucket
+    check_continuation_room(cache.capacity, int(cache.length), max_new_tokens)
     length = cache._check_write_range(max_new_tokens)
     # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
     check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, length + max_new_tokens)

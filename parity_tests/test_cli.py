@@ -249,7 +249,11 @@ def test_errors_are_one_line_exit_2_without_traceback(checkpoints, tmp_path, cap
 @pytest.mark.parametrize("backend, flags, notice", [
     ("jax", [], "twincache: compiling the decode step with XLA, unless this process already has it for this cache "
                 "shape, batch and sampling kind..."),
+    # one new token is the prefill's: no decode step runs, and the line said one compiled
+    ("jax", ["--max-new-tokens", "1"], "twincache: compiling the prefill with XLA, unless this process already has "
+                                        "it for this cache shape, batch and sampling kind..."),
     ("torch", ["--mode", "eager"], None),  # nothing compiles
+    ("torch", ["--max-new-tokens", "1"], None),  # the prefill is eager: nothing compiles
     ("jax", ["--json"], None),  # --json prints one object and nothing else
 ])
 def test_compile_is_announced_before_it_starts(tiny_model_dir, capsys, backend, flags, notice):
@@ -257,7 +261,7 @@ def test_compile_is_announced_before_it_starts(tiny_model_dir, capsys, backend, 
     from twincache_app import cli
 
     code = cli.main(["generate", "--backend", backend, "--model", str(tiny_model_dir), "--max-new-tokens", "3",
-                     *flags])
+                     *flags])  # a later --max-new-tokens in `flags` wins
     err = capsys.readouterr().err
     assert code == 0, err
     lines = err.splitlines()

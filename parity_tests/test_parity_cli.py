@@ -109,6 +109,7 @@ def test_sliding_window_flag_windows_the_reference_the_floor_and_every_implement
     code = cli.main(argv + ([reference] if reference.startswith("--") else []))
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] and report["sliding_window"] == 4, report
+    assert report["max_position_embeddings"] == 512  # what the heading reads a window that cannot be reached from
     assert {row["cache"] for row in report["rows"]} == {"static", "sliding_window"}
     assert report["reference"].startswith("transformers" if reference == "transformers" else "torch_cache")
     for row in report["rows"]:  # the floor is fp32 against float64 of one model: with a window on one side only,
@@ -120,14 +121,20 @@ def test_a_run_that_never_reaches_the_window_says_so():
     """A torch_cache whose mask let each query see W + 1 keys passed `parity --prompt-ids 1,5,9 --max-new-tokens 4` on
     a window of 8 (6 positions fed: no key ever left the window), under a heading that named the window; with a
     13-token prompt it fails. The heading says when the window was not reached."""
-    def heading(prompt_lens: list[int], steps: int) -> str:
+    def heading(prompt_lens: list[int], steps: int, positions: int = 512) -> str:
         return parity.format_table({"reference": "r", "floor": "f", "prompt_lens": prompt_lens, "steps": steps,
-                                    "dtype": "float32", "sliding_window": 8, "decisive_steps": 0,
-                                    "factors": parity_metrics.FACTORS, "absolute": {}, "rows": []}).splitlines()[2]
+                                    "dtype": "float32", "sliding_window": 8, "max_position_embeddings": positions,
+                                    "decisive_steps": 0, "factors": parity_metrics.FACTORS, "absolute": {},
+                                    "rows": []}).splitlines()[2]
 
     assert "sliding window 8 (not reached: the longest row feeds 7 positions" in heading([3], 5), heading([3], 5)
     assert "sliding window 8 (not reached: the longest row feeds 8 positions" in heading([3, 1], 6)
     assert "sliding window 8;" in heading([3], 7) and "sliding window 8;" in heading([1, 9], 1)  # 9 positions fed
+    # A window no shorter than max_position_embeddings is never reached: "give more tokens" was advice that generate
+    # and parity refuse (8 positions at most here); one position fewer than the window can still reach it.
+    never = heading([3], 5, positions=8)
+    assert "(never reached: it is not shorter than max_position_embeddings=8" in never and "give" not in never, never
+    assert "(not reached: the longest row feeds 7 positions" in heading([3], 5, positions=9)
 
 
 def test_fallback_reference_agrees_with_transformers_float64(checkpoints):

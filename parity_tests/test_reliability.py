@@ -1148,6 +1148,23 @@ def test_item13_continuing_a_row_that_ended_with_eos_gives_it_nothing(side):
     assert [row[0] for row in streamed] == [2] * len(streamed) and streamed, streamed
 
 
+def test_item13_a_continuation_past_a_bounded_cache_says_how_many_tokens_fit(side):
+    """A continuation that would write past a static cache (or a ring shorter than the window) was refused with the
+    raw write's words, "writing 1 tokens at columns 6..6 ... reset() it": reset() throws away what it continues. It
+    says how many new tokens still fit, or that the cache is full, in both towers, and changes nothing."""
+    for kind, length in (("static", 6), ("sliding_window", WINDOW - 2)):  # the ring: bounded, shorter than its window
+        cache = side.fill(side.make_cache(kind, length=length), length - 2)
+        with refused(CacheError, "max_new_tokens=3 needs 3 free columns",
+                     f"capacity is {length} columns, {length - 2} of them written", "at most 2 new tokens",
+                     side=side, cache=cache):
+            side.continue_(cache, [5], 3)
+        cache = side.continue_(cache, [5], 2).cache  # exactly the room left
+        with refused(CacheError, "max_new_tokens=1 cannot continue", "it is full",
+                     f"capacity is {length} columns, {length} of them", "max_cache_len", side=side, cache=cache):
+            side.continue_(cache, [5], 1)
+        assert side.continue_(cache, [5], 0).token_ids == [[]]
+
+
 def test_item13_continuation_messages_speak_of_last_tokens_and_rows(side):
     cache = side.generate([PROMPT, PROMPT], 2, cache="static", max_cache_len=40).cache  # JAX pads to 16 columns
     with refused(InputError, "no last tokens (one per cache row) given", side=side, cache=cache):

@@ -42,6 +42,7 @@ from twincache.generation import (
     append_tokens,
     build_sized_cache,
     check_budget,
+    check_continuation_room,
     check_first_step,
     check_flags,
     check_given_cache_len,
@@ -721,6 +722,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     cache.check_compatible(config, len(last_tokens), dtype, device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
     # attention bucket
+    check_continuation_room(cache.capacity, int(cache.length), max_new_tokens)
     length = cache._check_write_range(max_new_tokens)
     positions = cache.next_positions()[:, None]  # [B, 1], the positions of last_tokens
     check_positions(config, int(positions.max()) + 1, max_new_tokens, length + max_new_tokens)

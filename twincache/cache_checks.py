@@ -162,13 +162,14 @@ def check_write_range(cache: Any, start: int, num_new: int) -> None:
     """Refuse a write of num_new tokens from column `start` outside [0, capacity) or past the int32 limit of
     columns: JAX would clamp it silently, and an int32 length would wrap."""
     end = start + num_new
+    tokens = f"{num_new} token{'' if num_new == 1 else 's'}"
     if start < 0 or (cache.capacity is not None and end > cache.capacity):
-        raise CacheError(f"writing {num_new} tokens at columns {start}..{end - 1} is outside this "
+        raise CacheError(f"writing {tokens} at columns {start}..{end - 1} is outside this "
                          f"{type(cache).__name__}'s capacity [0, {cache.capacity}); reset() it or build a larger "
                          "cache (max_cache_len; a cache generate builds holds prompt + max_new_tokens, rounded up: "
                          "to continue in it, pass generate a max_cache_len with room for the continuation)")
     if end > INT32_MAX:
-        raise CacheError(f"writing {num_new} tokens at columns {start}..{end - 1} passes {INT32_MAX}, the int32 "
+        raise CacheError(f"writing {tokens} at columns {start}..{end - 1} passes {INT32_MAX}, the int32 "
                          "limit of cache columns and lengths; reset() the cache")
 
 

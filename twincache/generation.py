@@ -399,6 +399,23 @@ def check_budget(capacity: int | None, prompt_len: int, max_new_tokens: int) -> 
                          "cache or generate fewer tokens")
 
 
+def check_continuation_room(capacity: int | None, length: int, max_new_tokens: int) -> None:
+    """Refuse up front a continuation that would write past a bounded cache (None: an unbounded ring): it writes
+    `max_new_tokens` columns (each row's last token, then every new token but the last) after the `length` written.
+    Said as a continuation's budget: the raw write's advice, reset() the cache, would throw away what it continues."""
+    if capacity is None or length + max_new_tokens <= capacity:
+        return
+    room = capacity - length
+    held = f"its capacity is {capacity} columns, {length} of them written (left padding included)"
+    advice = "size the generation's cache for the whole run (max_cache_len: prompt + every new token)"
+    if room <= 0:
+        raise CacheError(f"max_new_tokens={max_new_tokens} cannot continue in this cache: it is full, {held}; "
+                         f"{advice}")
+    raise CacheError(f"max_new_tokens={max_new_tokens} needs {max_new_tokens} free columns of this cache (each row's "
+                     f"last token given, then every new token but the last), but {held}: {room} left; continue with "
+                     f"at most {room} new token{'' if room == 1 else 's'}, or {advice}")
+
+
 def check_given_cache_len(max_cache_len: object, built_len: int, capacity: int | None) -> None:
     """A cache object handed to generate keeps the capacity it was built with: a `max_cache_len` beside it that says
     otherwise was ignored without a word, so it is refused (the same value, or None, is fine; so is any value from
@@ -499,14 +516,14 @@ def build_sized_cache(build: Callable[[int], CacheT], config: MistralConfig, cac
 NOTICES = logging.getLogger("twincache")  # progress a person waits on; the CLI prints it on stderr (not with --json)
 
 
-def announce_compile(compiler: str) -> None:
-    """Say that decoding may be about to compile (with `compiler`), once every input has been checked and the cache
-    allocated: a compile takes seconds (XLA) to tens of seconds (torch.compile on a small CPU), and a line before that
-    silence explains it. Whether it compiles is not known before the step runs (a process compiles again for each
+def announce_compile(compiler: str, what: str = "the decode step") -> None:
+    """Say that decoding may be about to compile `what` (with `compiler`), once every input has been checked and the
+    cache allocated: a compile takes seconds (XLA) to tens of seconds (torch.compile on a small CPU), and a line before
+    that silence explains it. Whether it compiles is not known before the step runs (a process compiles again for each
     new cache shape, batch and sampling kind), so the line says both. Logged at INFO, which Python shows nowhere
     unless a handler is set."""
-    NOTICES.info("compiling the decode step with %s, unless this process already has it for this cache shape, batch "
-                 "and sampling kind...", compiler)
+    NOTICES.info("compiling %s with %s, unless this process already has it for this cache shape, batch and sampling "
+                 "kind...", what, compiler)
 
 
 def check_dtype(dtype: object) -> str:

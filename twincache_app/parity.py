@@ -616,7 +616,8 @@ def row_verdict(row: dict[str, Any], floor: dict[str, Any] | None = None) -> str
 
 def window_text(data: dict[str, Any]) -> str:
     """The model's window as the table's heading gives it: nothing where the report does not record it; "not
-    reached" where no row feeds more positions than the window holds (no key left it, so a wrong window passes)."""
+    reached" where no row feeds more positions than the window holds (no key left it, so a wrong window passes), and
+    "never reached" where the window is not shorter than max_position_embeddings (no run can reach it)."""
     if "sliding_window" not in data:
         return ""
     window = data["sliding_window"]
@@ -625,6 +626,10 @@ def window_text(data: dict[str, Any]) -> str:
     fed = max(data["prompt_lens"]) + data["steps"] - 1  # the last step's token is emitted, never fed
     if fed > window:
         return f", sliding window {window}"
+    positions = data.get("max_position_embeddings")  # absent from a report saved before it was recorded
+    if positions is not None and window >= positions:  # more tokens would be refused: say so, not "give more"
+        return (f", sliding window {window} (never reached: it is not shorter than max_position_embeddings="
+                f"{positions}, so no key can leave it and the model attends as without a window)")
     return (f", sliding window {window} (not reached: the longest row feeds {fed} positions, so no key left the "
             "window; give a longer prompt or more --max-new-tokens to judge it)")
 
@@ -721,7 +726,8 @@ def run(args: argparse.Namespace) -> int:
         models = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls,
                              sliding_window=args.sliding_window)
         report = parity_report(models, prompts, args.max_new_tokens, args.dtype, caches, impls)
-    data = (report_json(report, str(model_dir)) | {"sliding_window": config.sliding_window}
+    data = (report_json(report, str(model_dir))
+            | {"sliding_window": config.sliding_window, "max_position_embeddings": config.max_position_embeddings}
             | ({} if args.mesh is None else {"mesh": str(args.mesh)}))
     if args.json:
         print(json.dumps(data))
