@@ -126,8 +126,9 @@ def test_02_prompt_plus_new_tokens_beyond_static_capacity_refused_up_front(model
     with refused(CacheError, "prompt (4 tokens)", "max_new_tokens (7)", "capacity 10", cache=cache):
         generate(model, [PROMPT], 7, cache=cache, on_token=calls.append)
     assert calls == [], "nothing may be generated before the refusal"
-    # Continuing a cache that holds 3 columns by 8 more steps needs columns 3..10 of 10.
-    with refused(CacheError, "8 tokens", "3..10", "[0, 10)", cache=cache):
+    # Continuing a cache that holds 3 columns by 8 more steps needs columns 3..10 of 10: 7 are left.
+    with refused(CacheError, "needs 8 free columns", "capacity is 10 columns, 3 of them written", "7 left",
+                 "at most 7 new tokens", cache=cache):
         continue_generation(model, cache, [7], 8, compile=False, on_token=calls.append)
     assert calls == []
 
