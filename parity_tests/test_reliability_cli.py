@@ -198,6 +198,46 @@ def test_a_closed_pipe_ends_quietly(tiny_model_dir, tmp_path, backend, flags, no
     assert (proc.returncode, proc.stderr) == (141, notice), proc.stderr[-2000:]
 
 
+# name -> (extra flags, the child's stdout / stderr: "closed", "full" (/dev/full, ENOSPC) or "pipe")
+STREAMS = {
+    "stderr_closed_json": (["--json", "--top-k", "3"], "pipe", "closed"),  # the greedy note would have gone to stdout
+    "stderr_closed_text": ([], "pipe", "closed"),  # the summary would have gone to stdout
+    "stderr_full": ([], "pipe", "full"),  # the summary's failed write ended a good run with exit 1
+    "stdout_closed": ([], "closed", "pipe"),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAMS))
+def test_a_closed_or_full_stream_is_handled(tiny_model_dir, case):
+    """`2>&-`, `2>/dev/full`, `>&-` from a script. Python gives None for a stream closed at its start, and
+    print(file=None) writes on stdout: the greedy note landed before the JSON, the summary after the text, and
+    `>&-` ended in "unexpected AttributeError". A stderr that fails a write ended a good run with exit 1. Now: a
+    closed or failing stderr leaves stdout exactly as it is otherwise (the `tokenizers` decode of transformers'
+    greedy ids; one JSON object), exit 0; a closed stdout is refused in one line, exit 2."""
+    from tokenizers import Tokenizer
+
+    flags, out, err = STREAMS[case]
+    env = dict(os.environ, TWINCACHE_HOME=str(tiny_model_dir.parent), PYTHONPATH=str(REPO))
+    env.pop("TWINCACHE_DEBUG", None)
+    argv = ["generate", "--model", str(tiny_model_dir), "--mode", "eager", "--prompt-ids", "1,5,9",
+            "--max-new-tokens", "6", *flags]
+    closing = ">&-" if out == "closed" else "2>&-" if err == "closed" else ""  # as a script closes it
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(["/bin/sh", "-c", f'exec "$@" {closing}', "sh", *_entry_point(), *argv],
+                              stdout=subprocess.PIPE, stderr=full if err == "full" else subprocess.PIPE,
+                              text=True, env=env, timeout=300, cwd=REPO)
+    if case == "stdout_closed":
+        assert_one_line_error(proc.returncode, proc.stderr, "stdout is closed")
+        return
+    assert proc.returncode == 0
+    tokens = greedy(tiny_model_dir, [[1, 5, 9]], 6)[0]
+    if "--json" in flags:
+        assert json.loads(proc.stdout)["token_ids"] == tokens, proc.stdout  # one object, nothing before or after it
+    else:
+        text = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).decode(tokens, skip_special_tokens=True)
+        assert proc.stdout == text + "\n"
+
+
 _AS_A_CUDA_BUILD_WITHOUT_A_GPU = """
 import sys
 from twincache_app.cli import main

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from twincache import phases
 from twincache.errors import TwincacheError
-from twincache_app import interrupts, launch
+from twincache_app import interrupts, launch, streams
 
 # The modules that contribute a subcommand: each has add_parser(subparsers), which sets args.run(args) -> int, and
 # may set args.keep_keyboard_interrupt (bench does, to save what it measured). They are imported by build_parser, so
@@ -65,11 +65,14 @@ def _not_a_cuda_home_notice(record: logging.LogRecord) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if streams.plug_closed_descriptors():  # first: before a file can take number 1 or 2
+        print(f"twincache: error: {streams.CLOSED_STDOUT}", file=sys.stderr)
+        return 2
     # A CUDA build of torch (pip's default) on a machine with a CUDA toolkit but no GPU logs "No CUDA runtime is
     # found, using CUDA_HOME=..." each time inductor's C++ toolchain looks for CUDA, as the CPU path's compiler checks
     # do: nothing to do with CPU decoding, and a second line on the one-line stderr.
     logging.getLogger("torch.utils.cpp_extension").addFilter(_not_a_cuda_home_notice)  # once: the same function
-    with interrupts.exit_on_interrupt() as interrupt, _unencodable_text_replaced():
+    with interrupts.exit_on_interrupt() as interrupt, _unencodable_text_replaced(), streams.guarded():
         args = build_parser().parse_args(argv)
         args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
         if getattr(args, "keep_keyboard_interrupt", False):

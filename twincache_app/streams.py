@@ -1,0 +1,74 @@
+"""The command line's stdout and stderr as scripts hand them over: closed (`>&-`, `2>&-`) or failing
+(`2> /dev/full`).
+
+- A closed descriptor 1 or 2 is pointed at /dev/null before anything else opens a file: the next file opened would
+  otherwise take its number, and whatever writes "stderr" at the C level (torch, XLA) would write into that file.
+  Python itself gives None for a stream closed at its start: `print(..., file=sys.stderr)` then printed on stdout,
+  and `sys.stdout.write` raised AttributeError. A closed stdout refuses the command (its output would be lost); a
+  closed stderr only silences the notices and the summary.
+- A write to stderr that fails is dropped: a notice or a summary that cannot be shown must not turn a successful run
+  into exit 1 (parity's FAIL), as an uncaught OSError at the summary did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+CLOSED_STDOUT = ("stdout is closed (as `>&-` leaves it), so the output would be lost; send it to a file or to "
+                 "/dev/null instead (> FILE)")
+
+
+def plug_closed_descriptors() -> bool:
+    """Point a closed descriptor 1 or 2 at /dev/null, and give Python a stream where it has None; True when stdout
+    was closed (the command's output would go nowhere)."""
+    closed = set()
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:  # the lowest free number: fd itself when nothing took it since
+                os.dup2(null, fd)
+                os.close(null)
+            closed.add(fd)
+    if sys.stdout is None:  # closed when Python started: whatever holds number 1 now is not stdout
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+        closed.add(1)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    return 1 in closed
+
+
+class _Stderr:
+    """sys.stderr while a command runs: the stream itself, but a failed write or flush is dropped."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with contextlib.suppress(OSError):
+            return self._stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, errors, reconfigure, fileno, isatty, ...
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def guarded() -> Iterator[None]:
+    """sys.stderr as this module describes, for the block; the stream itself comes back after it."""
+    err = sys.stderr
+    sys.stderr = _Stderr(err)
+    try:
+        yield
+    finally:
+        if isinstance(sys.stderr, _Stderr):
+            sys.stderr = err
