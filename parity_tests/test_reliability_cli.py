@@ -8,6 +8,8 @@ broken-pipe cases need a real pipe, so they run the entry point in a subprocess.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import subprocess
@@ -236,6 +238,30 @@ def test_a_closed_or_full_stream_is_handled(tiny_model_dir, case):
     else:
         text = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).decode(tokens, skip_special_tokens=True)
         assert proc.stdout == text + "\n"
+
+
+class _FullDisk(io.RawIOBase):
+    """A raw stream whose every write fails with ENOSPC, as /dev/full's."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: object) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("command", ["generate", "generate_json", "bench_compare"])
+def test_a_stdout_that_fails_its_writes_is_one_line(tiny_model_dir, monkeypatch, capsys, command):
+    """`> /dev/full`: the output's write fails with ENOSPC. One line naming stdout and the cause, exit 2; it read
+    "unexpected OSError: [Errno 28] ... (set TWINCACHE_DEBUG=1 for a traceback)"."""
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BufferedWriter(_FullDisk()), encoding="utf-8"))
+    small = str(REPO / "bench" / "results" / "small")
+    argv = {"generate": ["generate", "--model", str(tiny_model_dir), "--mode", "eager", "--max-new-tokens", "3"],
+            "generate_json": ["generate", "--model", str(tiny_model_dir), "--mode", "eager", "--max-new-tokens", "3",
+                              "--json"],
+            "bench_compare": ["bench", "--compare", small, small]}[command]
+    code, _, err = run_in_process(argv, capsys)
+    assert_one_line_error(code, err, "cannot write the output to stdout: No space left on device (errno 28)")
 
 
 _AS_A_CUDA_BUILD_WITHOUT_A_GPU = """

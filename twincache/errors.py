@@ -40,6 +40,10 @@ class StorageError(TwincacheError):
     """A directory twincache must write to (TWINCACHE_HOME, bench --out) is not a writable directory."""
 
 
+class OutputError(TwincacheError):
+    """The command's output cannot be written: stdout is closed, or a write to it failed (a full disk)."""
+
+
 class UnavailableError(TwincacheError):
     """A backend or an optional dependency that the command needs is not installed."""
 

@@ -1,11 +1,14 @@
 """The command line's stdout and stderr as scripts hand them over: closed (`>&-`, `2>&-`) or failing
-(`2> /dev/full`).
+(`> /dev/full`, `2> /dev/full`).
 
 - A closed descriptor 1 or 2 is pointed at /dev/null before anything else opens a file: the next file opened would
   otherwise take its number, and whatever writes "stderr" at the C level (torch, XLA) would write into that file.
   Python itself gives None for a stream closed at its start: `print(..., file=sys.stderr)` then printed on stdout,
   and `sys.stdout.write` raised AttributeError. A closed stdout refuses the command (its output would be lost); a
   closed stderr only silences the notices and the summary.
+- A write to stdout that fails for another reason than a reader gone away (EPIPE: the CLI's quiet exit 141) raises
+  OutputError, one line naming stdout and the cause (a full disk), exit 2, where "unexpected OSError: [Errno 28]"
+  was printed.
 - A write to stderr that fails is dropped: a notice or a summary that cannot be shown must not turn a successful run
   into exit 1 (parity's FAIL), as an uncaught OSError at the summary did.
 """
@@ -17,6 +20,8 @@ import os
 import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
+
+from twincache.errors import OutputError
 
 CLOSED_STDOUT = ("stdout is closed (as `>&-` leaves it), so the output would be lost; send it to a file or to "
                  "/dev/null instead (> FILE)")
@@ -43,6 +48,32 @@ def plug_closed_descriptors() -> bool:
     return 1 in closed
 
 
+class _Stdout:
+    """sys.stdout while a command runs: the stream itself, but a failed write or flush raises OutputError (EPIPE
+    stays BrokenPipeError, which the CLI ends quietly)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def _call(self, name: str, *args: Any) -> Any:
+        try:
+            return getattr(self._stream, name)(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputError(f"cannot write the output to stdout: {err.strerror or err} (errno {err.errno}); "
+                              "send it where it can be written (> FILE)") from None
+
+    def __getattr__(self, name: str) -> Any:  # encoding, errors, reconfigure, fileno, isatty, buffer, ...
+        return getattr(self._stream, name)
+
+
 class _Stderr:
     """sys.stderr while a command runs: the stream itself, but a failed write or flush is dropped."""
 
@@ -64,11 +95,14 @@ class _Stderr:
 
 @contextlib.contextmanager
 def guarded() -> Iterator[None]:
-    """sys.stderr as this module describes, for the block; the stream itself comes back after it."""
-    err = sys.stderr
-    sys.stderr = _Stderr(err)
+    """sys.stdout and sys.stderr as this module describes, for the block; the streams themselves come back after it
+    (unless something replaced them meanwhile: a mesh rank's stdout on /dev/null stays)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Stdout(out), _Stderr(err)
     try:
         yield
     finally:
+        if isinstance(sys.stdout, _Stdout):
+            sys.stdout = out
         if isinstance(sys.stderr, _Stderr):
             sys.stderr = err
