@@ -40,12 +40,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def latin1_stdout(monkeypatch: pytest.MonkeyPatch) -> io.BytesIO:
+def latin1_stdout(monkeypatch: pytest.MonkeyPatch, encoding: str = "latin-1", errors: str = "strict") -> io.BytesIO:
     """sys.stdout as a latin-1 text stream with Python's default (strict) error handler, as PYTHONIOENCODING=latin-1
-    gives; returns the bytes under it."""
+    gives (or another encoding and handler); returns the bytes under it."""
     raw = io.BytesIO()
-    stream = io.TextIOWrapper(raw, encoding="latin-1", newline="", write_through=True)
-    assert stream.errors == "strict"
+    stream = io.TextIOWrapper(raw, encoding=encoding, errors=errors, newline="", write_through=True)
     monkeypatch.setattr(sys, "stdout", stream)
     return raw
 
@@ -60,11 +59,15 @@ def oracle_text(model: Path, prompts: list[str], new_tokens: int) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("prompts", [["あい"], ["あい", "カキ😀"]], ids=["streamed", "batch"])
-def test_text_stdout_cannot_encode_is_printed_with_replacements(model, monkeypatch, capsys, prompts):
+@pytest.mark.parametrize(("prompts", "encoding", "errors"), [
+    (["あい"], "latin-1", "strict"), (["あい", "カキ😀"], "latin-1", "strict"),
+    # Python's stdout in a C/POSIX locale with UTF-8 mode off (LC_ALL=C PYTHONUTF8=0): it raised UnicodeEncodeError
+    (["あい"], "ascii", "surrogateescape"),
+], ids=["streamed", "batch", "c_locale_streamed"])
+def test_text_stdout_cannot_encode_is_printed_with_replacements(model, monkeypatch, capsys, prompts, encoding, errors):
     """A latin-1 stdout gets the reply with "?" for what latin-1 lacks, exit 0: one prompt streams token by token,
-    two print a line per row at the end. The stream's own (strict) error handler is back afterwards."""
-    raw = latin1_stdout(monkeypatch)
+    two print a line per row at the end. The stream's own error handler is back afterwards."""
+    raw = latin1_stdout(monkeypatch, encoding, errors)
     argv = ["generate", "--model", str(model), "--mode", "eager", "--max-new-tokens", "6"]
     code = cli.main([*argv, *(arg for p in prompts for arg in ("--prompt", p))])
     err = capsys.readouterr().err
@@ -72,8 +75,8 @@ def test_text_stdout_cannot_encode_is_printed_with_replacements(model, monkeypat
     assert "Error" not in err
     texts = oracle_text(model, prompts, 6)
     shown = texts[0] if len(texts) == 1 else "\n".join(f"[row {row}] {text}" for row, text in enumerate(texts))
-    assert raw.getvalue() == (shown + "\n").encode("latin-1", errors="replace")
-    assert sys.stdout.errors == "strict"
+    assert raw.getvalue() == (shown + "\n").encode(encoding, errors="replace")
+    assert sys.stdout.errors == errors
 
 
 @pytest.mark.parametrize("flags", [["--top-p", "0.9", "--seed", "5"], ["--top-k", "3"]], ids=["top_p_seed", "top_k"])

@@ -83,19 +83,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 @contextlib.contextmanager
 def _unencodable_text_replaced() -> Iterator[None]:
     """stdout and stderr replace what their encoding cannot show (with "?"), as `errors="replace"` does: a terminal or
-    pipe in latin-1 (PYTHONIOENCODING, a POSIX locale) would otherwise raise UnicodeEncodeError on the first emoji a
-    model writes, after the text before it was printed. Each stream's own error handler comes back afterwards."""
+    pipe in latin-1 or ASCII would otherwise raise UnicodeEncodeError on the first emoji a model writes, after the
+    text before it was printed. That is Python's "strict" (PYTHONIOENCODING=latin-1) and also its "surrogateescape",
+    which it gives stdout in a C or POSIX locale with UTF-8 mode off (LC_ALL=C PYTHONUTF8=0): it only turns lone
+    surrogates back into bytes, and decoded text holds none. Each stream's own error handler comes back afterwards."""
     changed = []
     for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+        errors = getattr(stream, "errors", None)
+        if errors in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
-            changed.append(stream)
+            changed.append((stream, errors))
     try:
         yield
     finally:
-        for stream in changed:
+        for stream, errors in changed:
             with contextlib.suppress(OSError, ValueError):  # a closed pipe, or a stream closed meanwhile
-                stream.reconfigure(errors="strict")
+                stream.reconfigure(errors=errors)
 
 
 def _run(args: argparse.Namespace) -> int:
