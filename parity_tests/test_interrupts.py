@@ -53,12 +53,14 @@ def children_start_with_sigint(disposition: object = signal.default_int_handler)
 
 
 def start(backend: str, mode: str, model: Path, new_tokens: int, env: dict[str, str],
-          sigint: object = signal.default_int_handler) -> subprocess.Popen:
-    """`twincache generate` in a process whose SIGINT starts at its default (or ignored, sigint=SIG_IGN)."""
+          sigint: object = signal.default_int_handler, merged: bool = False) -> subprocess.Popen:
+    """`twincache generate` in a process whose SIGINT starts at its default (or ignored, sigint=SIG_IGN); merged:
+    stderr goes where stdout goes (`2>&1`, or a terminal)."""
     argv = ["generate", "--backend", backend, "--mode", mode, "--model", str(model), "--prompt-ids", "1,5,9,13",
             "--max-new-tokens", str(new_tokens)]
     with children_start_with_sigint(sigint):
-        return subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        return subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT if merged else subprocess.PIPE, text=True,
                                 env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}, cwd=REPO)
 
 
@@ -83,12 +85,18 @@ def test_sigint_in_every_phase_exits_130_with_one_line(long_model):
     procs = {case: start(case[0], case[1], long_model, 300, {ENV: case[2]}) for case in PHASE_CASES}
     # A process that started with SIGINT ignored (`nohup`, `cmd &` in a script) keeps ignoring it, as Python does.
     ignoring = start("jax", "fused", long_model, 20, {ENV: "decode"}, sigint=signal.SIG_IGN)
+    # stdout and stderr on one pipe, as on a terminal: the line starts at column 0, after the streamed ids ("5 9 ")
+    merged = start("torch", "eager", long_model, 300, {ENV: "decode"}, merged=True)
     for case, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert_interrupted("/".join(case), proc.returncode, err)
         assert len(out.split()) < 300, f"{'/'.join(case)}: it decoded every token before stopping"
     out, err = ignoring.communicate(timeout=300)
     assert ignoring.returncode == 0 and len(out.split()) == 20, f"an ignored SIGINT ended the run: {err!r}"
+    out, _ = merged.communicate(timeout=300)
+    text, line, end = out.rpartition("\ntwincache: interrupted\n")
+    assert merged.returncode == 130 and line and not end, f"glued to the streamed text: {out!r}"
+    assert text.endswith(" ") and all(token.isdigit() for token in text.split()), out
 
 
 @pytest.mark.parametrize("backend, mode", [("torch", "eager"), ("jax", "step")])

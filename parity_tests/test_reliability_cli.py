@@ -31,6 +31,7 @@ from parity_tests.test_cli_bad_inputs import (
     rewrite_tensors,
     run_in_process,
 )
+from twincache_app import streams
 
 
 def _set(field: str, value: object) -> Callable[[dict], None]:
@@ -262,6 +263,26 @@ def test_a_stdout_that_fails_its_writes_is_one_line(tiny_model_dir, monkeypatch,
             "bench_compare": ["bench", "--compare", small, small]}[command]
     code, _, err = run_in_process(argv, capsys)
     assert_one_line_error(code, err, "cannot write the output to stdout: No space left on device (errno 28)")
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one_destination", "two"])
+def test_a_line_on_stderr_starts_at_column_0_after_streamed_text(tmp_path, monkeypatch, shared):
+    """Streamed text leaves stdout's line open; an error found mid-decode printed its line right after it on a
+    terminal (or `2>&1`): "...kindness andtwincache: error: ...". Where the two streams reach one file the line now
+    ends first; where they reach two, stdout's text is left as it was written."""
+    out_path, err_path = tmp_path / "out", tmp_path / ("out" if shared else "err")
+    with open(out_path, "a") as out, open(err_path, "a") as err:  # two descriptors; one inode when shared
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        with streams.guarded():
+            for piece in (" kind", "ness and"):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            print("twincache: error: found mid-decode", file=sys.stderr, flush=True)
+    text = " kindness and" + ("\n" if shared else "")
+    assert out_path.read_text() == text + ("twincache: error: found mid-decode\n" if shared else "")
+    if not shared:
+        assert err_path.read_text() == "twincache: error: found mid-decode\n"
 
 
 _AS_A_CUDA_BUILD_WITHOUT_A_GPU = """

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterator
 
 from twincache import exit_cleanup
+from twincache_app import streams
 
 EXIT_CODE = 128 + signal.SIGINT  # 130, as a shell reports a program ended by SIGINT
 MESSAGE = b"twincache: interrupted\n"
@@ -34,6 +35,7 @@ def exit_interrupted(*_: object) -> None:
     for that."""
     _exiting.acquire()
     try:
+        streams.end_open_line_raw()  # at column 0, where streamed text shares stderr's terminal or file
         os.write(2, MESSAGE)
         exit_cleanup.run_cleanups()
     finally:
