@@ -213,6 +213,27 @@ def report_peer_lost(err: BaseException) -> int:
     return PEER_LOST_EXIT
 
 
+def check_world(mesh: MeshShape) -> None:
+    """Refuse, before joining, a torch.distributed environment this mesh cannot run in: RANK and WORLD_SIZE set (so
+    this command is taken for a rank, as under torchrun) without MASTER_ADDR and MASTER_PORT (torch said "unexpected
+    ValueError ... environment variable MASTER_ADDR expected"), or a world of another size than the mesh (rank 0
+    waited at the rendezvous for ranks that never come)."""
+    from twincache.errors import MeshError
+
+    world = os.environ.get("WORLD_SIZE", "")
+    given = f"RANK={os.environ.get('RANK')} WORLD_SIZE={world}"
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise MeshError(f"{given} in the environment make this command one rank of a torch.distributed world (as "
+                        f"torchrun starts them), but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                        "not set; unset RANK and WORLD_SIZE (left from another job?) to let twincache start its own "
+                        "ranks, or run it under torchrun")
+    if not world.isdigit() or int(world) != mesh.devices:
+        raise MeshError(f"mesh {mesh} needs {mesh.devices} ranks, but {given} in the environment; start "
+                        f"{mesh.devices} ranks (torchrun --nproc-per-node), or unset RANK and WORLD_SIZE to let "
+                        "twincache start its own")
+
+
 def init_rank() -> None:
     """Join the torch.distributed world this process is a rank of (gloo on CPU, NCCL on GPUs, each rank on the GPU of
     its local rank). Ranks other than 0 print nothing to stdout."""
@@ -261,4 +282,5 @@ def finish_rank() -> None:
 
 
 __all__ = ["LAUNCHER_ENV", "PEER_LOST_EXIT", "in_world", "rank", "cpu_cores", "simulate_cpu_devices", "run_ranks",
-           "follow_launcher", "peer_lost", "report_peer_lost", "init_rank", "check_torch_devices", "finish_rank"]
+           "follow_launcher", "peer_lost", "report_peer_lost", "check_world", "init_rank", "check_torch_devices",
+           "finish_rank"]
