@@ -146,6 +146,7 @@ def _rank_main(argv: Sequence[str]) -> None:
     """A torch rank of one mesh: measure the inputs its launcher wrote and write FOLDER/rank{R}.json."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank-of", required=True)  # the folder of _RANK_INPUTS
+    launch.follow_launcher()  # Ctrl-C is the launcher's to handle; and end with it
     folder = Path(parser.parse_args(argv).rank_of)
     inputs = json.loads((folder / _RANK_INPUTS).read_text())
     launch.init_rank()

@@ -10,6 +10,7 @@ decode every token first). The processes run concurrently to keep within the tim
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -25,6 +26,7 @@ from parity_tests.conftest import save_hf_checkpoint
 from parity_tests.test_cli_bad_inputs import REPO, _entry_point
 from twincache import phases
 from twincache.phases import ENV, PHASES
+from twincache_app import launch
 
 # (backend, mode, phase). torch's decode phase runs eagerly: a compiled one would first spend a whole compile.
 PHASE_CASES = [("torch", "compiled", "load"), ("torch", "eager", "prefill"), ("torch", "compiled", "compile"),
@@ -193,7 +195,10 @@ from twincache_app import interrupts, launch
 
 with interrupts.exit_on_interrupt(), launch.rank_folder() as folder:  # as the CLI runs a --mesh command
     print(folder, flush=True)
-    launch.run_ranks(["-n", "1", "-r", "1", "import time; time.sleep(120)"], 2, module="timeit")
+    # each rank starts as the CLI's main() does (launch.follow_launcher, then its one-line Ctrl-C), then sleeps
+    launch.run_ranks(["-n", "1", "-r", "1", "-s", "from twincache_app import interrupts, launch; "
+                      "launch.follow_launcher(); interrupts.ExitOnInterrupt().install()",
+                      "import time; time.sleep(120)"], 2, module="timeit")
 print("finished", flush=True)
 """
 
@@ -202,14 +207,30 @@ def _children(pid: int) -> list[int]:
     return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
+def _running(pid: int) -> bool:
+    try:  # a zombie (dead, not yet reaped by whoever adopted it) is not running
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _sigint_ignored(pid: int) -> bool:
+    ignored = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn"))
+    return bool(int(ignored.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc and signals as on Linux")
-def test_sigint_to_a_mesh_launcher_alone_stops_the_ranks_it_started():
+@pytest.mark.parametrize("how", ["SIGINT to the launcher", "SIGINT to the group", "SIGKILL to the launcher"])
+def test_a_mesh_launcher_ended_from_outside_leaves_no_rank_running(how: str):
     """`kill -INT` (or a timeout's SIGINT) reaches the launcher of a torch --mesh run, not its ranks: its exit 130
     stops them first, or they would wait in a collective for half an hour, and removes the folder they shared (the
-    exit skips its `with`). The ranks here sleep (python -m timeit)."""
+    exit skips its `with`). A terminal's Ctrl-C reaches the whole group: the ranks leave it to the launcher, so one
+    line is said (each rank said "interrupted" too, rank 0 on the same stderr). A launcher killed outright takes its
+    ranks with it (the parent-death signal; they decoded on, rank 0 printing, to the end). The ranks here sleep
+    (python -m timeit), after the start every rank of the CLI makes (launch.follow_launcher)."""
     with children_start_with_sigint():
         proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=REPO)
+                                text=True, cwd=REPO, start_new_session=how == "SIGINT to the group")
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -218,13 +239,27 @@ def test_sigint_to_a_mesh_launcher_alone_stops_the_ranks_it_started():
             ranks = _children(proc.pid)
         assert len(ranks) == 2, f"the launcher did not start its 2 ranks: {ranks}"
         time.sleep(1.0)  # the ranks are running their sleep
-        proc.send_signal(signal.SIGINT)
+        if how == "SIGKILL to the launcher":
+            proc.kill()
+            deadline = time.monotonic() + 10
+            while any(map(_running, ranks)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(map(_running, ranks)), f"{how}: ranks {ranks} ran on without their launcher"
+            proc.communicate(timeout=10)  # its pipes, which no rank holds open any more
+            return
+        if how == "SIGINT to the group":
+            # Which of the launcher and rank 0 says "interrupted" first is a race; that only the launcher can is not.
+            ignoring = [rank for rank in ranks if _sigint_ignored(rank)]
+            assert ignoring == ranks, f"ranks {sorted(set(ranks) - set(ignoring))} would say 'interrupted' too"
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
         folder, *rest = stdout.splitlines()
         assert rest == [], f"the launcher went on after the ranks: {rest}"
-        assert_interrupted("a mesh launcher", proc.returncode, stderr)
+        assert_interrupted(how, proc.returncode, stderr)
         assert "twincache-ranks-" in folder and not Path(folder).exists(), f"{folder} outlived its run"
-        alive = [rank for rank in ranks if Path(f"/proc/{rank}").exists()]
+        alive = [rank for rank in ranks if _running(rank)]
         assert alive == [], f"ranks {alive} outlived their launcher"
     finally:
         for rank in ranks:
@@ -232,3 +267,82 @@ def test_sigint_to_a_mesh_launcher_alone_stops_the_ranks_it_started():
                 os.kill(rank, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+# A rank that kills itself (SIGKILL) at the start, as the OOM killer or a user ends one; rank 0 sleeps on, as a rank
+# waits for its peers at the rendezvous (loading) or in a collective.
+KILLED_RANK = ["-n", "1", "-r", "1", "-s", "import os, signal; os.environ['RANK'] == '1' and os.kill(os.getpid(), 9)",
+               "import time; time.sleep(20)"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="signals as on Linux")
+def test_a_rank_killed_while_rank_0_waits_is_named_and_ends_the_run(monkeypatch: pytest.MonkeyPatch,
+                                                                    capfd: pytest.CaptureFixture[str]):
+    """The launcher polled its ranks with any(), which stopped at rank 0 (running): a rank killed before the first
+    collective went unseen while rank 0 waited for it at the rendezvous (30 minutes). It is seen now, rank 0 is
+    stopped after the grace, and one line names the rank and the signal."""
+    monkeypatch.setattr(launch, "_GRACE_S", 0.5)
+    start = time.monotonic()
+    code = launch.run_ranks(KILLED_RANK, 2, module="timeit")
+    elapsed = time.monotonic() - start
+    assert elapsed < 12, f"the launcher took {elapsed:.0f} s: it waited for rank 0 to end on its own"
+    assert code == 2
+    assert capfd.readouterr().err.splitlines() == [
+        "twincache: error: rank 1 of 2 was killed by SIGKILL (sent by hand, or by the kernel when memory ran out); "
+        "the other ranks were stopped"]
+
+
+@pytest.mark.parametrize(("codes", "stopped", "line", "code"), [
+    # rank 1 killed: rank 0 only lost it in a collective (gloo: "Connection closed by peer") and left quietly
+    ([launch.PEER_LOST_EXIT, -9], set(), "rank 1 of 2 was killed by SIGKILL", 2),
+    # rank 0 killed: rank 1's lost-peer error was named as the failure ("rank 1 failed (exit 2): ... RuntimeError")
+    ([-9, launch.PEER_LOST_EXIT], set(), "rank 0 of 2 was killed by SIGKILL", 2),
+    ([-15, 2], {0}, "rank 1 of 2 failed (exit 2): mesh ... refused", 2),  # rank 0 stopped by us: rank 1's own line
+    ([2, 2], set(), None, 2),  # every rank refused the same input: rank 0 said it
+    ([130, launch.PEER_LOST_EXIT], set(), None, 130),  # rank 0 interrupted on its own: it said so
+    ([launch.PEER_LOST_EXIT] * 2, set(), "the 2 ranks of this mesh run lost each other", 2),
+])
+def test_the_launcher_names_the_rank_that_ended_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      codes: list[int], stopped: set[int], line: str | None,
+                                                      code: int):
+    logs = []
+    for r in range(2):
+        log = (tmp_path / f"rank{r}").open("w+b")
+        log.write(b"twincache: note: something\ntwincache: error: mesh ... refused\n")
+        logs.append(log)
+    assert launch._outcome(codes, logs, stopped) == code
+    err = capsys.readouterr().err
+    assert (err.splitlines() == []) if line is None else (err.startswith(f"twincache: error: {line}")
+                                                          and len(err.splitlines()) == 1), err
+    for log in logs:
+        log.close()
+
+
+def test_a_rank_that_lost_its_peer_leaves_the_line_to_its_launcher(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]):
+    """A collective whose peer is gone raises gloo's RuntimeError; the rank printed it as "unexpected RuntimeError:
+    [.../pair.cc:553] Connection closed by peer ... GLHF!". Under our launcher it leaves quietly (the launcher names
+    the rank that ended); under torchrun it says so in one line."""
+    import torch.distributed  # noqa: F401 - peer_lost looks only where torch.distributed runs
+
+    from twincache_app import cli
+
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:19340. This is typically caused by a remote worker crashing. GLHF!")
+
+    def collective(_: object) -> int:
+        raise gloo
+
+    args = argparse.Namespace(run=collective)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(launch.LAUNCHER_ENV, "1")
+    assert cli._run(args) == launch.PEER_LOST_EXIT
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv(launch.LAUNCHER_ENV)  # torchrun's rank
+    assert cli._run(args) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "twincache: error: rank 0 lost another rank of its torch.distributed world in a collective (Connection closed "
+        "by peer [127.0.0.1]:19340); that rank's own output says why it ended"]
+    monkeypatch.delenv("RANK")  # outside a world the same error is nothing special
+    assert "unexpected RuntimeError" in (cli._run(args), capsys.readouterr().err)[1]

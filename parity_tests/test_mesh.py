@@ -499,6 +499,20 @@ def test_cli_refuses_more_torch_ranks_than_cpu_cores_before_starting_any(checkpo
         assert err.count("\n") == 1 and f"needs {ranks} devices" in err and "2 CPU core(s)" in err, err
     assert started == [], "refused before any rank started"
     assert main([*argv, "--mesh", "model=2"]) == 0 and started == [2]
+    # RANK and WORLD_SIZE left in the environment (another job, a cluster's defaults) make the command a rank: without
+    # MASTER_ADDR torch's rendezvous raised "unexpected ValueError", and a world of another size waited at it for
+    # ranks that never come. Both are refused before joining, naming the variables.
+    monkeypatch.setattr(launch, "init_rank", lambda: pytest.fail("joined a world it cannot run in"))
+    for env, words in (({"RANK": "0", "WORLD_SIZE": "2"}, "but MASTER_ADDR and MASTER_PORT are not set; unset RANK"),
+                       ({"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+                        "mesh model=2,data=1 needs 2 ranks, but RANK=0 WORLD_SIZE=4 in the environment")):
+        with monkeypatch.context() as inside:
+            for name, value in env.items():
+                inside.setenv(name, value)
+            assert main([*argv, "--mesh", "model=2"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert started == [2]
 
 
 def test_the_cores_torch_ranks_share_are_those_this_process_may_run_on(monkeypatch):

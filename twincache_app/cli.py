@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # found, using CUDA_HOME=..." each time inductor's C++ toolchain looks for CUDA, as the CPU path's compiler checks
     # do: nothing to do with CPU decoding, and a second line on the one-line stderr.
     logging.getLogger("torch.utils.cpp_extension").addFilter(_not_a_cuda_home_notice)  # once: the same function
+    launch.follow_launcher()  # a rank of a torch --mesh run: Ctrl-C is its launcher's to handle
     with interrupts.exit_on_interrupt() as interrupt, _unencodable_text_replaced(), streams.guarded():
         args = build_parser().parse_args(argv)
         args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
@@ -118,6 +119,8 @@ def _run(args: argparse.Namespace) -> int:
         print("twincache: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - the CLI contract is one line, never a traceback
+        if launch.peer_lost(err):  # a --mesh rank whose collective lost another rank: that rank is the news
+            return launch.report_peer_lost(err)
         if os.environ.get("TWINCACHE_DEBUG"):
             raise
         print(f"twincache: error: unexpected {type(err).__name__}: {err} (set TWINCACHE_DEBUG=1 for a traceback)",

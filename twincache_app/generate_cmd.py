@@ -106,6 +106,7 @@ def start_mesh(args: argparse.Namespace, config: MistralConfig, backends: list[B
             launch.check_torch_devices(args.mesh)
             with launch.rank_folder() as folder:
                 return launch.run_ranks(_rank_argv(args.argv, folder), args.mesh.devices)
+        launch.check_world(args.mesh)
         launch.init_rank()
     return None
 

@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # twincache.mesh imports numpy: the CLI imports this module b
 # A rank that waits this long on another (which failed) is stopped; a compile on a busy CPU can take minutes.
 _GRACE_S = 10.0
 _COLLECTIVE_TIMEOUT_S = 1800
+LAUNCHER_ENV = "TWINCACHE_MESH_LAUNCHER"  # the launcher's pid, in the environment of the ranks it starts
+PEER_LOST_EXIT = 3  # a rank's exit code when a collective failed because another rank was gone
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def in_world() -> bool:
@@ -83,10 +86,11 @@ def rank_folder() -> Iterator[Path]:
 
 def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app.cli") -> int:
     """Run `python -m <module> <argv>` (the twincache command by default) in `world_size` processes on this host,
-    ranks 0..world_size-1; returns rank 0's exit code (or a failed rank's, when rank 0 had to be stopped because that
-    rank was gone). Only rank 0 prints to stdout; the others' stderr is shown only when one of them fails."""
+    ranks 0..world_size-1; returns rank 0's exit code, or 2 when another rank's end stopped the run (that rank is
+    named in one line on stderr). Only rank 0 prints to stdout; the others' stderr is shown only when one of them
+    fails."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+           "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), LAUNCHER_ENV: str(os.getpid())}
     # Ranks on a CPU share its cores: more OpenMP threads than cores spin-wait each other (docs/design.md §7.11), so
     # each rank gets its share, as torchrun does, unless OMP_NUM_THREADS is set.
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // world_size)))
@@ -95,11 +99,14 @@ def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=None if r == 0 else subprocess.DEVNULL, stderr=None if r == 0 else logs[r])
              for r in range(world_size)]
+    def stop_all() -> None:
+        _stop(procs)
+
     try:
         # Ctrl-C: the CLI's interrupt exit (twincache_app.interrupts) stops the ranks first (a SIGINT sent to the
         # launcher alone would leave them waiting in a collective); a KeyboardInterrupt
         # (where that exit is not installed) does the same here. Either way none is left behind.
-        with exit_cleanup.on_abrupt_exit(lambda: _stop(procs)):
+        with exit_cleanup.on_abrupt_exit(stop_all):
             return _wait(procs, logs)
     except KeyboardInterrupt:
         _stop(procs)
@@ -110,37 +117,121 @@ def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app
 
 
 def _wait(procs: list[subprocess.Popen], logs: list) -> int:
-    failed_at = None
-    while any(proc.poll() is None for proc in procs):
+    failed_at, stopped = None, set()
+    # Every rank is polled each round (a list, not any()'s generator, which stopped at the first one still running):
+    # a rank that dies before the first collective (loading) is seen while rank 0 waits for it at the rendezvous.
+    while None in [proc.poll() for proc in procs]:
         if failed_at is None and any(proc.returncode not in (None, 0) for proc in procs):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
-            _stop(procs)  # the others wait in a collective for a rank that is gone
+            stopped = _stop(procs)  # the others wait in a collective for a rank that is gone
             break
         time.sleep(0.05)
-    code = procs[0].returncode
-    others_failed = [r for r, proc in enumerate(procs[1:], 1) if proc.returncode not in (0, -signal.SIGTERM)]
-    if code >= 2 or (code >= 0 and not others_failed):
-        return code  # rank 0 ran to its end: it printed its result, or its one-line error
-    for r in others_failed:  # rank 0 was stopped (or succeeded) while another rank failed: say why, in one line
-        logs[r].seek(0)
-        lines = logs[r].read().decode(errors="replace").strip().splitlines()
-        print(f"twincache: rank {r} failed (exit {procs[r].returncode}): {lines[-1] if lines else 'no message'}",
-              file=sys.stderr)
-        return procs[r].returncode if procs[r].returncode > 0 else 2
-    print(f"twincache: rank 0 ended by signal {-code}", file=sys.stderr)
+    return _outcome([proc.returncode for proc in procs], logs, stopped)
+
+
+def _outcome(codes: list[int], logs: list, stopped: set[int]) -> int:
+    """The run's exit code, and one line on stderr naming the rank that ended it when rank 0 has not said why. A
+    rank's end that others only lost (PEER_LOST_EXIT) or that this launcher caused (`stopped`) is never the cause."""
+    world = len(codes)
+    if all(code == 0 for code in codes):
+        return 0
+    for r, code in enumerate(codes):  # killed from outside (by hand; SIGKILL also by the kernel, out of memory)
+        if code < 0 and r not in stopped:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            hint = " (sent by hand, or by the kernel when memory ran out)" if -code == signal.SIGKILL else ""
+            print(f"twincache: error: rank {r} of {world} was killed by {name}{hint}; the other ranks were stopped",
+                  file=sys.stderr)
+            return 2
+    if codes[0] not in (0, PEER_LOST_EXIT) and 0 not in stopped:
+        return codes[0]  # rank 0 ran to its end: it printed its result, or its one-line error
+    for r, code in enumerate(codes[1:], 1):  # another rank failed on its own: its last line says why
+        if code not in (0, PEER_LOST_EXIT) and r not in stopped:
+            logs[r].seek(0)
+            lines = logs[r].read().decode(errors="replace").strip().splitlines()
+            said = lines[-1].removeprefix("twincache: ").removeprefix("error: ") if lines else "no message"
+            print(f"twincache: error: rank {r} of {world} failed (exit {code}): {said}", file=sys.stderr)
+            return code if code > 0 else 2
+    print(f"twincache: error: the {world} ranks of this mesh run lost each other in a collective, and none said why "
+          f"(exit codes {codes})", file=sys.stderr)
     return 2
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
+def _stop(procs: list[subprocess.Popen]) -> set[int]:
+    """Stop every rank still running; returns which ranks it stopped."""
+    stopped = {r for r, proc in enumerate(procs) if proc.poll() is None}
+    for r in stopped:
+        procs[r].terminate()
+    for r in stopped:
         try:
-            proc.wait(timeout=10)
+            procs[r].wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            procs[r].kill()
+    return stopped
+
+
+def follow_launcher() -> None:
+    """In a rank that run_ranks started, before anything else: leave Ctrl-C to the launcher (a terminal's SIGINT
+    reaches the whole foreground group, and each rank said "interrupted" too; the launcher's exit stops the ranks),
+    and end with the launcher (Linux's parent-death signal), so that a launcher killed outright (SIGKILL, or the
+    SIGTERM of `timeout` or a job scheduler) leaves no rank running on."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher is None or not in_world():
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != int(launcher):  # it was gone before the call above: nothing would send the signal
+            os._exit(PEER_LOST_EXIT)
+
+
+# The words gloo and NCCL raise a collective with when another rank's process is gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker",
+              "NCCL communicator was aborted")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether `err`, in a rank, is a collective failing because another rank of the world is gone."""
+    if not in_world() or "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistNetworkError) or (
+        isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_GONE))
+
+
+def report_peer_lost(err: BaseException) -> int:
+    """A rank's exit when another rank is gone: under run_ranks, quietly with PEER_LOST_EXIT (the launcher knows
+    which rank ended and how, and says it in one line); under torchrun, one line of its own."""
+    if os.environ.get(LAUNCHER_ENV) is None:
+        first = str(err).split(". ")[0].split("] ")[-1]  # gloo's "[file:line] Connection closed by peer [addr]"
+        print(f"twincache: error: rank {rank()} lost another rank of its torch.distributed world in a collective "
+              f"({first}); that rank's own output says why it ended", file=sys.stderr)
+        return 2
+    return PEER_LOST_EXIT
+
+
+def check_world(mesh: MeshShape) -> None:
+    """Refuse, before joining, a torch.distributed environment this mesh cannot run in: RANK and WORLD_SIZE set (so
+    this command is taken for a rank, as under torchrun) without MASTER_ADDR and MASTER_PORT (torch said "unexpected
+    ValueError ... environment variable MASTER_ADDR expected"), or a world of another size than the mesh (rank 0
+    waited at the rendezvous for ranks that never come)."""
+    from twincache.errors import MeshError
+
+    world = os.environ.get("WORLD_SIZE", "")
+    given = f"RANK={os.environ.get('RANK')} WORLD_SIZE={world}"
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise MeshError(f"{given} in the environment make this command one rank of a torch.distributed world (as "
+                        f"torchrun starts them), but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                        "not set; unset RANK and WORLD_SIZE (left from another job?) to let twincache start its own "
+                        "ranks, or run it under torchrun")
+    if not world.isdigit() or int(world) != mesh.devices:
+        raise MeshError(f"mesh {mesh} needs {mesh.devices} ranks, but {given} in the environment; start "
+                        f"{mesh.devices} ranks (torchrun --nproc-per-node), or unset RANK and WORLD_SIZE to let "
+                        "twincache start its own")
 
 
 def init_rank() -> None:
@@ -190,5 +281,6 @@ def finish_rank() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["in_world", "rank", "cpu_cores", "simulate_cpu_devices", "run_ranks", "init_rank", "check_torch_devices",
+__all__ = ["LAUNCHER_ENV", "PEER_LOST_EXIT", "in_world", "rank", "cpu_cores", "simulate_cpu_devices", "run_ranks",
+           "follow_launcher", "peer_lost", "report_peer_lost", "check_world", "init_rank", "check_torch_devices",
            "finish_rank"]
