@@ -124,6 +124,17 @@ def test_a_run_with_no_step_after_the_first_reports_no_decode_speed(tiny_model_d
     assert record["decode_steps"] == 1 and record["decode_tok_s"] is None, record
 
 
+def test_a_rank_left_in_the_environment_without_a_world_is_no_rank(tiny_model_dir, capsys, monkeypatch):
+    """RANK=1 without WORLD_SIZE (a variable left from another job) made a one-device run take itself for rank 1 of
+    a torch world: its summary line was dropped without a word."""
+    from twincache_app import cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["generate", "--mode", "eager", "--model", str(tiny_model_dir), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("[torch "), "the summary line is printed"
+
+
 # --- transformers-written checkpoints -----------------------------------------------------------------------------
 
 

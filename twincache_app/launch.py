@@ -49,8 +49,8 @@ def in_world() -> bool:
 
 
 def rank() -> int:
-    """This process's rank (0 outside a world)."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank (0 outside a world: a RANK without WORLD_SIZE, left from another job, is none)."""
+    return int(os.environ["RANK"]) if in_world() else 0
 
 
 def cpu_cores() -> int:
