@@ -188,6 +188,20 @@ def test_a_prompt_that_starts_with_a_dash_is_told_how_to_pass_it(capsys):
     assert_one_line_error(code, err, "argument --prompt: expected one argument (see --help)")
 
 
+def test_a_prompt_typed_at_a_terminal_is_asked_for(checkpoints, capsys, monkeypatch):
+    """`--prompt-file -` with stdin on a terminal waited without a word for the prompt to be typed; a pipe or file
+    is read without the line."""
+    for tty in (True, False):
+        stdin = io.TextIOWrapper(io.BytesIO(b"1,2,3"))
+        monkeypatch.setattr(stdin, "isatty", lambda tty=tty: tty)
+        monkeypatch.setattr(sys, "stdin", stdin)
+        code, out, err = run_in_process(["generate", "--mode", "eager", "--max-new-tokens", "2", "--json", "--model",
+                                         str(checkpoints["gqa"]), "--prompt-ids-file", "-"], capsys)
+        assert code == 0 and json.loads(out)["prompt_ids"] == [1, 2, 3], err
+        said = "twincache: reading --prompt-ids-file from the terminal; end it with Ctrl-D"
+        assert (said in err) == tty, err
+
+
 def test_stdin_that_is_closed_is_one_line(checkpoints, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)  # as when started with `<&-`
     code, _, err = run_in_process(["generate", "--model", str(checkpoints["gqa"]), "--prompt-ids-file", "-"], capsys)

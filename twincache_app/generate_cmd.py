@@ -168,6 +168,9 @@ def read_prompt_source(path: str, flag: str) -> bytes:
         if sys.stdin is None:  # started with stdin closed (`<&-`)
             raise InputError(f"{flag} - reads stdin, but stdin is closed; give a file path")
         if not _STDIN_READ:
+            if sys.stdin.isatty():  # else the terminal waits without a word for what it should type
+                print(f"twincache: reading {flag} from the terminal; end it with Ctrl-D on a line of its own",
+                      file=sys.stderr, flush=True)
             _STDIN_READ.append(sys.stdin.buffer.read())
         return _STDIN_READ[0]
     try:
