@@ -69,6 +69,9 @@ FUSED_BLOCK_SECONDS = 0.1
 FIRST_BLOCK_STEPS = 1
 _CACHE_HINT = cache_checks.cache_hint("jax_cache") + ", or a kind name"
 MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
+# 3.4e38: higher temperatures (finite in Python, inf as float32) sample as this one, a uniform draw from the
+# kept tokens
+MAX_TEMPERATURE = float(jnp.finfo(jnp.float32).max)
 # top-k and top-p look for their cuts among this many most probable tokens first, and sort the whole vocabulary only
 # when top_k reaches past them or their mass stays under top_p: XLA-CPU sorts a 49,152-token row in ~20 ms (top_k of
 # 1,024: ~0.9 ms), a 135M model's step is ~40 ms.
@@ -90,7 +93,8 @@ def _sampling_kind(sampling: SamplingParams) -> str:
 def _knobs(sampling: SamplingParams) -> _Knobs:
     """The sampling settings as the arrays `_filter` takes: temperature [] float32, top_k [] int32, top_p [] float32
     (the seed lives in the PRNG key)."""
-    return jnp.float32(sampling.temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p)
+    temperature = min(sampling.temperature, MAX_TEMPERATURE)  # a float32 cast of more overflows, with a warning
+    return jnp.float32(temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p)
 
 
 @functools.partial(jax.jit, static_argnames=("filters",))
@@ -105,21 +109,24 @@ def _filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: 
     (filter_logits, sample, generate's first token): a lax.cond run eagerly compiles its branches again at every
     call (~2 s for a 49,152-token row), since they close over that call's arrays."""
     peak = jnp.max(logits, axis=-1, keepdims=True)  # [B, 1]
-    logits = (logits - peak) / jnp.maximum(temperature, MIN_TEMPERATURE)
+    temperature = jnp.maximum(temperature, MIN_TEMPERATURE)
+    scaled = (logits - peak) / temperature  # [B, V]
     if not filters:
-        return logits
+        return scaled
 
     def cut(sorted_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """From the first n logits of each row in descending order [B, n]: the smallest logit both filters keep
-        [B, 1], and whether those n decided it [] (else the tokens after them might count)."""
+        """From the first n unscaled logits of each row in descending order [B, n]: the smallest logit both filters
+        keep [B, 1], and whether those n decided it [] (else the tokens after them might count). Both cuts read the
+        unscaled logits, whose order the temperature keeps: scaled, distinct logits can round to one value (a huge T
+        made every token 0 and top_k=1 kept them all: a uniform draw, not the greedy token)."""
         n = sorted_logits.shape[-1]
         # top_k 0 keeps all; a top_k past n reads the n-th here, and the whole row decides
         kth = lax.dynamic_slice_in_dim(sorted_logits, jnp.clip(top_k, 1, n) - 1, 1, axis=-1)  # [B, 1]
         kth_largest = jnp.where(top_k > 0, kth, -jnp.inf)  # [B, 1]
         # top-p on the top-k survivors: their softmax's denominator (the top logit is 0), over the whole row
-        total = _sum_exactly(jnp.exp(jnp.where(logits < kth_largest, -jnp.inf, logits)))  # [B, 1]
-        survivors = jnp.where(sorted_logits < kth_largest, -jnp.inf, sorted_logits)  # [B, n], still sorted
-        cutoff, cut_inside = _top_p_cutoff(survivors, total, top_p)
+        total = _sum_exactly(jnp.exp(jnp.where(logits < kth_largest, -jnp.inf, scaled)))  # [B, 1]
+        survivors = jnp.where(sorted_logits < kth_largest, -jnp.inf, (sorted_logits - peak) / temperature)  # [B, n]
+        cutoff, cut_inside = _top_p_cutoff(survivors, total, top_p, sorted_logits)
         cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)  # top_p 1 keeps all: rounding in the sums must not cut
         decided = (top_k <= n) & ((top_p >= 1.0) | jnp.all(cut_inside))  # []
         return jnp.maximum(kth_largest, cutoff), decided
@@ -132,7 +139,7 @@ def _filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: 
         bound = lax.cond(decided, lambda: bound, from_whole_vocabulary)
     else:
         bound = from_whole_vocabulary()
-    return jnp.where(logits < bound, -jnp.inf, logits)
+    return jnp.where(logits < bound, -jnp.inf, scaled)
 
 
 def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
@@ -146,10 +153,12 @@ def filter_logits(logits: jax.Array, sampling: SamplingParams) -> jax.Array:
     return _filter(logits, *_knobs(sampling), _sampling_kind(sampling) == "filtered")
 
 
-def _top_p_cutoff(sorted_logits: jax.Array, total: jax.Array, top_p: jax.Array | float) -> tuple[jax.Array, jax.Array]:
-    """From the first N logits of each row sorted in descending order [B, N] and the softmax's denominator over the
-    whole row [B, 1]: the smallest logit top-p keeps [B, 1], and whether the cut fell inside those N [B, 1] (else the
-    tokens after them might be kept too). The masses are elementwise the whole row's, and a cumulative sum's prefix
+def _top_p_cutoff(sorted_logits: jax.Array, total: jax.Array, top_p: jax.Array | float,
+                  values: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """From the first N scaled logits of each row sorted in descending order [B, N] and the softmax's denominator
+    over the whole row [B, 1]: the smallest logit top-p keeps [B, 1] (read from `values` [B, N], the same tokens'
+    unscaled logits, when given), and whether the cut fell inside those N [B, 1] (else the tokens after them might
+    be kept too). The masses are elementwise the whole row's, and a cumulative sum's prefix
     does not depend on what follows it, so any N that holds the cut gives the whole vocabulary's answer."""
     masses = jnp.exp(sorted_logits)  # [B, N], unnormalised probabilities (the top logit is 0)
     # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
@@ -159,7 +168,7 @@ def _top_p_cutoff(sorted_logits: jax.Array, total: jax.Array, top_p: jax.Array |
     prefix = _prefix_sums_exactly(masses, total)  # [B, N]
     above = jnp.concatenate([jnp.zeros_like(prefix[:, :1]), prefix[:, :-1]], axis=-1) / total  # [B, N]
     kept = jnp.maximum(jnp.sum(above < top_p, axis=-1, keepdims=True), 1)  # [B, 1]
-    cutoff = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)  # [B, 1], the smallest logit kept
+    cutoff = jnp.take_along_axis(sorted_logits if values is None else values, kept - 1, axis=-1)  # [B, 1]
     return cutoff, kept < sorted_logits.shape[-1]
 
 
@@ -792,4 +801,4 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
 __all__ = ["MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS", "DecodeStep",
            "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body", "FusedCarry",
            "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket", "prefill",
-           "generate", "continue_generation", "MIN_TEMPERATURE", "TOP_P_CANDIDATES", "filter_logits"]
+           "generate", "continue_generation", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "TOP_P_CANDIDATES", "filter_logits"]

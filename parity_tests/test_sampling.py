@@ -6,6 +6,7 @@ the boundary included), tiny temperatures, and which token a seeded draw picks.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import jax
@@ -174,6 +175,33 @@ def test_sampling_tends_to_greedy_as_temperature_goes_to_zero(backend, model_log
             else:
                 picks = jg.sample(jnp.asarray(model_logits), sampling, jax.random.key(seed))
             np.testing.assert_array_equal(np.asarray(picks), model_logits.argmax(-1), err_msg=f"T={temperature}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_k_keeps_k_tokens_and_draws_them_uniformly_at_huge_temperatures(backend, model_logits):
+    """top-k keeps the k largest logits at any temperature: scaled by a huge T (up to a Python float past float32's
+    largest, which acts as it), distinct logits round to one value, and a cut on the scaled logits kept every tied
+    token, so top_k=1 drew uniformly from the whole vocabulary. The k survivors are then near-uniform (their
+    probabilities differ by < 1e-29): 3,000 draws of top_k=3, each count within 6 sigma of 1,000 (sigma 25.8; a
+    false failure has probability < 2e-9 per count, 1.2e-8 for the test, and its seeds are fixed). No numpy
+    overflow warning from the float32 cast of such a T."""
+    rows = model_logits[:4]
+    for temperature in (1e30, 3e38, 1e39, 1e300):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for top_k in (1, 3):
+                sampling = SamplingParams(temperature, top_k=top_k)
+                assert filtered(backend, rows, sampling) == oracle_kept(rows, sampling), (temperature, top_k)
+            assert drawn(backend, rows[0], SamplingParams(temperature, top_k=1), 200) == {int(rows[0].argmax())}
+            tiled = np.tile(rows[0], (3000, 1))
+            sampling = SamplingParams(temperature, top_k=3, seed=5)
+            if backend == "torch":
+                picks = tg.sample(torch.from_numpy(tiled), sampling, torch.tensor(5)).numpy()
+            else:
+                picks = np.asarray(jg.sample(jnp.asarray(tiled), sampling, jax.random.key(5)))
+        top3 = np.argsort(-rows[0].astype(np.float64))[:3]
+        counts = np.array([np.sum(picks == token) for token in top3])
+        assert counts.sum() == 3000 and np.all(np.abs(counts - 1000) < 6 * np.sqrt(3000 * 2 / 9)), counts.tolist()
 
 
 def test_jax_draws_equal_an_independent_gumbel_max_oracle(model_logits):

@@ -366,6 +366,8 @@ def test_same_seed_gives_same_tokens_and_seeds_matter(model):
 def test_top_k_one_equals_greedy(model, greedy):
     for seed in (0, 1):
         assert run(model, SamplingParams(temperature=1.5, top_k=1, seed=seed)).token_ids == greedy
+    # a huge temperature scales every logit to ~0, but top-k cuts the logits' order, not the scaled values
+    assert run(model, SamplingParams(temperature=1e39, top_k=1)).token_ids == greedy
 
 
 def test_tiny_top_p_equals_greedy(model, greedy):

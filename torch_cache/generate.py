@@ -62,6 +62,9 @@ from twincache.switches import switch
 MAX_DECODE_VARIANTS = 64
 _CACHE_HINT = cache_checks.cache_hint("torch_cache") + ", or a kind name"
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)  # 1.2e-38: lower temperatures sample as this one
+# 3.4e38: higher temperatures (finite in Python, inf as float32) sample as this one, a uniform draw from the
+# kept tokens
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, StaticCache, int | None], torch.Tensor]
 _MASK32 = 0xFFFFFFFF
 _Bits = TypeVar("_Bits", torch.Tensor, int)  # the 32-bit hash runs on tensors and on Python ints alike
@@ -78,7 +81,7 @@ def _sampling_kind(sampling: SamplingParams) -> str:
 
 def _knobs(sampling: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sampling settings as the tensors `_filter` takes: temperature [] fp32, top_k [] int64, top_p [] fp32."""
-    return (torch.tensor(sampling.temperature, dtype=torch.float32, device=device),
+    return (torch.tensor(min(sampling.temperature, MAX_TEMPERATURE), dtype=torch.float32, device=device),
             torch.tensor(sampling.top_k, dtype=torch.long, device=device),
             torch.tensor(sampling.top_p, dtype=torch.float32, device=device))
 
@@ -88,16 +91,19 @@ def _filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     """filter_logits with its settings as tensors (the form the compiled step takes). `filters` False skips the
     sort when top_k is 0 and top_p 1. [B, V]"""
     peak = logits.max(dim=-1, keepdim=True).values  # [B, 1]
-    logits = (logits - peak) / temperature.clamp(min=MIN_TEMPERATURE)
+    scaled = (logits - peak) / temperature.clamp(min=MIN_TEMPERATURE)  # [B, V]
     if not filters:
-        return logits
+        return scaled
     batch, vocab = logits.shape
+    # Both cuts read the unscaled logits, whose order the temperature keeps: scaled, distinct logits can round to one
+    # value (a huge T made every token 0 and top_k=1 kept them all: a uniform draw, not the greedy token).
     sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
     k = torch.where(top_k > 0, top_k, vocab).expand(batch, 1)  # [B, 1]; 0 keeps all V
     kth_largest = sorted_logits.gather(-1, k - 1)  # [B, 1]
     # Masking a sorted row by value keeps it sorted: it is the sorted row of the top-k survivors.
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))  # [B, V]
-    masses = sorted_logits.exp()  # [B, V], the survivors' unnormalised probabilities (the top logit is 0; cut: 0)
+    sorted_scaled = ((sorted_logits - peak) / temperature.clamp(min=MIN_TEMPERATURE)).masked_fill(
+        sorted_logits < kth_largest, float("-inf"))  # [B, V]
+    masses = sorted_scaled.exp()  # [B, V], the survivors' unnormalised probabilities (the top logit is 0; cut: 0)
     # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
     # NaN logits make every comparison false: they are reported by the caller, not indexed out of range here).
     # The mass above each token, as jax_cache computes it (docs/design.md §5): the exclusive prefix sum (0 first) of
@@ -108,7 +114,7 @@ def _filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     kept = (above < top_p).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
     kept = torch.where(top_p < 1.0, kept, vocab)  # top_p 1 keeps all: rounding in the cumsum must not cut the tail
     cutoff = sorted_logits.gather(-1, kept - 1)  # [B, 1], the smallest logit kept
-    return logits.masked_fill(logits < torch.maximum(kth_largest, cutoff), float("-inf"))
+    return scaled.masked_fill(logits < torch.maximum(kth_largest, cutoff), float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
@@ -864,4 +870,4 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: torch.dtype) -> Non
 
 
 __all__ = ["MAX_DECODE_VARIANTS", "DecodeStep", "sample", "decode_step_fn", "prefill", "generate",
-           "continue_generation", "MIN_TEMPERATURE", "filter_logits"]
+           "continue_generation", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "filter_logits"]
