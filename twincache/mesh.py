@@ -148,7 +148,9 @@ def check_batch(mesh: MeshShape, batch_size: int) -> None:
 def pad_batch(batch: Batch, data: int, on_token: TokenCallback | None) -> tuple[Batch, TokenCallback | None]:
     """A generation's batch with copies of its last row appended up to a multiple of `data`, so that any batch
     decodes on a data-split mesh, and an `on_token` that sees the real rows only; `keep_rows` drops the copies'
-    outputs afterwards. A copy decodes exactly as its row does, so it finishes when that row does."""
+    outputs afterwards. A greedy copy decodes exactly as its row does, so it finishes when that row does; a sampled
+    one draws its own noise (a row's draws depend on its index) and can run past its row's EOS, holding the loop
+    open for steps whose outputs are dropped (the tokens are right, the time is not: not yet fixed)."""
     rows, extra = len(batch.prompt_ids), -len(batch.prompt_ids) % data
     if not extra:
         return batch, on_token
