@@ -136,7 +136,8 @@ TORCH_ONLY_HELPERS = {
     **{f"generate.{name}": _TORCH_STEP for name in ("_decode_one_fn", "_entry_function", "_guard_skip_wanted",
                                                      "_can_skip_guards", "_dynamo_entries", "_frame_locals",
                                                      "_guards_pass")},
-    **{f"generate.{name}": _VARIANT_LIMIT for name in ("_variant_limit", "_must_make_room", "_make_room")},
+    **{f"generate.{name}": _VARIANT_LIMIT for name in ("_decode_variant_limit", "_variant_limit", "_must_make_room",
+                                                        "_make_room")},
     **{f"generate.{name}": _IN_FLIGHT for name in ("_overlap_wanted", "_outputs_replayed", "_rolled_back_if_unread",
                                                     "_roll_back")},
 }
