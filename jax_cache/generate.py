@@ -393,7 +393,13 @@ _fused_executables: dict[tuple, jax.stages.Compiled] = {}
 
 def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compiled, float]:
     """The compiled fused block for these argument shapes, compiled ahead of time once per shape so its compile time
-    is measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready)."""
+    is measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready).
+
+    Under the caller's `jax.disable_jit()` the block is the Python function itself, run op by op as every other jitted
+    function of the tower then is: an AOT executable refuses to run there (JAX's ValueError "Disable jit is not
+    supported in the AOT path" was the fused mode's traceback)."""
+    if jax.config.jax_disable_jit:  # type: ignore[attr-defined, unused-ignore]
+        return functools.partial(_fused_decode, *args[:1], **static), 0.0  # type: ignore[return-value]
     leaves, treedef = jax.tree_util.tree_flatten(args[1:])
     signature = (args[0], treedef, tuple((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves),
                  tuple(sorted(static.items())))

@@ -27,6 +27,7 @@ import jax_cache.generate as jg
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
 from parity_tests.conftest import WINDOW, save_hf_checkpoint
+from parity_tests.hf_greedy import greedy
 from parity_tests.mesh_jax_worker import written_in_place
 from twincache.errors import CacheError, InputError, StaleCacheError
 from twincache.generation import SamplingParams
@@ -482,6 +483,17 @@ def test_fused_and_step_modes_give_identical_tokens(model, sampling):
     assert fused.decode_steps == step.decode_steps == NEW_TOKENS - 1
     assert oracle_tokens(fused.step_logits, sampling) == fused.token_ids
     assert oracle_tokens(step.step_logits, sampling) == step.token_ids
+
+
+def test_the_fused_mode_runs_under_the_user_s_disable_jit(model, checkpoints):
+    """Under jax.disable_jit() the fused mode raised JAX's ValueError "Disable jit is not supported in the AOT path"
+    (a traceback; the step mode ran): its blocks now run op by op there, as every jitted function does. One fused
+    step (op by op costs a compile per primitive), after a jitted start, judged by transformers' greedy tokens."""
+    prompt = PROMPTS[0]
+    start = jg.generate(model, [prompt], 2, cache="static", max_cache_len=len(prompt) + 3)
+    with jax.disable_jit():
+        more = jg.continue_generation(model, start.cache, [start.token_ids[0][-1]], 1, fused=True)
+    assert start.token_ids[0] + more.token_ids[0] == greedy(checkpoints["gqa"], [prompt], 3)[0]
 
 
 def test_sampling_is_seeded_and_differs_from_greedy(model):
