@@ -485,6 +485,22 @@ def test_fused_and_step_modes_give_identical_tokens(model, sampling):
     assert oracle_tokens(step.step_logits, sampling) == step.token_ids
 
 
+@pytest.mark.parametrize(("setting", "value", "fused"), [("jax_default_prng_impl", "rbg", True),
+                                                        ("jax_threefry_partitionable", False, False)])
+def test_a_user_s_global_jax_setting_changes_no_seeded_token(model, setting, value, fused):
+    """A process's own JAX settings: under jax_default_prng_impl="rbg" or jax_threefry_partitionable=False a seed
+    drew other tokens than in a default process (the key and the draw now pin JAX's defaults). Judged by the
+    oracle, under JAX's defaults again."""
+    before = getattr(jax.config, setting)
+    jax.config.update(setting, value)
+    try:
+        result = jg.generate(model, PROMPTS[:1], 3, cache="sliding_window", sampling=SAMPLED, fused=fused,
+                             return_logits=True)
+    finally:
+        jax.config.update(setting, before)
+    assert result.token_ids == oracle_tokens(result.step_logits, SAMPLED)
+
+
 def test_the_fused_mode_runs_under_the_user_s_disable_jit(model, checkpoints):
     """Under jax.disable_jit() the fused mode raised JAX's ValueError "Disable jit is not supported in the AOT path"
     (a traceback; the step mode ran): its blocks now run op by op there, as every jitted function does. One fused

@@ -157,6 +157,8 @@ JAX_ONLY_HELPERS = {
     "generate._pick": "a step's choice of tokens with a static kind and eos and traced knobs; torch's _choose does "
                       "the same with every setting a tensor, in another order (the two cannot share a signature)",
     "generate._is_eos": "eos ids as a compile-time constant; torch's step takes them as a tensor (_eos_tensor)",
+    "generate._seed_key": "a seed's jax.random key, its PRNG implementation pinned against the process's default; "
+                          "torch's draw hashes the seed itself (_fold_in)",
     **{f"generate.{name}": _JITTED for name in ("_prefill", "_decode_step", "_sampled_step", "_fused_decode",
                                                  "_forward_last")},
     "generate._placed": _JAX_SPMD,
