@@ -23,6 +23,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from parity_tests.conftest import WINDOW, save_hf_checkpoint
+from parity_tests.hf_greedy import greedy as hf_greedy
 from torch_cache import generate as torch_generate
 from torch_cache.cache import SlidingWindowCache, StaticCache, make_cache
 from torch_cache.generate import generate, sample
@@ -239,6 +240,18 @@ def test_a_compiled_generation_leaves_the_user_s_recompile_limit_as_it_was(compi
                 assert torch._dynamo.config.recompile_limit == 1
     finally:
         torch._C._dynamo.eval_frame.reset_code(step.__code__)
+
+
+def test_a_compiled_generation_runs_eagerly_under_torch_compile_disable(model, checkpoints, caplog):
+    """TORCH_COMPILE_DISABLE=1 (torch._dynamo.config.disable): torch.compile runs functions eagerly, but under
+    fullgraph=True the decode step raised "torch.compile with fullgraph=True found no compiled frames" (the CLI's
+    "unexpected RuntimeError"), after announcing a compile. Now it decodes eagerly, as torch.compile then does, without
+    the notice; judged by transformers' greedy tokens."""
+    prompt = PROMPTS[1]
+    with torch._dynamo.config.patch(disable=True), caplog.at_level(logging.INFO, logger="twincache"):
+        result = generate(model, [prompt], 6, compile=True)
+    assert result.token_ids == hf_greedy(checkpoints["gqa"], [prompt], 6)
+    assert not [r for r in caplog.records if r.name == "twincache" and "compiling" in r.getMessage()]
 
 
 def test_a_dropped_model_is_freed_after_its_step_was_made(checkpoints):

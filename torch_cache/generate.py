@@ -463,11 +463,14 @@ class _DecodeSteps:
         token = object()  # this session, as _last_step_run records it
         skip_allowed = skip_guards and self.compiled and _can_skip_guards()
         steady: list[_DecodeOne | None] = [None]  # the entry the last fully checked step ran, as a function
+        eager: _DecodeOne = getattr(self.compiled_step, "_torchdynamo_orig_callable", self.compiled_step)
 
         def run(*args: object, repeats: bool) -> tuple[torch.Tensor, ...]:
             global _last_step_run
             if not self.compiled:
                 return self.step(*args)
+            if torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1: run eagerly, as torch.compile then does; under
+                return eager(*args)  # fullgraph=True it raised "torch.compile ... found no compiled frames" instead
             with _step_lock:
                 stance = torch._dynamo.eval_frame._stance  # kept: fail_on_recompile still fails, and so on
                 evaluated = (not stance.skip_guard_eval_unsafe and stance.stance in ("default", "fail_on_recompile")
@@ -681,7 +684,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         no_logits = torch.zeros(len(prompt_ids), 0, config.vocab_size, device=device) if return_logits else None
         return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
                                           0.0, 0, 0, no_logits, cache, "compiled" if compile else "eager"), rows)
-    if compile and max_new_tokens > 1:  # the first decode step compiles
+    if compile and max_new_tokens > 1 and not torch._dynamo.config.disable:  # the first decode step compiles
         announce_compile("torch.compile")
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
