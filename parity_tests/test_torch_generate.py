@@ -254,6 +254,18 @@ def test_a_compiled_generation_runs_eagerly_under_torch_compile_disable(model, c
     assert not [r for r in caplog.records if r.name == "twincache" and "compiling" in r.getMessage()]
 
 
+def test_a_generation_on_a_cpu_model_ignores_the_user_s_default_device(model, checkpoints):
+    """torch.set_default_device("cuda") (here "meta", which any CPU has) in a library user's process: a cache
+    generate built for a CPU model under 2 MiB (plain zeros, not huge-page host memory) landed on the default device,
+    and the call was refused as "input_ids is on cpu but the cache is on meta; move them to one device", inputs the
+    caller never placed. Judged by transformers' greedy tokens."""
+    prompt = PROMPTS[2]
+    with torch.device("meta"):
+        result = generate(model, [prompt], 6, cache="static", compile=False)
+    assert result.cache.keys[0].device.type == "cpu"
+    assert result.token_ids == hf_greedy(checkpoints["gqa"], [prompt], 6)
+
+
 def test_a_dropped_model_is_freed_after_its_step_was_made(checkpoints):
     """generate makes a model's compiled decode step (compiled at its first run) once per model, and the step's
     closure holds the model: kept in a table keyed by the model, it kept every model a process had decoded with alive,

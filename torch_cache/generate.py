@@ -529,7 +529,7 @@ class _HostCopies:
     def __init__(self, size: int, device: torch.device, replayed: bool) -> None:
         self.cuda = device.type == "cuda"
         self.copies = self.cuda or replayed
-        self.buffers = [torch.empty(size, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)] \
+        self.buffers = [torch.empty(size, dtype=torch.long, device="cpu", pin_memory=self.cuda) for _ in range(2)] \
             if self.copies else []
         self.turn = 0
 
