@@ -209,7 +209,15 @@ def _sample(logits: jax.Array, kind: str, knobs: _Knobs, key: jax.Array) -> jax.
     """sample() with the settings as the jitted steps take them: the `kind` (static) and the `knobs` (traced). [B]"""
     if kind == "greedy":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, _filter(logits, *knobs, kind == "filtered"), axis=-1).astype(jnp.int32)
+    # JAX's default since 0.5, pinned: a user's jax_threefry_partitionable=False drew other tokens for one seed
+    with jax.threefry_partitionable(True):
+        return jax.random.categorical(key, _filter(logits, *knobs, kind == "filtered"), axis=-1).astype(jnp.int32)
+
+
+def _seed_key(seed: int) -> jax.Array:
+    """The PRNG key of a generation's seed, as threefry2x32 whatever the process's default: a user's
+    jax_default_prng_impl ("rbg", "unsafe_rbg") drew other tokens for one seed than a default process did."""
+    return jax.random.key(seed, impl="threefry2x32")
 
 
 class ModelGraph:
@@ -402,7 +410,13 @@ _fused_executables: dict[tuple, jax.stages.Compiled] = {}
 
 def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compiled, float]:
     """The compiled fused block for these argument shapes, compiled ahead of time once per shape so its compile time
-    is measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready)."""
+    is measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready).
+
+    Under the caller's `jax.disable_jit()` the block is the Python function itself, run op by op as every other jitted
+    function of the tower then is: an AOT executable refuses to run there (JAX's ValueError "Disable jit is not
+    supported in the AOT path" was the fused mode's traceback)."""
+    if jax.config.jax_disable_jit:  # type: ignore[attr-defined, unused-ignore]
+        return functools.partial(_fused_decode, *args[:1], **static), 0.0  # type: ignore[return-value]
     leaves, treedef = jax.tree_util.tree_flatten(args[1:])
     signature = (args[0], treedef, tuple((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves),
                  tuple(sorted(static.items())))
@@ -638,7 +652,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     extra = ((0, 0), (bucket - prompt_len, 0))  # the bucket's extra columns are padding too
     ids_np = np.pad(ids_np, extra, constant_values=pad_token_id(config))  # [B, bucket]
     mask_np = np.pad(mask_np, extra)  # [B, bucket]
-    key = jax.random.key(sampling.seed)
+    key = _seed_key(sampling.seed)
     # the prefill and the decode loop or step are jitted; one new token is the prefill's alone (no decode step)
     announce_compile("XLA", "the decode step" if max_new_tokens > 1 else "the prefill")
     start = time.perf_counter()
@@ -701,7 +715,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
         forced = pad_rows(validate_forced_tokens(forced_tokens, rows, max_new_tokens, config), batch)
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     graph, params = split_model(model)
-    key, kind, knobs = jax.random.key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
+    key, kind, knobs = _seed_key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
     state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, first_step)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     # [B, N, V]: each step or block is written in at its step (_write_logits); on a mesh, rows on `data` as the logits

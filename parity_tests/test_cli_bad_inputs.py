@@ -334,6 +334,19 @@ def test_a_mode_of_another_backend_is_one_line_exit_2(bad_checkpoints, capsys, b
     assert out == "" and "Traceback" not in line
 
 
+def test_an_inductor_cache_dir_that_cannot_be_made_is_one_line_exit_2(bad_checkpoints, capsys, monkeypatch,
+                                                                      tmp_path):
+    """TORCHINDUCTOR_CACHE_DIR torch cannot create: its first import of torch._dynamo raised FileNotFoundError, and
+    the run ended with "unexpected FileNotFoundError: ... '/proc/nope'" (in a fresh process; here torch._dynamo is
+    imported already, so without the check the run would succeed). A directory under a file fails even for root."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "a_file" / "inductor"))
+    code, out, err = run_in_process(argv_for("torch", bad_checkpoints["good"], []), capsys)
+    assert_one_line_error(code, err, f"TORCHINDUCTOR_CACHE_DIR {tmp_path / 'a_file' / 'inductor'} is not a writable "
+                                     "directory (Not a directory); point it at a writable directory, or unset it")
+    assert out == ""
+
+
 def _entry_point() -> list[str]:
     """The installed `twincache` script next to this interpreter, else `python -m twincache_app.cli`."""
     script = Path(sys.executable).with_name("twincache")

@@ -27,6 +27,7 @@ import jax_cache.generate as jg
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
 from parity_tests.conftest import WINDOW, save_hf_checkpoint
+from parity_tests.hf_greedy import greedy
 from parity_tests.mesh_jax_worker import written_in_place
 from twincache.errors import CacheError, InputError, StaleCacheError
 from twincache.generation import SamplingParams
@@ -482,6 +483,33 @@ def test_fused_and_step_modes_give_identical_tokens(model, sampling):
     assert fused.decode_steps == step.decode_steps == NEW_TOKENS - 1
     assert oracle_tokens(fused.step_logits, sampling) == fused.token_ids
     assert oracle_tokens(step.step_logits, sampling) == step.token_ids
+
+
+@pytest.mark.parametrize(("setting", "value", "fused"), [("jax_default_prng_impl", "rbg", True),
+                                                        ("jax_threefry_partitionable", False, False)])
+def test_a_user_s_global_jax_setting_changes_no_seeded_token(model, setting, value, fused):
+    """A process's own JAX settings: under jax_default_prng_impl="rbg" or jax_threefry_partitionable=False a seed
+    drew other tokens than in a default process (the key and the draw now pin JAX's defaults). Judged by the
+    oracle, under JAX's defaults again."""
+    before = getattr(jax.config, setting)
+    jax.config.update(setting, value)
+    try:
+        result = jg.generate(model, PROMPTS[:1], 3, cache="sliding_window", sampling=SAMPLED, fused=fused,
+                             return_logits=True)
+    finally:
+        jax.config.update(setting, before)
+    assert result.token_ids == oracle_tokens(result.step_logits, SAMPLED)
+
+
+def test_the_fused_mode_runs_under_the_user_s_disable_jit(model, checkpoints):
+    """Under jax.disable_jit() the fused mode raised JAX's ValueError "Disable jit is not supported in the AOT path"
+    (a traceback; the step mode ran): its blocks now run op by op there, as every jitted function does. One fused
+    step (op by op costs a compile per primitive), after a jitted start, judged by transformers' greedy tokens."""
+    prompt = PROMPTS[0]
+    start = jg.generate(model, [prompt], 2, cache="static", max_cache_len=len(prompt) + 3)
+    with jax.disable_jit():
+        more = jg.continue_generation(model, start.cache, [start.token_ids[0][-1]], 1, fused=True)
+    assert start.token_ids[0] + more.token_ids[0] == greedy(checkpoints["gqa"], [prompt], 3)[0]
 
 
 def test_sampling_is_seeded_and_differs_from_greedy(model):

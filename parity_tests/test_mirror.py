@@ -136,7 +136,8 @@ TORCH_ONLY_HELPERS = {
     **{f"generate.{name}": _TORCH_STEP for name in ("_decode_one_fn", "_entry_function", "_guard_skip_wanted",
                                                      "_can_skip_guards", "_dynamo_entries", "_frame_locals",
                                                      "_guards_pass")},
-    **{f"generate.{name}": _VARIANT_LIMIT for name in ("_variant_limit", "_must_make_room", "_make_room")},
+    **{f"generate.{name}": _VARIANT_LIMIT for name in ("_decode_variant_limit", "_variant_limit", "_must_make_room",
+                                                        "_make_room")},
     **{f"generate.{name}": _IN_FLIGHT for name in ("_overlap_wanted", "_outputs_replayed", "_rolled_back_if_unread",
                                                     "_roll_back")},
 }
@@ -156,6 +157,8 @@ JAX_ONLY_HELPERS = {
     "generate._pick": "a step's choice of tokens with a static kind and eos and traced knobs; torch's _choose does "
                       "the same with every setting a tensor, in another order (the two cannot share a signature)",
     "generate._is_eos": "eos ids as a compile-time constant; torch's step takes them as a tensor (_eos_tensor)",
+    "generate._seed_key": "a seed's jax.random key, its PRNG implementation pinned against the process's default; "
+                          "torch's draw hashes the seed itself (_fold_in)",
     **{f"generate.{name}": _JITTED for name in ("_prefill", "_decode_step", "_sampled_step", "_fused_decode",
                                                  "_forward_last")},
     "generate._placed": _JAX_SPMD,

@@ -23,6 +23,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from parity_tests.conftest import WINDOW, save_hf_checkpoint
+from parity_tests.hf_greedy import greedy as hf_greedy
 from torch_cache import generate as torch_generate
 from torch_cache.cache import SlidingWindowCache, StaticCache, make_cache
 from torch_cache.generate import generate, sample
@@ -168,7 +169,10 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cache = SlidingWindowCache(compiled_model.config, 1, len(first_prompt) + new_tokens)
     allocated = pointers(cache)
     before = graph_stats()
-    first = generate(first_model, [first_prompt], new_tokens, cache=cache, compile=True, return_logits=True)
+    # a user's own recompile_limit, lowered to catch their recompiles: left as it was
+    with torch._dynamo.config.patch(recompile_limit=1):
+        first = generate(first_model, [first_prompt], new_tokens, cache=cache, compile=True, return_logits=True)
+        user_limit = torch._dynamo.config.recompile_limit
     after_first = graph_stats()
     after_first_pointers = pointers(cache)
     second_cache = SlidingWindowCache(compiled_model.config, 1, len(second_prompt) + new_tokens)
@@ -193,7 +197,7 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     gc.collect()
     return dict(model=compiled_model, prompts=(first_prompt, second_prompt), new_tokens=new_tokens,
                 results=(first, second), cache=cache, allocated=allocated, after_first_pointers=after_first_pointers,
-                stats=(before, after_first, after_second), dropped=dropped)
+                stats=(before, after_first, after_second), dropped=dropped, user_limit=user_limit)
 
 
 def test_compiled_decode_equals_eager(compiled):
@@ -216,6 +220,50 @@ def test_decode_compiles_once_and_never_recompiles_across_window_wraps(compiled)
     assert after_first["graph_breaks"] == before["graph_breaks"], "fullgraph=True: no graph breaks"
     # The second generation ran under fail_on_recompile (any recompile raises) and added nothing.
     assert after_second == after_first
+
+
+def test_a_compiled_generation_leaves_the_user_s_recompile_limit_as_it_was(compiled):
+    """The decode step needs up to MAX_DECODE_VARIANTS entries, and raised dynamo's process-wide recompile_limit
+    to it for good at its first compile (a user's limit of 1 came back as 64); now only while its own steps run, so
+    they compile past a user's lower limit (a step of the same machinery with dynamo's eager backend here)."""
+    assert compiled["user_limit"] == 1
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    steps = torch_generate._DecodeSteps(torch.compile(step, backend="eager", fullgraph=True, dynamic=False),
+                                        contextlib.ExitStack, compiled=True)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for size in (1, 2, 3):  # three variants of the step's code
+                assert steps(torch.ones(size)).tolist() == [2.0] * size
+                assert torch._dynamo.config.recompile_limit == 1
+    finally:
+        torch._C._dynamo.eval_frame.reset_code(step.__code__)
+
+
+def test_a_compiled_generation_runs_eagerly_under_torch_compile_disable(model, checkpoints, caplog):
+    """TORCH_COMPILE_DISABLE=1 (torch._dynamo.config.disable): torch.compile runs functions eagerly, but under
+    fullgraph=True the decode step raised "torch.compile with fullgraph=True found no compiled frames" (the CLI's
+    "unexpected RuntimeError"), after announcing a compile. Now it decodes eagerly, as torch.compile then does, without
+    the notice; judged by transformers' greedy tokens."""
+    prompt = PROMPTS[1]
+    with torch._dynamo.config.patch(disable=True), caplog.at_level(logging.INFO, logger="twincache"):
+        result = generate(model, [prompt], 6, compile=True)
+    assert result.token_ids == hf_greedy(checkpoints["gqa"], [prompt], 6)
+    assert not [r for r in caplog.records if r.name == "twincache" and "compiling" in r.getMessage()]
+
+
+def test_a_generation_on_a_cpu_model_ignores_the_user_s_default_device(model, checkpoints):
+    """torch.set_default_device("cuda") (here "meta", which any CPU has) in a library user's process: a cache
+    generate built for a CPU model under 2 MiB (plain zeros, not huge-page host memory) landed on the default device,
+    and the call was refused as "input_ids is on cpu but the cache is on meta; move them to one device", inputs the
+    caller never placed. Judged by transformers' greedy tokens."""
+    prompt = PROMPTS[2]
+    with torch.device("meta"):
+        result = generate(model, [prompt], 6, cache="static", compile=False)
+    assert result.cache.keys[0].device.type == "cpu"
+    assert result.token_ids == hf_greedy(checkpoints["gqa"], [prompt], 6)
 
 
 def test_a_dropped_model_is_freed_after_its_step_was_made(checkpoints):
@@ -300,7 +348,9 @@ def test_a_step_at_dynamo_s_limit_drops_its_compiled_variants_and_keeps_running(
     def notices() -> list[str]:
         return [record.getMessage() for record in caplog.records if record.name == "twincache"]
 
-    # (torch.compile's config patch: monkeypatch's undo hides a torch config entry)
+    # (torch.compile's config patch: monkeypatch's undo hides a torch config entry; a step raises the limit to
+    # MAX_DECODE_VARIANTS while it runs)
+    monkeypatch.setattr(torch_generate, "MAX_DECODE_VARIANTS", 2)
     try:
         with torch._dynamo.config.patch(recompile_limit=2):
             with caplog.at_level(logging.WARNING, logger="twincache"):

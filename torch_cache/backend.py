@@ -13,7 +13,7 @@ import torch
 from torch_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from torch_cache.cache import StaticCache, usable_device
 from torch_cache.generate import generate as _generate
-from torch_cache.inductor_cpu import start_compiler_probe
+from torch_cache.inductor_cpu import check_cache_dir, start_compiler_probe
 from torch_cache.model import Mistral
 from twincache import cache_checks
 from twincache.checkpoint import resolve_dtype
@@ -37,6 +37,7 @@ def load(path: str | Path, dtype: str = "float32", device: str | None = None,
     sees one), or this rank's part of it on a `mesh` of the torch.distributed world's processes
     (docs/design.md §10). dtype "auto" is the checkpoint's stored dtype, as transformers' from_pretrained picks
     it."""
+    check_cache_dir()  # before anything imports torch._dynamo, which creates it
     dtype = resolve_dtype(dtype, path)
     if mesh is not None:
         return Mistral.from_pretrained(path, getattr(torch, check_dtype(dtype)),

@@ -290,7 +290,7 @@ def host_buffers(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, prefault
     # read at every allocation, so a bad TWINCACHE_HUGE_PAGES is refused for a tiny model too, not only past 2 MiB
     hugepages.huge_pages_wanted()
     if total < hugepages.HUGE_PAGE:  # at most one TLB entry to save, and a whole 2 MiB page to take for it
-        return [torch.zeros(shape, dtype=dtype) for shape in shapes]
+        return [torch.zeros(shape, dtype=dtype, device="cpu") for shape in shapes]  # host, not the default device
     arena = hugepages.host_buffer(total)  # [total] uint8
     if prefault:
         arena[...] = 0  # already zeros (a fresh mapping): this takes the pages now, not in the middle of a decode

@@ -259,11 +259,6 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
     slot = getattr(model, _DECODE_STEPS, None)
     steps = slot.steps_of(model) if isinstance(slot, _StepSlot) else None
     if steps is None:
-        # Dynamo keys its graphs on this one code object, so every (model shape, cache kind, batch, dtype, bucket
-        # kind) a process decodes with is one entry; the default limit of 8 would make the 9th a hard error under
-        # fullgraph=True. The tests count the compiles of a generation with fail_on_recompile. At the limit, _make_room
-        # drops the step's entries before another compile instead of failing (docs/design.md §5).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_VARIANTS)
         # Static shapes (batch and cache sizes specialise), but the bucket is symbolic where this torch can say so:
         # one graph then serves every partial bucket, and the whole cache is one more (docs/design.md §7.13).
         # Elsewhere each bucket compiles once.
@@ -390,6 +385,23 @@ def _entry_function(compiled: object, args: Sequence[object]) -> _DecodeOne | No
                               original.__closure__)
 
 
+@contextlib.contextmanager
+def _decode_variant_limit() -> Iterator[None]:
+    """Dynamo's recompile_limit at least MAX_DECODE_VARIANTS for the steps run inside: dynamo keys its graphs on
+    the one decode-step code object, so every (model shape, cache kind, batch, dtype, bucket, sampling kind) a process
+    decodes with is one entry, and the default limit of 8 made the 9th a hard error under fullgraph=True (at the
+    limit, _make_room drops the step's entries instead, docs/design.md §5). The limit is the user's process-wide
+    setting (one lowered to catch their own recompiles; the module raised it to 64 for good at the first compiled
+    decode): it is theirs again after each step. Entered under _step_lock, so no two steps' restores interleave."""
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    config.recompile_limit = max(before, MAX_DECODE_VARIANTS)
+    try:
+        yield
+    finally:
+        config.recompile_limit = before
+
+
 def _variant_limit() -> int:
     """The compiled entries one code object may hold before dynamo refuses another (FailOnRecompileLimitHit under
     fullgraph=True): its recompile_limit, or its cap over all of a code object's regions where that is lower."""
@@ -457,11 +469,14 @@ class _DecodeSteps:
         token = object()  # this session, as _last_step_run records it
         skip_allowed = skip_guards and self.compiled and _can_skip_guards()
         steady: list[_DecodeOne | None] = [None]  # the entry the last fully checked step ran, as a function
+        eager: _DecodeOne = getattr(self.compiled_step, "_torchdynamo_orig_callable", self.compiled_step)
 
         def run(*args: object, repeats: bool) -> tuple[torch.Tensor, ...]:
             global _last_step_run
             if not self.compiled:
                 return self.step(*args)
+            if torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1: run eagerly, as torch.compile then does; under
+                return eager(*args)  # fullgraph=True it raised "torch.compile ... found no compiled frames" instead
             with _step_lock:
                 stance = torch._dynamo.eval_frame._stance  # kept: fail_on_recompile still fails, and so on
                 evaluated = (not stance.skip_guard_eval_unsafe and stance.stance in ("default", "fail_on_recompile")
@@ -470,8 +485,9 @@ class _DecodeSteps:
                 _last_step_run = token
                 if not skip:
                     steady[0] = None
-                    _make_room(self.compiled_step, args)  # a step that may compile: under the lock, as every step
-                    outputs = self.step(*args)
+                    with _decode_variant_limit():  # a step that may compile: under the lock, as every step
+                        _make_room(self.compiled_step, args)
+                        outputs = self.step(*args)
                     if skip_allowed and self.entry_calls and evaluated:  # under the lock: no other step ran since
                         steady[0] = _entry_function(self.compiled_step, args)
                     return outputs
@@ -519,7 +535,7 @@ class _HostCopies:
     def __init__(self, size: int, device: torch.device, replayed: bool) -> None:
         self.cuda = device.type == "cuda"
         self.copies = self.cuda or replayed
-        self.buffers = [torch.empty(size, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)] \
+        self.buffers = [torch.empty(size, dtype=torch.long, device="cpu", pin_memory=self.cuda) for _ in range(2)] \
             if self.copies else []
         self.turn = 0
 
@@ -674,7 +690,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         no_logits = torch.zeros(len(prompt_ids), 0, config.vocab_size, device=device) if return_logits else None
         return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
                                           0.0, 0, 0, no_logits, cache, "compiled" if compile else "eager"), rows)
-    if compile and max_new_tokens > 1:  # the first decode step compiles
+    if compile and max_new_tokens > 1 and not torch._dynamo.config.disable:  # the first decode step compiles
         announce_compile("torch.compile")
     start = time.perf_counter()
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),

@@ -18,14 +18,28 @@ import re
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from twincache.storage import writable_directory
 
 if TYPE_CHECKING:
     from torch._inductor.cpu_vec_isa import VecISA
 
-__all__ = ["start_compiler_probe", "batched_kernels", "balanced_groups", "library_source"]
+__all__ = ["check_cache_dir", "start_compiler_probe", "batched_kernels", "balanced_groups", "library_source"]
 
 _compiler_probe: threading.Thread | None = None
+
+
+def check_cache_dir() -> None:
+    """Refuse a TORCHINDUCTOR_CACHE_DIR that cannot be a writable directory, in one line naming it (StorageError).
+    torch creates it when torch._dynamo is first imported (a cache marks its buffers static, inductor's checks load
+    here): one it cannot create ended a run with "unexpected FileNotFoundError: [Errno 2] No such file or directory:
+    '/proc/nope'", which named neither the variable nor what to do."""
+    directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if directory:
+        writable_directory(Path(directory), "TORCHINDUCTOR_CACHE_DIR",
+                           "point it at a writable directory, or unset it (inductor keeps its compiled kernels there)")
 
 
 def start_compiler_probe() -> None:
