@@ -33,7 +33,7 @@ from twincache.config import MistralConfig
 from twincache.errors import CacheError
 
 BACKENDS = ["torch", "jax"]
-EXAMPLES = {"torch": 60, "jax": 25}  # JAX runs these tiny ops eagerly, compiling each new shape: ~0.5 s an example
+EXAMPLES = {"torch": 60, "jax": 18}  # JAX runs these tiny ops eagerly, compiling each new shape: ~0.5 s an example
 
 HEAD_DIM = 2  # the smallest even head_dim the config accepts
 

@@ -696,6 +696,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     impls = resolve_implementations(args.modes)
+    if args.max_new_tokens < 2:  # one token is the prefill's alone: a PASS would judge no decode step
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 2 for a parity run: the first token "
+                         "comes from the prefill, the decode steps (each reading the cache) from the second on")
     with notices_on_stderr(not args.json):  # a first run converts the default model: seconds, said before
         model_dir = args.model if args.model is not None else default_model_dir()
     config = model_config(args, model_dir)
@@ -703,9 +706,6 @@ def run(args: argparse.Namespace) -> int:
     # several: one left-padded batch, each row against its own truth
     prompts, _ = resolve_prompts(args, model_dir, config.vocab_size)
     validate_prompts(prompts, config)
-    if args.max_new_tokens < 2:  # one token is the prefill's alone: a PASS would judge no decode step
-        raise InputError(f"--max-new-tokens {args.max_new_tokens} must be >= 2 for a parity run: the first token "
-                         "comes from the prefill, the decode steps (each reading the cache) from the second on")
     # as the towers' generate would, but before the float64 reference decodes every one of those steps
     longest = max(len(prompt) for prompt in prompts)
     check_positions(config, longest, args.max_new_tokens, longest + args.max_new_tokens - 1)
