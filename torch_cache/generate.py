@@ -91,7 +91,8 @@ def _filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     """filter_logits with its settings as tensors (the form the compiled step takes). `filters` False skips the
     sort when top_k is 0 and top_p 1. [B, V]"""
     peak = logits.max(dim=-1, keepdim=True).values  # [B, 1]
-    scaled = (logits - peak) / temperature.clamp(min=MIN_TEMPERATURE)  # [B, V]
+    temperature = temperature.clamp(min=MIN_TEMPERATURE)  # []
+    scaled = (logits - peak) / temperature  # [B, V]
     if not filters:
         return scaled
     batch, vocab = logits.shape
@@ -101,7 +102,7 @@ def _filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor
     k = torch.where(top_k > 0, top_k, vocab).expand(batch, 1)  # [B, 1]; 0 keeps all V
     kth_largest = sorted_logits.gather(-1, k - 1)  # [B, 1]
     # Masking a sorted row by value keeps it sorted: it is the sorted row of the top-k survivors.
-    sorted_scaled = ((sorted_logits - peak) / temperature.clamp(min=MIN_TEMPERATURE)).masked_fill(
+    sorted_scaled = ((sorted_logits - peak) / temperature).masked_fill(
         sorted_logits < kth_largest, float("-inf"))  # [B, V]
     masses = sorted_scaled.exp()  # [B, V], the survivors' unnormalised probabilities (the top logit is 0; cut: 0)
     # Keep a token while the tokens ranked above it hold less than top_p; the top token always stays (also when
