@@ -295,9 +295,13 @@ class DecodeState(NamedTuple):
 
 
 def initial_state(tokens: jax.Array, positions: jax.Array, cache: StaticCache, eos: tuple[int, ...],
-                  first_step: int) -> DecodeState:
-    """The state before the first decode step: rows whose token is one of the `eos` ids are finished already."""
+                  first_step: int, live_rows: int | None = None) -> DecodeState:
+    """The state before the first decode step: rows whose token is one of the `eos` ids are finished already, and so
+    are the rows from `live_rows` on (a data split's padding rows, twincache.mesh.pad_batch: a sampled copy draws
+    its own tokens and would keep the batch decoding after every real row has ended)."""
     finished = _is_eos(tokens, eos)  # [B]; all False for eos=()
+    if live_rows is not None and eos:
+        finished = finished | (jnp.arange(tokens.shape[0]) >= live_rows)  # [B]
     return _placed(DecodeState(tokens, positions, finished, jnp.int32(first_step), jnp.int32(-1), cache))
 
 
@@ -664,14 +668,15 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
     if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
         on_token(list(first))
-    rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
+    # The real rows only: continue_generation gives a data split's padding rows their copies again, finished
+    rest = continue_generation(model, cache, first[:rows], max_new_tokens - 1, sampling=sampling, fused=fused,
                                on_token=on_token, return_logits=return_logits,
-                               forced_tokens=None if forced is None else forced[:, 1:], first_step=1)
+                               forced_tokens=None if forced is None else forced[:rows, 1:], first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids)]
-    step_logits = jnp.concatenate([logits[:, None], rest.step_logits], axis=1) if return_logits else None
-    return keep_rows(dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
-                                         prefill_s=prefill_s, step_logits=step_logits), rows)  # [B, steps, V] logits
+    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids, strict=False)]
+    step_logits = jnp.concatenate([logits[:rows, None], rest.step_logits], axis=1) if return_logits else None
+    return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids[:rows], token_ids=tokens,
+                               prefill_s=prefill_s, step_logits=step_logits)  # [rows, steps, V] logits
 
 
 def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequence[int], max_new_tokens: int, *,
@@ -716,7 +721,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, kind, knobs = _seed_key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
-    state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, first_step)
+    state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, first_step, rows)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     # [B, N, V]: each step or block is written in at its step (_write_logits); on a mesh, rows on `data` as the logits
     placement = None if cache.mesh is None else sharding.batch_sharding(cache)
@@ -724,7 +729,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                   if return_logits else None)
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
-    all_done = bool(eos) and all(t in eos for t in last_tokens)
+    all_done = bool(eos) and all(t in eos for t in last_tokens[:rows])
     if fused and max_new_tokens and not all_done:
         taken = 0  # steps of the blocks before this one (a row that ended appends no token, but has its logits)
 

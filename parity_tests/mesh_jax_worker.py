@@ -22,6 +22,7 @@ import jax_cache.generate as jg
 from jax_cache import backend, sharding
 from jax_cache.cache import StaticCache
 from jax_cache.model import Mistral
+from parity_tests import mesh_weights
 from parity_tests.mesh_weights import reload_at_the_boundary
 from twincache.generation import SamplingParams
 
@@ -118,6 +119,7 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
         write_hlo(out, sharded[("gqa", 2, 4)], single["gqa"].config.vocab_size, record)
         record["handoff"] = handoff(checkpoints, sharded)
         record["chunked"] = chunked(single, sharded, logits)
+        record["padded"] = padded(checkpoints["gqa"], single["gqa"], sharded[("gqa", 2, 4)].mesh, out)
     record["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     (out / "jax.json").write_text(json.dumps(record))
     np.savez(out / "jax_logits.npz", **logits)
@@ -204,6 +206,20 @@ def chunked(single: dict[str, Mistral], sharded: dict[tuple, Mistral],
                       "cache_spec": str(result.cache.keys[0].sharding.spec)})
     logits["chunked_reference"] = np.asarray(reference.step_logits)
     return cases
+
+
+def padded(checkpoint: Path, single: Mistral, mesh: jax.sharding.Mesh, out: Path) -> dict[str, object]:
+    """One sampled row on a data split of 2, in each mode, with an EOS id it emits and its padding copy never does
+    (mesh_weights.pick_eos): the tokens, the decode steps, and one device's free run that picked the id."""
+    sampling = SamplingParams(temperature=mesh_weights.PADDED_TEMPERATURE, seed=mesh_weights.PADDED_SEED)
+    prompt = mesh_weights.PADDED_PROMPT
+    free = jg.generate(single, [prompt, prompt], NEW_TOKENS, sampling=sampling).token_ids
+    step, eos = mesh_weights.pick_eos(free)
+    model = Mistral.from_pretrained(mesh_weights.checkpoint_with_eos(checkpoint, eos, out / "eos_jax"), mesh=mesh)
+    runs = {mode: jg.generate(model, [prompt], NEW_TOKENS, sampling=sampling, fused=mode == "fused")
+            for mode in ("fused", "step")}
+    return {"free": free, "eos_step": step, "tokens": {mode: run.token_ids for mode, run in runs.items()},
+            "decode_steps": {mode: run.decode_steps for mode, run in runs.items()}}
 
 
 if __name__ == "__main__":

@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 import torch_cache.generate as tg
+from parity_tests import mesh_weights
 from parity_tests.mesh_weights import reload_at_the_boundary
 from torch_cache import backend, sharding
 from torch_cache.cache import make_cache
 from torch_cache.model import Mistral
+from twincache.generation import SamplingParams
 from twincache_app import launch
 
 NEW_TOKENS = 20  # window 8, prompts of up to 12 tokens: each ring wraps several times
@@ -86,6 +88,7 @@ def main(out: Path, checkpoints: dict[str, Path]) -> None:
         record["cases"].append(case)
     record["chunked"] = chunked(checkpoints["gqa"], single["gqa"], meshes)
     record["continued"] = continued(checkpoints["gqa"], single["gqa"], meshes[(2, 1)])
+    record["padded"] = padded(checkpoints["gqa"], single["gqa"], meshes[(2, 1)], out / f"eos_rank{rank}")
     (out / f"torch_rank{rank}.json").write_text(json.dumps(record))
     np.savez(out / f"torch_rank{rank}.npz", **logits)
     launch.finish_rank()
@@ -125,6 +128,19 @@ def continued(checkpoint: Path, single: Mistral, mesh: object) -> dict[str, obje
     reference = tg.generate(single, rows, 9, cache="sliding_window", compile=False)
     return {"tokens": [a + b for a, b in zip(first.token_ids, more.token_ids, strict=True)],
             "reference_tokens": reference.token_ids}
+
+
+def padded(checkpoint: Path, single: Mistral, mesh: object, directory: Path) -> dict[str, object]:
+    """One sampled row on data=2, with an EOS id it emits and its padding copy never does (mesh_weights.pick_eos):
+    the tokens, the decode steps, and one device's free run that picked the id."""
+    sampling = SamplingParams(temperature=mesh_weights.PADDED_TEMPERATURE, seed=mesh_weights.PADDED_SEED)
+    prompt = mesh_weights.PADDED_PROMPT
+    free = tg.generate(single, [prompt, prompt], NEW_TOKENS, sampling=sampling, compile=False).token_ids
+    step, eos = mesh_weights.pick_eos(free)
+    model = Mistral.from_pretrained(mesh_weights.checkpoint_with_eos(checkpoint, eos, directory), mesh=mesh)
+    run = tg.generate(model, [prompt], NEW_TOKENS, sampling=sampling, compile=False)
+    return {"free": free, "eos_step": step, "tokens": {"eager": run.token_ids},
+            "decode_steps": {"eager": run.decode_steps}}
 
 
 if __name__ == "__main__":

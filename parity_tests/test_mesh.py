@@ -441,6 +441,22 @@ def test_torch_continues_a_batch_that_generate_padded_on_a_data_split(mesh_runs)
         assert case["tokens"] == case["reference_tokens"], rank_record["rank"]
 
 
+def test_a_sampled_row_ends_its_batch_though_its_padding_copy_would_draw_on(mesh_runs):
+    """One sampled row on data=2 (padded with a copy of itself), whose config's EOS id is one the row emits at step k
+    and its copy, drawing its own tokens, never does: the row ends at k and decoding stops there, in JAX's two modes
+    and on both torch ranks (the copy kept every mode decoding the whole budget, its tokens dropped)."""
+    records = [("jax", mesh_runs["jax"]["padded"])] + [(f"torch rank {r['rank']}", r["padded"])
+                                                      for r in mesh_runs["torch"]]
+    steps, expected = {}, {}
+    for name, case in records:
+        row, step = case["free"][0], case["eos_step"]
+        assert 2 <= step < len(row) - 1, (name, step)  # the row ends before its budget
+        for mode, tokens in case["tokens"].items():
+            assert tokens == [row[:step + 1]], (name, mode)  # the free run's tokens up to and including EOS
+            steps[f"{name} {mode}"], expected[f"{name} {mode}"] = case["decode_steps"][mode], step
+    assert len(steps) == 4 and steps == expected
+
+
 def test_torch_each_rank_holds_its_own_slice_of_the_weights_and_the_cache(mesh_runs):
     from safetensors.numpy import load_file
 

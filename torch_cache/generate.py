@@ -701,14 +701,16 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     prefill_s = time.perf_counter() - start
     if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
         on_token(list(first))
-    rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
+    # The real rows only: continue_generation gives a data split's padding rows their copies again, finished
+    rest = continue_generation(model, cache, first[:rows], max_new_tokens - 1, sampling=sampling, compile=compile,
                                on_token=on_token, return_logits=return_logits,
-                               forced_tokens=None if forced is None else forced[:, 1:], first_step=1)
+                               forced_tokens=None if forced is None else forced[:rows, 1:], first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids)]
-    step_logits = torch.cat([logits[:, None], rest.step_logits], dim=1) if return_logits else None  # [B, steps, V]
-    return keep_rows(dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids, token_ids=tokens,
-                                         prefill_s=prefill_s, step_logits=step_logits), rows)
+    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids, strict=False)]
+    # [rows, steps, V]
+    step_logits = torch.cat([logits[:rows, None], rest.step_logits], dim=1) if return_logits else None
+    return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids[:rows], token_ids=tokens,
+                               prefill_s=prefill_s, step_logits=step_logits)
 
 
 @torch.inference_mode()
@@ -761,6 +763,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     eos_ids = _eos_tensor(config, eos, device)  # [E]
     next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
     finished = (next_ids[:, None] == eos_ids).any(dim=-1)  # [B, E] -> [B]; ids are >= 0, so -1 matches none
+    if eos:  # a data split's padding rows (pad_batch) are finished: a sampled copy would keep the batch decoding
+        finished[rows:] = True
     kind = "greedy" if forced is not None else _sampling_kind(sampling)  # forcing replaces the choice
     not_forced = torch.zeros(len(last_tokens), dtype=torch.long, device=device)  # [B]
     forcing = torch.tensor(forced is not None, device=device)  # [] bool
@@ -777,7 +781,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = launched = 0
     bucket = None
-    all_done = bool(eos) and all(t in eos for t in last_tokens)
+    all_done = bool(eos) and all(t in eos for t in last_tokens[:rows])
     in_flight: collections.deque[_InFlight] = collections.deque()  # launched steps whose tokens are not read yet
     host_copies = _HostCopies(len(last_tokens) + 1, device, replayed)
     phases.enter("compile" if compile else "decode")  # a compiled step compiles at its first call

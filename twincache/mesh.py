@@ -148,9 +148,9 @@ def check_batch(mesh: MeshShape, batch_size: int) -> None:
 def pad_batch(batch: Batch, data: int, on_token: TokenCallback | None) -> tuple[Batch, TokenCallback | None]:
     """A generation's batch with copies of its last row appended up to a multiple of `data`, so that any batch
     decodes on a data-split mesh, and an `on_token` that sees the real rows only; `keep_rows` drops the copies'
-    outputs afterwards. A greedy copy decodes exactly as its row does, so it finishes when that row does; a sampled
-    one draws its own noise (a row's draws depend on its index) and can run past its row's EOS, holding the loop
-    open for steps whose outputs are dropped (the tokens are right, the time is not: not yet fixed)."""
+    outputs afterwards. The copies are prefilled as their row is; the decode then counts them finished from its
+    first step (a sampled copy draws its own noise, a row's draws following its index, and would hold the loop open
+    past the real rows' EOS for steps whose outputs are dropped)."""
     rows, extra = len(batch.prompt_ids), -len(batch.prompt_ids) % data
     if not extra:
         return batch, on_token
@@ -165,7 +165,7 @@ def pad_continuation(last_tokens: list[int], cache_rows: int, data: int,
                      on_token: TokenCallback | None) -> tuple[list[int], TokenCallback | None]:
     """A continuation of a generation that pad_batch padded: generate's result leaves the copies of its last row out
     but its cache keeps them, so the result's last tokens (one per real row) are given the copies' as well, the last
-    row's own (a copy decodes exactly as its row does), with an `on_token` that sees the real rows only. Any other
+    row's own (the decode counts the copies finished), with an `on_token` that sees the real rows only. Any other
     count of rows is left as given, for the cache's batch check to refuse."""
     rows = len(last_tokens)
     if rows >= cache_rows or rows + (-rows % data) != cache_rows:
