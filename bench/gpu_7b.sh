@@ -18,6 +18,9 @@ out_dir="${out_dir:-bench_out/7b}"
 shift $(($# > 0 ? 1 : 0))
 mkdir -p "$out_dir"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Unbuffered: a cell's failure line (tqdm.write, no flush) reaches bench.log and the reply's tail even when the hard
+# stop ends in SIGKILL (a compile that holds off SIGINT past --kill-after), which drops a buffer's contents.
+export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # torch, transformers and JAX share the GPU in one process
 export TWINCACHE_HOME="${TWINCACHE_HOME:-$(mktemp -d)}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true

@@ -292,6 +292,7 @@ class Bench:
                     warm[cell] = measured
                     if not self.opts.progress:  # no bar (gpu_7b.sh): a line per warm-up, for its log
                         print(f"bench: {name}/{cache} warmed up: {_warm_up_text(*measured)}", flush=True)
+                self._save_warmed_up(warm, max_cache_len)
         except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
             for cell, measured in warm.items():
                 self._table_record(cell, measured, [], None, max_cache_len)
@@ -322,6 +323,19 @@ class Bench:
             self._ratios()
         for impl in self.impls.values():
             impl.release()
+
+    def _save_warmed_up(self, warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]], max_cache_len: int) -> None:
+        """results.json with an `untimed` row for each cell warmed up so far, as a hard stop leaves them; the rows are
+        taken back out after the write. A SIGINT that comes during a compile in C++ (XLA's) is seen only when the
+        compile returns, maybe past the lease's --kill-after: its SIGKILL then leaves this file as it was last
+        written, which without this was the empty table written before the warm-ups."""
+        kept = len(self.results.records)
+        try:
+            for cell, measured in warm.items():
+                self._table_record(cell, measured, [], None, max_cache_len)
+            self.results.save()
+        finally:
+            del self.results.records[kept:]
 
     def _table_record(self, cell: tuple[str, str], warm: tuple[Run, dict[str, Any]],
                       timed: list[tuple[Run, dict[str, Any]]], error: str | None, max_cache_len: int) -> None:

@@ -383,6 +383,42 @@ def test_a_reader_gone_mid_warm_ups_leaves_what_they_measured(tmp_path, monkeypa
     assert records[0]["machine"]["interrupted_after_s"] > 0
 
 
+class _Killed(BaseException):
+    """Stands in for SIGKILL: nothing in the bench catches it, so nothing is saved on the way out."""
+
+
+def test_a_bench_killed_mid_warm_ups_leaves_the_ones_it_finished(tmp_path, monkeypatch):
+    """On a GPU, a SIGINT that comes while XLA compiles (C++) is seen only when the compile returns, maybe past
+    gpu_7b.sh's --kill-after: the SIGKILL then runs no handler. results.json is rewritten after each warm-up, so the
+    cells warmed up before are `untimed` rows in it; it held the empty table written before the warm-ups."""
+    import dataclasses
+
+    from bench import runner
+
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=4, repeats=1,
+                                                             probe_bytes=1 << 20))
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+    measure = runner.Bench._measure
+    warm_ups: list[str] = []
+
+    def killed_in_the_second(self, impl, prompts, new_tokens, cache, *args, **kwargs):
+        warm_ups.append(cache)
+        if len(warm_ups) == 2:
+            raise _Killed
+        return measure(self, impl, prompts, new_tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(runner.Bench, "_measure", killed_in_the_second)
+    out = tmp_path / "out"
+    with pytest.raises(_Killed):
+        main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--no-curves", "--no-batch",
+              "--warm-compile-cache", "--no-progress", "--out", str(out)])
+    decode = [r for r in json.loads((out / "results.json").read_text()) if r["kind"] == "decode"]
+    assert [(r["impl"], r["cache"], r["status"]) for r in decode] == [("torch_eager", "static", "untimed")], decode
+    assert "| torch_eager | static | untimed: stopped before its timed rounds" in (out / "results.md").read_text()
+
+
 def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoints, tmp_path, capsys):
     """`bench --model` on a checkpoint of 512 positions: the small preset's decode table (300 + 256 tokens) would
     be refused run by run, so the bench refuses at once, naming the phase; with 600 positions the table fits and

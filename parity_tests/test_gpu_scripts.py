@@ -296,14 +296,18 @@ def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
     cudagraphs = "W1206 cudagraph_utils.py:210] skipping cudagraphs due to cpu device (arg7_1)"
     donation = "UserWarning: Some donated buffers were not usable: bf16[1,8,630,128]"
     python = tmp_path / "python"
-    python.write_text(f'#!/usr/bin/env bash\necho "$@"\n[[ "$*" == "-m bench "* ]] && '
-                      f'echo "{cudagraphs}" >&2 && echo "{donation}" >&2\nexit 0\n')
+    python.write_text(f'#!/usr/bin/env bash\necho "$@ (unbuffered: ${{PYTHONUNBUFFERED:-no}})"\n'
+                      f'[[ "$*" == "-m bench "* ]] && echo "{cudagraphs}" >&2 && echo "{donation}" >&2\nexit 0\n')
     python.chmod(0o755)
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), "360"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHON": str(python), "OUT": str(tmp_path)}, cwd=REPO)
+                          timeout=60, cwd=REPO, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+                                                     "PYTHON": str(python), "OUT": str(tmp_path)})
     calls = [line for line in proc.stdout.splitlines() if line.startswith("-m ")]
-    assert calls[0] == f"-m bench --preset 7b --out {tmp_path}/bench_7b --deadline 108 --no-progress", proc.stdout
-    assert re.fullmatch(rf"-m parity_tests\.gpu_parity {tmp_path}/parity --deadline \d+", calls[1]), proc.stdout
+    # Both unbuffered: a hard stop that ends in SIGKILL would drop what Python had buffered (a cell's failure line)
+    assert calls[0] == (f"-m bench --preset 7b --out {tmp_path}/bench_7b --deadline 108 --no-progress "
+                        "(unbuffered: 1)"), proc.stdout
+    assert re.fullmatch(rf"-m parity_tests\.gpu_parity {tmp_path}/parity --deadline \d+ \(unbuffered: 1\)",
+                        calls[1]), proc.stdout
     tail = proc.stdout.split("== gpu_lease.sh:")[-1].splitlines()
     assert cudagraphs in tail and donation in tail, proc.stdout
     for seconds in ("abc", "60"):  # not a number; too short to split (a timeout of 0 would mean none at all)
