@@ -13,6 +13,9 @@ shift $(($# > 0 ? 1 : 0))
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX shares the GPU with torch, which holds the weights
 py="${PYTHON:-python3}"  # the GPU machine's image has python3 (the one holding torch); `python` may not exist
-"$py" -c "import torch, jax; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() \
-else 'no CUDA device', '| jax', jax.__version__, jax.devices())"
+# The versions and devices, for the log: bounded and not fatal (a JAX start that hangs would otherwise hold the lease's
+# call to its limit, and one that fails would stop the script before parity says what failed)
+timeout --kill-after=5 60 "$py" -c "import torch, jax; print('torch', torch.__version__, torch.cuda.get_device_name() \
+if torch.cuda.is_available() else 'no CUDA device', '| jax', jax.__version__, jax.devices())" \
+  || echo "gpu_check: the version check failed or hung (exit $?); running parity anyway"
 timeout --kill-after=20 "${PARITY_TIMEOUT_S:-470}" "$py" -m parity_tests.gpu_parity "$out" "$@"

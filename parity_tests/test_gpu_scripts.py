@@ -292,12 +292,14 @@ def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
     # The commands a real lease runs, with an `echo` for Python: the 7b preset with the deadline its share leaves
     # (360 s: 178 s hard stop, warm-ups until 108 s), then the GPU cases with theirs; no smoke arguments. The bench's
     # stand-in logs the warnings of a slow run (inductor's for a step left out of CUDA graphs, JAX's for a donation
-    # XLA could not use), which the reply's tail repeats.
+    # XLA could not use), which the reply's tail repeats. Its version check (`-c`) fails, as a JAX that cannot start
+    # would: parity still runs and says what failed.
     cudagraphs = "W1206 cudagraph_utils.py:210] skipping cudagraphs due to cpu device (arg7_1)"
     donation = "UserWarning: Some donated buffers were not usable: bf16[1,8,630,128]"
     python = tmp_path / "python"
     python.write_text(f'#!/usr/bin/env bash\necho "$@ (unbuffered: ${{PYTHONUNBUFFERED:-no}})"\n'
-                      f'[[ "$*" == "-m bench "* ]] && echo "{cudagraphs}" >&2 && echo "{donation}" >&2\nexit 0\n')
+                      f'[[ "$*" == "-m bench "* ]] && echo "{cudagraphs}" >&2 && echo "{donation}" >&2\n'
+                      '[[ "$1" == -c ]] && exit 1\nexit 0\n')
     python.chmod(0o755)
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_lease.sh"), "360"], capture_output=True, text=True,
                           timeout=60, cwd=REPO, env={**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
@@ -308,6 +310,7 @@ def test_the_gpu_shell_scripts_parse_and_run_python3(tmp_path):
                         "(unbuffered: 1)"), proc.stdout
     assert re.fullmatch(rf"-m parity_tests\.gpu_parity {tmp_path}/parity --deadline \d+ \(unbuffered: 1\)",
                         calls[1]), proc.stdout
+    assert "gpu_check: the version check failed or hung (exit 1); running parity anyway" in proc.stdout
     tail = proc.stdout.split("== gpu_lease.sh:")[-1].splitlines()
     assert cudagraphs in tail and donation in tail, proc.stdout
     for seconds in ("abc", "60"):  # not a number; too short to split (a timeout of 0 would mean none at all)
