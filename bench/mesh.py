@@ -26,7 +26,7 @@ from twincache import errors
 from twincache.checkpoint import load_config, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import InputError
-from twincache.mesh import MeshShape, parse_mesh, plan_shards
+from twincache.mesh import MeshShape, parse_mesh, plan_shards, split_mesh
 from twincache_app import launch
 from twincache_app.backends import BACKENDS
 from twincache_app.bench_adapters import mesh_record
@@ -87,7 +87,7 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
         for mesh in meshes:
             model_dir, config, prompts = workload_inputs(preset, mesh, cache_dir)
             mode = backend.check_mode(modes.get(name))
-            if backend.mesh_processes:
+            if backend.mesh_processes and split_mesh(mesh) is not None:  # one device: no rank, this process
                 records.append(_ranks_record(model_dir, config, preset, mesh, prompts, mode))
                 continue
             for vocabulary in ("split", "replicated") if mesh.model > 1 else ("split",):
