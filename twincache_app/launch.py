@@ -75,13 +75,75 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+_FOLDER_PREFIX = "twincache-ranks-"  # + the launcher's pid + a random tail (tempfile.mkdtemp)
+_FOLDER_LOCK = "launcher.lock"  # flock-ed by the launcher for the folder's life; the kernel unlocks it at its death
+
+
 @contextlib.contextmanager
 def rank_folder() -> Iterator[Path]:
-    """A private folder for what the ranks of one run share (a prompt read from stdin), removed when the run ends,
-    by Ctrl-C's exit too (which skips the `with` block's own cleanup)."""
-    with tempfile.TemporaryDirectory(prefix="twincache-ranks-") as folder:
-        with exit_cleanup.on_abrupt_exit(lambda: shutil.rmtree(folder, ignore_errors=True)):
-            yield Path(folder)
+    """A private folder for what the ranks of one run share (a prompt read from stdin, the bench's records), removed
+    when the run ends, by Ctrl-C's exit too (which skips the `with` block's own cleanup). A launcher killed outright
+    (SIGKILL, out of memory) removes nothing: the next launch removes such folders (`_remove_orphaned_folders`)."""
+    _remove_orphaned_folders()
+    folder = Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-"))
+    lock = _hold_lock(folder)
+
+    def remove() -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    try:
+        with exit_cleanup.on_abrupt_exit(remove):
+            yield folder
+    finally:
+        remove()
+        if lock is not None:
+            os.close(lock)  # after the removal: until then a sweep sees a live owner
+
+
+def _hold_lock(folder: Path) -> int | None:
+    """Lock FOLDER/launcher.lock while this process holds the fd (not inherited: the ranks do not hold it). It is locked
+    under another name, then renamed: a sweep never sees the lock file unlocked while this process lives. None where
+    the platform or file system has no flock: the folder is then never swept."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    path = folder / f".{_FOLDER_LOCK}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    os.rename(path, folder / _FOLDER_LOCK)
+    return fd
+
+
+def _remove_orphaned_folders() -> None:
+    """Remove the rank folders (rank_folder's, in this TMPDIR, of this user) whose launcher is dead: one whose lock
+    this process can take has no live holder. Anything else is left alone: another name, a link, another user's, no
+    lock file (an older twincache's folder, or a platform without flock), a lock held (a live launcher's)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            if not entry.name.startswith(_FOLDER_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            try:
+                fd = os.open(os.path.join(entry.path, _FOLDER_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:  # no lock file (or a link): not ours to judge
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its launcher is alive
+                os.close(fd)
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            os.close(fd)
 
 
 def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app.cli") -> int:
