@@ -370,3 +370,56 @@ def test_a_rank_that_lost_its_peer_leaves_the_line_to_its_launcher(monkeypatch: 
         "by peer [127.0.0.1]:19340); that rank's own output says why it ended"]
     monkeypatch.delenv("RANK")  # outside a world the same error is nothing special
     assert "unexpected RuntimeError" in (cli._run(args), capsys.readouterr().err)[1]
+
+
+# Real texts of a collective whose peer is gone (sources cited at twincache_app.launch._PEER_GONE), and the words the
+# one line quotes; None: not a rank gone. NCCL's cannot be produced here (no GPU): the texts are fed as they are built.
+PEER_TEXTS = [
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+     "[127.0.0.1]:19340. This is typically caused by a remote worker crashing. GLHF!",
+     "Connection closed by peer [127.0.0.1]:19340"),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:19340: "
+     "Connection reset by peer", "Read error [127.0.0.1]:19340: Connection reset by peer"),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:599] writev [127.0.0.1]:19340: Broken pipe",
+     "writev [127.0.0.1]:19340: Broken pipe"),
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited or there "
+     "was a network error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network error or a "
+     "remote process exiting prematurely.\nLast error: Unknown NCCL Error\n",
+     "remote process exited or there was a network error"),
+    ("NCCL error: remote process exited or there was a network error, NCCL version 2.27.5\nncclRemoteError: A call "
+     "failed possibly due to a network error or a remote process exiting prematurely.",
+     "NCCL error: remote process exited or there was a network error"),
+    ("NCCL communicator was aborted on rank 1.  Original reason for failure was: NCCL error: remote process exited or "
+     "there was a network error, NCCL version 2.27.5", "NCCL communicator was aborted on rank 1"),
+    # this rank's own failures, and a peer that hangs (alive): not a rank gone
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, invalid usage (run with "
+     "NCCL_DEBUG=WARN for details), NCCL version 2.27.5\nncclInvalidUsage: This usually reflects invalid usage of "
+     "NCCL library.", None),
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hpp:268, unhandled cuda error (run with "
+     "NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclUnhandledCudaError: Call to CUDA function failed.", None),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+     "for recv operation to complete. This is typically caused by a remote worker hanging or bugs in the "
+     "application. Check the logs of the remote worker before reporting an error.", None),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), PEER_TEXTS)
+def test_a_lost_peer_is_recognised_in_gloos_and_nccls_own_words(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 text: str, words: str | None):
+    """NCCL's texts were untested (no GPU here), and its ncclRemoteError ("remote process exited ...") was not
+    recognised; the one line quoted up to the first ". ", which for NCCL's multi-line text printed several lines.
+    Under torchrun a rank that lost its peer says so in one line quoting those words; any other error is not taken
+    for it (it reaches the CLI's own handling)."""
+    import torch.distributed as dist
+
+    assert launch.peer_lost_words(text) == words
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = dist.DistBackendError(text) if text.startswith("NCCL") else RuntimeError(text)
+    assert launch.peer_lost(err) == (words is not None)
+    if words is not None:
+        assert launch.report_peer_lost(err) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"twincache: error: rank 0 lost another rank of its torch.distributed world in a collective ({words}); "
+            "that rank's own output says why it ended"]

@@ -249,9 +249,32 @@ def follow_launcher() -> None:
             os._exit(PEER_LOST_EXIT)
 
 
-# The words gloo and NCCL raise a collective with when another rank's process is gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker",
-              "NCCL communicator was aborted")
+# The words of a collective's error, in gloo and NCCL, when another rank's process is gone. Taken from the sources:
+# - gloo, gloo/transport/tcp/pair.cc (its strings are in torch/lib/libtorch_cpu.so: "Connection closed by peer ",
+#   "Read error ", "writev "): "[pair.cc:N] Connection closed by peer [ADDR]:PORT" (EOF; torch 2.13 adds ". This is
+#   typically caused by a remote worker crashing. GLHF!"), "Read error [ADDR]:PORT: <strerror>", "writev [ADDR]:PORT:
+#   <strerror>" with strerror ECONNRESET "Connection reset by peer" or EPIPE "Broken pipe". Its timeout's "remote
+#   worker hanging" is not a rank gone.
+# - NCCL, torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp (C10D_NCCL_CHECK): "NCCL error in: FILE:LINE,
+#   <ncclGetErrorString>, NCCL version V\n<detail>"; the texts are in torch/csrc/distributed/c10d/NCCLUtils.cpp, not
+#   in the CPU wheel: ncclRemoteError's "remote process exited or there was a network error" (NCCL's own string, also
+#   after ProcessGroupNCCL's "NCCL error: "), and an aborted communicator's "NCCL communicator was aborted on rank R.
+#   Original reason for failure was: ...". ncclSystemError (NCCL < 2.13 reported a dead peer so) is any system call's
+#   failure: not taken for a rank gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+              "remote process exited or there was a network error", "NCCL communicator was aborted")
+
+
+def peer_lost_words(text: str) -> str | None:
+    """The clause of a collective's error text that says another rank is gone, on one line, to quote ("Connection
+    closed by peer [127.0.0.1]:19340", "remote process exited or there was a network error"); None when it says
+    nothing of the kind."""
+    for line in text.splitlines():
+        for sentence in line.split("] ", 1)[-1].split(". "):  # after gloo's "[file:line] "
+            for clause in sentence.split(", "):  # NCCL's "NCCL error in: FILE:LINE, <what>, NCCL version V"
+                if any(words in clause for words in _PEER_GONE):
+                    return clause.strip().removesuffix(".")
+    return None
 
 
 def peer_lost(err: BaseException) -> bool:
@@ -261,16 +284,16 @@ def peer_lost(err: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(err, dist.DistNetworkError) or (
-        isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_GONE))
+        isinstance(err, RuntimeError) and peer_lost_words(str(err)) is not None)
 
 
 def report_peer_lost(err: BaseException) -> int:
     """A rank's exit when another rank is gone: under run_ranks, quietly with PEER_LOST_EXIT (the launcher knows
     which rank ended and how, and says it in one line); under torchrun, one line of its own."""
     if os.environ.get(LAUNCHER_ENV) is None:
-        first = str(err).split(". ")[0].split("] ")[-1]  # gloo's "[file:line] Connection closed by peer [addr]"
+        said = peer_lost_words(str(err)) or str(err).strip().split("\n")[0]  # a DistNetworkError's own first line
         print(f"twincache: error: rank {rank()} lost another rank of its torch.distributed world in a collective "
-              f"({first}); that rank's own output says why it ended", file=sys.stderr)
+              f"({said}); that rank's own output says why it ended", file=sys.stderr)
         return 2
     return PEER_LOST_EXIT
 
@@ -344,5 +367,5 @@ def finish_rank() -> None:
 
 
 __all__ = ["LAUNCHER_ENV", "PEER_LOST_EXIT", "in_world", "rank", "cpu_cores", "simulate_cpu_devices", "run_ranks",
-           "follow_launcher", "peer_lost", "report_peer_lost", "check_world", "init_rank", "check_torch_devices",
-           "finish_rank"]
+           "follow_launcher", "peer_lost_words", "peer_lost", "report_peer_lost", "check_world", "init_rank",
+           "check_torch_devices", "finish_rank"]
