@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from twincache import errors
 from twincache.checkpoint import load_config, open_checkpoint
 from twincache.config import MistralConfig
 from twincache.errors import InputError
-from twincache.mesh import MeshShape, parse_mesh, plan_shards
+from twincache.mesh import MeshShape, parse_mesh, plan_shards, split_mesh
 from twincache_app import launch
 from twincache_app.backends import BACKENDS
 from twincache_app.bench_adapters import mesh_record
@@ -87,7 +86,7 @@ def run_mesh_bench(preset: Preset, out: Path, meshes: Sequence[MeshShape], backe
         for mesh in meshes:
             model_dir, config, prompts = workload_inputs(preset, mesh, cache_dir)
             mode = backend.check_mode(modes.get(name))
-            if backend.mesh_processes:
+            if backend.mesh_processes and split_mesh(mesh) is not None:  # one device: no rank, this process
                 records.append(_ranks_record(model_dir, config, preset, mesh, prompts, mode))
                 continue
             for vocabulary in ("split", "replicated") if mesh.model > 1 else ("split",):
@@ -109,18 +108,18 @@ def _ranks_record(model_dir: Path, config: MistralConfig, preset: Preset, mesh: 
     """torch on `mesh`: one process per device, each running exactly this process's inputs (written for them, not
     recomputed from the preset's name, which would drop --model and --sliding-window) and writing its record; merged
     with each rank's bytes."""
-    with tempfile.TemporaryDirectory() as folder:
+    with launch.rank_folder() as folder:  # removed by a later launch if this one is killed outright
         inputs = {"model_dir": str(model_dir), "config": dataclasses.asdict(config), "dtype": preset.dtype,
                   "mesh": str(mesh), "prompts": prompts, "new_tokens": preset.new_tokens, "mode": mode}
-        (Path(folder) / _RANK_INPUTS).write_text(json.dumps(inputs))
-        code = launch.run_ranks(["--rank-of", folder], mesh.devices, module="bench.mesh")
-        refused = sorted(Path(folder).glob(f"rank*{_RANK_ERROR}"))
+        (folder / _RANK_INPUTS).write_text(json.dumps(inputs))
+        code = launch.run_ranks(["--rank-of", str(folder)], mesh.devices, module="bench.mesh")
+        refused = sorted(folder.glob(f"rank*{_RANK_ERROR}"))
         if refused:  # a rank refused in one line (it printed nothing): the same error here, named once
             kind, message = json.loads(refused[0].read_text())
             raise getattr(errors, kind, errors.TwincacheError)(message)
         if code != 0:
             raise RuntimeError(f"the torch ranks of mesh {mesh} failed (exit {code})")
-        ranks = [json.loads(path.read_text()) for path in sorted(Path(folder).glob("rank*.json"))]
+        ranks = [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
     record = ranks[0]
     for field in ("weights_bytes", "kv_bytes"):
         record[field] = {f"rank {r}": sum(rank[field].values()) for r, rank in enumerate(ranks)}

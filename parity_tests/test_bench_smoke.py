@@ -481,7 +481,8 @@ def test_what_torchs_ranks_would_refuse_is_refused_before_any_starts(checkpoints
 def test_a_refusal_inside_torchs_ranks_reaches_the_user_as_one_line(checkpoints, tmp_path, capfd):
     """What only a run can find (NaN logits from a checkpoint whose final norm is NaN: its headers are fine) is
     refused inside the torch ranks; the bench says it once, as that error, not as the ranks' tracebacks and
-    "unexpected RuntimeError". A real rank process (model=1: one), whose stderr is this process's."""
+    "unexpected RuntimeError". model=1 now runs in this process (a one-device mesh starts no rank), so a refusal
+    written by a rank (bench.mesh._rank_main) is no longer run here: model=2's two ranks cost 16 s on 2 cores."""
     import shutil
 
     import numpy as np

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,16 +222,20 @@ def _sigint_ignored(pid: int) -> bool:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc and signals as on Linux")
 @pytest.mark.parametrize("how", ["SIGINT to the launcher", "SIGINT to the group", "SIGKILL to the launcher"])
-def test_a_mesh_launcher_ended_from_outside_leaves_no_rank_running(how: str):
+def test_a_mesh_launcher_ended_from_outside_leaves_no_rank_running(how: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch):
     """`kill -INT` (or a timeout's SIGINT) reaches the launcher of a torch --mesh run, not its ranks: its exit 130
     stops them first, or they would wait in a collective for half an hour, and removes the folder they shared (the
     exit skips its `with`). A terminal's Ctrl-C reaches the whole group: the ranks leave it to the launcher, so one
     line is said (each rank said "interrupted" too, rank 0 on the same stderr). A launcher killed outright takes its
     ranks with it (the parent-death signal; they decoded on, rank 0 printing, to the end). The ranks here sleep
-    (python -m timeit), after the start every rank of the CLI makes (launch.follow_launcher)."""
+    (python -m timeit), after the start every rank of the CLI makes (launch.follow_launcher). The folder of a launcher
+    killed outright stays behind (it runs no code): the next launch removes it, and nothing else."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this TMPDIR is the launcher's, and the sweep's here
     with children_start_with_sigint():
         proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=REPO, start_new_session=how == "SIGINT to the group")
+                                text=True, cwd=REPO, start_new_session=how == "SIGINT to the group",
+                                env={**os.environ, "TMPDIR": str(tmp_path)})
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -245,7 +250,8 @@ def test_a_mesh_launcher_ended_from_outside_leaves_no_rank_running(how: str):
             while any(map(_running, ranks)) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not any(map(_running, ranks)), f"{how}: ranks {ranks} ran on without their launcher"
-            proc.communicate(timeout=10)  # its pipes, which no rank holds open any more
+            stdout, _ = proc.communicate(timeout=10)  # its pipes, which no rank holds open any more
+            _the_next_launch_removes_only_dead_launchers_folders(Path(stdout.splitlines()[0]), tmp_path)
             return
         if how == "SIGINT to the group":
             # Which of the launcher and rank 0 says "interrupted" first is a race; that only the launcher can is not.
@@ -267,6 +273,24 @@ def test_a_mesh_launcher_ended_from_outside_leaves_no_rank_running(how: str):
                 os.kill(rank, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+def _the_next_launch_removes_only_dead_launchers_folders(killed: Path, tmp: Path) -> None:
+    """`killed`: the folder of a launcher SIGKILLed in `tmp` (the TMPDIR). A launch here removes it, and leaves a live
+    launcher's folder (this process's own, open), folders with no lock file (an older twincache's, another program's
+    with our prefix), a link to an unlocked folder, and every other name."""
+    assert killed.parent == tmp and (killed / "launcher.lock").is_file(), f"{killed} was not left behind"
+    unlocked = tmp / "elsewhere"  # a lock file nobody holds, reached only through a link
+    unlocked.mkdir()
+    (unlocked / "launcher.lock").touch()
+    (tmp / "twincache-ranks-1-link").symlink_to(unlocked)
+    kept = [tmp / "twincache-ranks-old", tmp / "other", unlocked, tmp / "twincache-ranks-1-link"]
+    for folder in kept[:2]:
+        folder.mkdir()
+    with launch.rank_folder() as live, launch.rank_folder() as mine:
+        assert not killed.exists(), f"{killed} outlived the next launch"
+        assert live.exists() and mine.exists() and all(folder.exists() for folder in kept), sorted(tmp.iterdir())
+    assert not live.exists() and not mine.exists()
 
 
 # A rank that kills itself (SIGKILL) at the start, as the OOM killer or a user ends one; rank 0 sleeps on, as a rank
@@ -346,3 +370,56 @@ def test_a_rank_that_lost_its_peer_leaves_the_line_to_its_launcher(monkeypatch: 
         "by peer [127.0.0.1]:19340); that rank's own output says why it ended"]
     monkeypatch.delenv("RANK")  # outside a world the same error is nothing special
     assert "unexpected RuntimeError" in (cli._run(args), capsys.readouterr().err)[1]
+
+
+# Real texts of a collective whose peer is gone (sources cited at twincache_app.launch._PEER_GONE), and the words the
+# one line quotes; None: not a rank gone. NCCL's cannot be produced here (no GPU): the texts are fed as they are built.
+PEER_TEXTS = [
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+     "[127.0.0.1]:19340. This is typically caused by a remote worker crashing. GLHF!",
+     "Connection closed by peer [127.0.0.1]:19340"),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:19340: "
+     "Connection reset by peer", "Read error [127.0.0.1]:19340: Connection reset by peer"),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:599] writev [127.0.0.1]:19340: Broken pipe",
+     "writev [127.0.0.1]:19340: Broken pipe"),
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, remote process exited or there "
+     "was a network error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network error or a "
+     "remote process exiting prematurely.\nLast error: Unknown NCCL Error\n",
+     "remote process exited or there was a network error"),
+    ("NCCL error: remote process exited or there was a network error, NCCL version 2.27.5\nncclRemoteError: A call "
+     "failed possibly due to a network error or a remote process exiting prematurely.",
+     "NCCL error: remote process exited or there was a network error"),
+    ("NCCL communicator was aborted on rank 1.  Original reason for failure was: NCCL error: remote process exited or "
+     "there was a network error, NCCL version 2.27.5", "NCCL communicator was aborted on rank 1"),
+    # this rank's own failures, and a peer that hangs (alive): not a rank gone
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, invalid usage (run with "
+     "NCCL_DEBUG=WARN for details), NCCL version 2.27.5\nncclInvalidUsage: This usually reflects invalid usage of "
+     "NCCL library.", None),
+    ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.hpp:268, unhandled cuda error (run with "
+     "NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclUnhandledCudaError: Call to CUDA function failed.", None),
+    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+     "for recv operation to complete. This is typically caused by a remote worker hanging or bugs in the "
+     "application. Check the logs of the remote worker before reporting an error.", None),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), PEER_TEXTS)
+def test_a_lost_peer_is_recognised_in_gloos_and_nccls_own_words(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str],
+                                                                 text: str, words: str | None):
+    """NCCL's texts were untested (no GPU here), and its ncclRemoteError ("remote process exited ...") was not
+    recognised; the one line quoted up to the first ". ", which for NCCL's multi-line text printed several lines.
+    Under torchrun a rank that lost its peer says so in one line quoting those words; any other error is not taken
+    for it (it reaches the CLI's own handling)."""
+    import torch.distributed as dist
+
+    assert launch.peer_lost_words(text) == words
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = dist.DistBackendError(text) if text.startswith("NCCL") else RuntimeError(text)
+    assert launch.peer_lost(err) == (words is not None)
+    if words is not None:
+        assert launch.report_peer_lost(err) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"twincache: error: rank 0 lost another rank of its torch.distributed world in a collective ({words}); "
+            "that rank's own output says why it ended"]

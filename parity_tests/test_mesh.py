@@ -30,7 +30,7 @@ from parity_tests import background, trained_model
 from parity_tests.conftest import save_hf_checkpoint
 from twincache import cache_checks
 from twincache.config import MistralConfig
-from twincache.errors import MeshError
+from twincache.errors import InputError, MeshError
 from twincache.generation import Batch, GenerationResult, SamplingParams
 from twincache.mesh import MeshShape, keep_rows, pad_batch, pad_rows, parse_mesh, plan_shards
 from twincache_app.parity import Oracle, Row
@@ -529,6 +529,58 @@ def test_cli_refuses_more_torch_ranks_than_cpu_cores_before_starting_any(checkpo
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
     assert started == [2]
+
+
+TIMINGS = ("load_s", "prefill_s", "first_step_s", "decode_tok_s")
+
+
+def test_a_one_device_mesh_runs_in_this_process_as_one_device(checkpoints, tmp_path, capsys, monkeypatch):
+    """`--mesh model=1,data=1` (or data=1, or model=1) started one torch rank, a process that did what this one does
+    without --mesh, and JAX built a one-device Mesh: both backends now run it here, unsplit. torch's --json equals the
+    one-device run's but for its timings and "mesh", which names the mesh asked for; parity runs its plain report (its
+    "mesh" names the mesh too); the bench runs torch's model=1 here."""
+    import jax_cache.backend
+    import torch_cache.backend
+    from twincache_app import launch, mesh_parity
+    from twincache_app.cli import main
+
+    monkeypatch.setattr(launch, "run_ranks", lambda *args, **kwargs: pytest.fail("started ranks for one device"))
+    monkeypatch.setattr(mesh_parity, "mesh_report", lambda *args: pytest.fail("a mesh report for one device"))
+    loaded = []  # the mesh each tower's load was given
+
+    def torch_load(*args, real=torch_cache.backend.load, **kwargs):
+        loaded.append(kwargs.get("mesh"))
+        return real(*args, **kwargs)
+
+    def jax_load(*args, **kwargs):  # what it loads is all this asks; a JAX run costs a compile
+        loaded.append(kwargs.get("mesh"))
+        raise InputError("stopped after the load's arguments")
+
+    monkeypatch.setattr(torch_cache.backend, "load", torch_load)
+    monkeypatch.setattr(jax_cache.backend, "load", jax_load)
+    model = str(checkpoints["gqa"])
+    argv = ["generate", "--backend", "torch", "--mode", "eager", "--model", model, "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "4", "--json"]
+    assert main(argv) == 0
+    single = json.loads(capsys.readouterr().out)
+    for mesh in ("model=1,data=1", "data=1", "model=1"):
+        assert main([*argv, "--mesh", mesh]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["mesh"] == "model=1,data=1" and single["mesh"] is None, out["mesh"]
+        assert {k: v for k, v in out.items() if k not in (*TIMINGS, "mesh")} == \
+            {k: v for k, v in single.items() if k not in (*TIMINGS, "mesh")}
+    # JAX as torch: the model loads unsplit, in this process
+    assert main(["generate", "--backend", "jax", "--model", model, "--prompt-ids", "1,2,3", "--mesh", "model=1"]) == 2
+    assert "stopped after the load's arguments" in capsys.readouterr().err
+    assert main(["parity", "--modes", "torch:eager", "--model", model, "--prompt-ids", "1,2,3", "--max-new-tokens",
+                 "2", "--cache", "static", "--mesh", "data=1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"] == "model=1,data=1" and [row["name"] for row in report["rows"]][1:] == ["torch:eager"]
+    assert main(["bench", "--preset", "tiny", "--model", model, "--meshes", "model=1", "--impls", "torch_eager",
+                 "--out", str(tmp_path / "bench"), "--cache-dir", str(tmp_path / "cache")]) == 0
+    record, = json.loads((tmp_path / "bench" / "mesh.json").read_text())
+    assert (record["backend"], record["mesh"], len(record["weights_bytes"])) == ("torch", "model=1,data=1", 1)
+    assert loaded == [None] * 7, loaded  # torch: 4 generate runs, parity and the bench; JAX: 1; none split
 
 
 def test_the_cores_torch_ranks_share_are_those_this_process_may_run_on(monkeypatch):

@@ -187,6 +187,13 @@ def keep_rows(result: GenerationResult, rows: int) -> GenerationResult:
                                step_logits=None if result.step_logits is None else result.step_logits[:rows])
 
 
+def split_mesh(mesh: MeshShape | None) -> MeshShape | None:
+    """The mesh a tower splits a model over: `mesh`, or None (one device) for no mesh or a mesh of one device, which
+    splits nothing. Both backends run a one-device mesh as one device, in the calling process: torch starts no rank
+    for it, JAX builds no one-device Mesh (their tokens and output equal a run without --mesh)."""
+    return mesh if mesh is not None and mesh.devices > 1 else None
+
+
 def check_devices(mesh: MeshShape, available: int, where: str) -> None:
     """Refuse a mesh larger than the devices there are (`where` names them, e.g. "JAX sees 1 cpu device")."""
     if mesh.devices > available:
@@ -194,4 +201,4 @@ def check_devices(mesh: MeshShape, available: int, where: str) -> None:
 
 
 __all__ = ["AXES", "MeshShape", "parse_mesh", "ShardPlan", "plan_shards", "check_batch", "pad_batch",
-           "pad_continuation", "pad_rows", "keep_rows", "check_devices"]
+           "pad_continuation", "pad_rows", "keep_rows", "split_mesh", "check_devices"]

@@ -15,7 +15,7 @@ from bench.impls import Impl, Run
 from bench.workload import Workload
 from twincache.config import MistralConfig
 from twincache.errors import UnavailableError
-from twincache.mesh import MeshShape
+from twincache.mesh import MeshShape, split_mesh
 from twincache.switches import switch_set
 from twincache_app.backends import BACKENDS, Backend
 
@@ -134,7 +134,7 @@ def mesh_record(backend: Backend, model_dir: Path, config: MistralConfig, dtype:
     steady decode tok/s and the bytes of weights and K/V each device holds, read from the arrays (a torch rank reads
     its own). `vocabulary="replicated"` (JAX only) replicates the embedding and LM head for the comparison."""
     tower, mode = backend.module(), backend.check_mode(mode)
-    model = tower.load(model_dir, dtype, mesh=mesh)
+    model = tower.load(model_dir, dtype, mesh=split_mesh(mesh))  # a one-device mesh: as one device, unsplit
     model.config = config
     if vocabulary == "replicated":
         replicate_vocabulary(model)

@@ -20,7 +20,7 @@ from twincache.config import MistralConfig, check_window_flag
 from twincache.default_model import DEFAULT_WINDOW, default_model_dir
 from twincache.errors import InputError, MeshError
 from twincache.generation import CACHE_KINDS, DTYPES, NOTICES, SamplingParams, parse_token_id_text, parse_token_ids
-from twincache.mesh import MeshShape, parse_mesh, plan_shards
+from twincache.mesh import MeshShape, parse_mesh, plan_shards, split_mesh
 from twincache.tokenizer import StreamDecoder, Tokenizer, has_tokenizer
 from twincache_app import launch
 from twincache_app.backends import BACKENDS, Backend, modes_help
@@ -95,10 +95,14 @@ def mesh_argument(text: str) -> MeshShape:
 def start_mesh(args: argparse.Namespace, config: MistralConfig, backends: list[Backend]) -> int | None:
     """Before a model loads on `--mesh`: refuse a mesh the model cannot use, in one line; re-run this command in one
     process per device when a backend needs it (torch), returning the exit code; or, in a rank, join its world.
-    None: go on in this process."""
+    None: go on in this process, as on a mesh of one device (`split_mesh`: it splits nothing)."""
     if args.mesh is None:
         return None
     plan_shards(config, args.mesh)
+    if split_mesh(args.mesh) is None:  # one device: run here, as without --mesh (a rank started for it did nothing)
+        if launch.in_world():  # under torchrun: a world of 1, or refused (each rank would print the whole run)
+            launch.check_world(args.mesh)
+        return None
     if any(b.name == "jax" for b in backends):
         launch.simulate_cpu_devices(args.mesh)  # read when JAX starts, in this process or in the ranks
     if any(b.mesh_processes for b in backends):
@@ -351,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
     backend.persist_compiles()
     tower = backend.module()
     with notices_on_stderr(not args.json):  # what loading resolved (a stored head beside a tied config)
-        model = set_window(tower.load(model_path, args.dtype, mesh=args.mesh), args.sliding_window)
+        model = set_window(tower.load(model_path, args.dtype, mesh=split_mesh(args.mesh)), args.sliding_window)
     load_s = time.perf_counter() - load_start  # with prefill_s, when the first token is printed
     with notices_on_stderr(not args.json):  # the tower says when it starts compiling, after checking every input
         result = tower.generate(model, prompts, args.max_new_tokens, mode=mode, cache=args.cache,

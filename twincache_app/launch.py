@@ -75,13 +75,75 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+_FOLDER_PREFIX = "twincache-ranks-"  # + the launcher's pid + a random tail (tempfile.mkdtemp)
+_FOLDER_LOCK = "launcher.lock"  # flock-ed by the launcher for the folder's life; the kernel unlocks it at its death
+
+
 @contextlib.contextmanager
 def rank_folder() -> Iterator[Path]:
-    """A private folder for what the ranks of one run share (a prompt read from stdin), removed when the run ends,
-    by Ctrl-C's exit too (which skips the `with` block's own cleanup)."""
-    with tempfile.TemporaryDirectory(prefix="twincache-ranks-") as folder:
-        with exit_cleanup.on_abrupt_exit(lambda: shutil.rmtree(folder, ignore_errors=True)):
-            yield Path(folder)
+    """A private folder for what the ranks of one run share (a prompt read from stdin, the bench's records), removed
+    when the run ends, by Ctrl-C's exit too (which skips the `with` block's own cleanup). A launcher killed outright
+    (SIGKILL, out of memory) removes nothing: the next launch removes such folders (`_remove_orphaned_folders`)."""
+    _remove_orphaned_folders()
+    folder = Path(tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-"))
+    lock = _hold_lock(folder)
+
+    def remove() -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    try:
+        with exit_cleanup.on_abrupt_exit(remove):
+            yield folder
+    finally:
+        remove()
+        if lock is not None:
+            os.close(lock)  # after the removal: until then a sweep sees a live owner
+
+
+def _hold_lock(folder: Path) -> int | None:
+    """Lock FOLDER/launcher.lock while this process holds the fd (not inherited: the ranks do not hold it). It is locked
+    under another name, then renamed: a sweep never sees the lock file unlocked while this process lives. None where
+    the platform or file system has no flock: the folder is then never swept."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    path = folder / f".{_FOLDER_LOCK}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    os.rename(path, folder / _FOLDER_LOCK)
+    return fd
+
+
+def _remove_orphaned_folders() -> None:
+    """Remove the rank folders (rank_folder's, in this TMPDIR, of this user) whose launcher is dead: one whose lock
+    this process can take has no live holder. Anything else is left alone: another name, a link, another user's, no
+    lock file (an older twincache's folder, or a platform without flock), a lock held (a live launcher's)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            if not entry.name.startswith(_FOLDER_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            try:
+                fd = os.open(os.path.join(entry.path, _FOLDER_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:  # no lock file (or a link): not ours to judge
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its launcher is alive
+                os.close(fd)
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            os.close(fd)
 
 
 def run_ranks(argv: Sequence[str], world_size: int, module: str = "twincache_app.cli") -> int:
@@ -187,9 +249,32 @@ def follow_launcher() -> None:
             os._exit(PEER_LOST_EXIT)
 
 
-# The words gloo and NCCL raise a collective with when another rank's process is gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker",
-              "NCCL communicator was aborted")
+# The words of a collective's error, in gloo and NCCL, when another rank's process is gone. Taken from the sources:
+# - gloo, gloo/transport/tcp/pair.cc (its strings are in torch/lib/libtorch_cpu.so: "Connection closed by peer ",
+#   "Read error ", "writev "): "[pair.cc:N] Connection closed by peer [ADDR]:PORT" (EOF; torch 2.13 adds ". This is
+#   typically caused by a remote worker crashing. GLHF!"), "Read error [ADDR]:PORT: <strerror>", "writev [ADDR]:PORT:
+#   <strerror>" with strerror ECONNRESET "Connection reset by peer" or EPIPE "Broken pipe". Its timeout's "remote
+#   worker hanging" is not a rank gone.
+# - NCCL, torch/include/torch/csrc/distributed/c10d/NCCLUtils.hpp (C10D_NCCL_CHECK): "NCCL error in: FILE:LINE,
+#   <ncclGetErrorString>, NCCL version V\n<detail>"; the texts are in torch/csrc/distributed/c10d/NCCLUtils.cpp, not
+#   in the CPU wheel: ncclRemoteError's "remote process exited or there was a network error" (NCCL's own string, also
+#   after ProcessGroupNCCL's "NCCL error: "), and an aborted communicator's "NCCL communicator was aborted on rank R.
+#   Original reason for failure was: ...". ncclSystemError (NCCL < 2.13 reported a dead peer so) is any system call's
+#   failure: not taken for a rank gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+              "remote process exited or there was a network error", "NCCL communicator was aborted")
+
+
+def peer_lost_words(text: str) -> str | None:
+    """The clause of a collective's error text that says another rank is gone, on one line, to quote ("Connection
+    closed by peer [127.0.0.1]:19340", "remote process exited or there was a network error"); None when it says
+    nothing of the kind."""
+    for line in text.splitlines():
+        for sentence in line.split("] ", 1)[-1].split(". "):  # after gloo's "[file:line] "
+            for clause in sentence.split(", "):  # NCCL's "NCCL error in: FILE:LINE, <what>, NCCL version V"
+                if any(words in clause for words in _PEER_GONE):
+                    return clause.strip().removesuffix(".")
+    return None
 
 
 def peer_lost(err: BaseException) -> bool:
@@ -199,16 +284,16 @@ def peer_lost(err: BaseException) -> bool:
     import torch.distributed as dist
 
     return isinstance(err, dist.DistNetworkError) or (
-        isinstance(err, RuntimeError) and any(words in str(err) for words in _PEER_GONE))
+        isinstance(err, RuntimeError) and peer_lost_words(str(err)) is not None)
 
 
 def report_peer_lost(err: BaseException) -> int:
     """A rank's exit when another rank is gone: under run_ranks, quietly with PEER_LOST_EXIT (the launcher knows
     which rank ended and how, and says it in one line); under torchrun, one line of its own."""
     if os.environ.get(LAUNCHER_ENV) is None:
-        first = str(err).split(". ")[0].split("] ")[-1]  # gloo's "[file:line] Connection closed by peer [addr]"
+        said = peer_lost_words(str(err)) or str(err).strip().split("\n")[0]  # a DistNetworkError's own first line
         print(f"twincache: error: rank {rank()} lost another rank of its torch.distributed world in a collective "
-              f"({first}); that rank's own output says why it ended", file=sys.stderr)
+              f"({said}); that rank's own output says why it ended", file=sys.stderr)
         return 2
     return PEER_LOST_EXIT
 
@@ -282,5 +367,5 @@ def finish_rank() -> None:
 
 
 __all__ = ["LAUNCHER_ENV", "PEER_LOST_EXIT", "in_world", "rank", "cpu_cores", "simulate_cpu_devices", "run_ranks",
-           "follow_launcher", "peer_lost", "report_peer_lost", "check_world", "init_rank", "check_torch_devices",
-           "finish_rank"]
+           "follow_launcher", "peer_lost_words", "peer_lost", "report_peer_lost", "check_world", "init_rank",
+           "check_torch_devices", "finish_rank"]

@@ -35,10 +35,17 @@ from twincache.checkpoint import load_config, resolve_dtype
 from twincache.default_model import default_model_dir
 from twincache.errors import InputError, NonFiniteLogitsError
 from twincache.generation import CACHE_KINDS, check_positions, validate_prompts
-from twincache.mesh import MeshShape
+from twincache.mesh import MeshShape, split_mesh
 from twincache.parity_metrics import Distance
 from twincache_app.backends import BACKENDS
-from twincache_app.generate_cmd import add_model_arguments, model_config, notices_on_stderr, resolve_prompts, set_window
+from twincache_app.generate_cmd import (
+    add_model_arguments,
+    model_config,
+    notices_on_stderr,
+    resolve_prompts,
+    set_window,
+    start_mesh,
+)
 from twincache_app.hf_loading import transformers_model
 
 NOT_INSTALLED = "transformers is not installed"
@@ -716,13 +723,14 @@ def run(args: argparse.Namespace) -> int:
                          "with --sliding-window N)")
     else:
         caches = [args.cache]
-    if args.mesh is not None:
+    if split_mesh(args.mesh) is not None:
         from twincache_app import mesh_parity
 
         report = mesh_parity.mesh_report(args, config, model_dir, prompts, caches, impls)
         if report is None or isinstance(report, int):  # a rank other than 0, or the launcher's exit code
             return report or 0
-    else:
+    else:  # no --mesh, or a mesh of one device: plain parity in this process ("mesh" below still names it)
+        start_mesh(args, config, [])  # a one-device mesh inside a torch.distributed world of another size is refused
         models = load_models(model_dir, args.dtype, with_transformers=not args.no_transformers, impls=impls,
                              sliding_window=args.sliding_window)
         report = parity_report(models, prompts, args.max_new_tokens, args.dtype, caches, impls)
