@@ -121,6 +121,18 @@ def save_hf_checkpoint(directory: Path, seed: int = 0, dtype: str = "float32", m
     return directory
 
 
+def nan_norm_checkpoint(checkpoint: Path, directory: Path) -> Path:
+    """A copy of `checkpoint` whose final norm is NaN: its headers are fine, its logits are not (a run finds it)."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(checkpoint, directory)
+    weights = load_file(directory / "model.safetensors")
+    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """All tiny checkpoint directories by name: the CHECKPOINT_VARIANTS plus 'sharded' and 'bf16_stored'."""

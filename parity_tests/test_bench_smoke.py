@@ -478,20 +478,14 @@ def test_what_torchs_ranks_would_refuse_is_refused_before_any_starts(checkpoints
         assert started == [] and not (tmp_path / "out" / "mesh.json").exists(), "refused before running anything"
 
 
-def test_a_refusal_inside_torchs_ranks_reaches_the_user_as_one_line(checkpoints, tmp_path, capfd):
+def test_a_refusal_in_a_one_device_mesh_run_reaches_the_user_as_one_line(checkpoints, tmp_path, capfd):
     """What only a run can find (NaN logits from a checkpoint whose final norm is NaN: its headers are fine) is
-    refused inside the torch ranks; the bench says it once, as that error, not as the ranks' tracebacks and
-    "unexpected RuntimeError". model=1 now runs in this process (a one-device mesh starts no rank), so a refusal
-    written by a rank (bench.mesh._rank_main) is no longer run here: model=2's two ranks cost 16 s on 2 cores."""
-    import shutil
+    refused in torch's model=1 run, which runs in this process (a one-device mesh starts no rank); the bench says it
+    once, as that error, not as a traceback and "unexpected RuntimeError". The same refusal inside two torch ranks
+    runs beside the mesh workers (test_mesh)."""
+    from parity_tests.conftest import nan_norm_checkpoint
 
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
-
-    broken = shutil.copytree(checkpoints["gqa"], tmp_path / "nan_norm")
-    weights = load_file(broken / "model.safetensors")
-    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], np.nan)
-    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    broken = nan_norm_checkpoint(checkpoints["gqa"], tmp_path / "nan_norm")
     assert main(["bench", "--preset", "tiny", "--model", str(broken), "--meshes", "model=1", "--impls", "torch_eager",
                  "--out", str(tmp_path / "out")]) == 2
     err = capfd.readouterr().err  # the rank's stderr too: it writes to this process's fd 2

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from parity_tests import background, trained_model
-from parity_tests.conftest import save_hf_checkpoint
+from parity_tests.conftest import nan_norm_checkpoint, save_hf_checkpoint
 from twincache import cache_checks
 from twincache.config import MistralConfig
 from twincache.errors import InputError, MeshError
@@ -177,6 +177,7 @@ def mesh_runs(request: pytest.FixtureRequest) -> Callable[[], dict[str, object]]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # several processes share 2 cores (docs/design.md §7.11)
     jax_env = {**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     paths = {**dirs, "trained": trained_model_dir}
+    nan_norm = nan_norm_checkpoint(dirs["gqa"], root / "nan_norm")
 
     def run() -> dict[str, object]:
         with contextlib.ExitStack() as logs:  # each process's log files, closed once every process has ended
@@ -196,6 +197,10 @@ def mesh_runs(request: pytest.FixtureRequest) -> Callable[[], dict[str, object]]
                     [sys.executable, "-m", "twincache_app.cli", *args, "--model", str(paths[checkpoint]),
                      *([] if "--prompt" in args else CLI_PROMPT)],
                     cwd=REPO, env=env, stdout=log(f"{name}.out"), stderr=log(f"{name}.err"))
+            started["bench refused"] = subprocess.Popen(  # a refusal only a run finds, inside torch's two ranks
+                [sys.executable, "-m", "twincache_app.cli", "bench", "--preset", "tiny", "--model", str(nan_norm),
+                 "--meshes", "model=2", "--impls", "torch_eager", "--out", str(root / "bench_refused")],
+                cwd=REPO, env=env, stdout=log("bench refused.out"), stderr=log("bench refused.err"))
             # the two torch ranks, through twincache_app.launch.run_ranks in a process of their own (it waits on them)
             started["torch workers"] = subprocess.Popen(
                 [sys.executable, "-c", _TORCH_WORKERS, str(out), str(dirs["gqa"]), str(dirs["mqa"])], cwd=REPO,
@@ -205,6 +210,8 @@ def mesh_runs(request: pytest.FixtureRequest) -> Callable[[], dict[str, object]]
             assert codes[name] == 0, (name, (root / f"{name}.err").read_text()[-3000:])
         cli = {name: (codes[name], (root / f"{name}.out").read_text(), (root / f"{name}.err").read_text())
                for name in CLI_RUNS}
+        cli["bench refused"] = (codes["bench refused"], (root / "bench refused.out").read_text(),
+                                (root / "bench refused.err").read_text())
         return {"dirs": dirs, "out": out, "cli": cli, "jax": json.loads((out / "jax.json").read_text()),
                 "bench": json.loads((root / "bench" / "mesh.json").read_text()),
                 "bench_md": (root / "bench" / "mesh.md").read_text(),
@@ -660,6 +667,15 @@ def test_cli_parity_on_a_mesh_judges_it_against_float64_and_against_one_device(m
 
 
 # --- the bench mode --------------------------------------------------------------------------------------------------
+
+def test_a_refusal_inside_torchs_ranks_reaches_the_user_as_one_line(mesh_runs):
+    """What only a run can find (NaN logits from a checkpoint whose final norm is NaN) is refused inside the bench's
+    two torch ranks (bench.mesh writes a rank's refusal for the launcher's process); the bench says it once, as that
+    error, not as the ranks' tracebacks and "unexpected RuntimeError", and exits 2."""
+    code, out, err = mesh_runs["cli"]["bench refused"]
+    assert code == 2 and out == "", (code, out, err)
+    assert err.count("\n") == 1 and "NaN or Inf logits at generated token 0" in err and "unexpected" not in err, err
+
 
 def test_bench_meshes_records_each_devices_bytes_and_tok_s_per_mesh(mesh_runs):
     """`twincache bench --meshes` on the tiny preset's workload with --model (the GQA checkpoint: 2 KV heads),
