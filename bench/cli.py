@@ -178,11 +178,14 @@ def run(args: argparse.Namespace) -> int:
     writable_directory(out, "--out", "pass --out a directory where results can be written")  # before hours of work
     _check_cache_dir(args.cache_dir)
     if args.meshes:
-        from bench.mesh import mesh_impls, run_mesh_bench
+        from bench.mesh import RanksFailed, mesh_impls, run_mesh_bench
 
         modes = mesh_impls(args.impls)
         meshes = list(dict.fromkeys(args.meshes))  # a mesh given twice (model=2 model=2,data=1) runs once
-        run_mesh_bench(preset, out, meshes, list(modes), args.cache_dir, modes)
+        try:
+            run_mesh_bench(preset, out, meshes, list(modes), args.cache_dir, modes)
+        except RanksFailed as ranks:
+            return ranks.code
         print(f"bench: wrote {out / 'mesh.json'} and {out / 'mesh.md'}", file=sys.stderr)
         return 0
     opts = Options(preset=preset, out=out, impls=args.impls or list(preset.impls), caches=args.caches,

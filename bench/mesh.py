@@ -116,14 +116,26 @@ def _ranks_record(model_dir: Path, config: MistralConfig, preset: Preset, mesh: 
         refused = sorted(folder.glob(f"rank*{_RANK_ERROR}"))
         if refused:  # a rank refused in one line (it printed nothing): the same error here, named once
             kind, message = json.loads(refused[0].read_text())
-            raise getattr(errors, kind, errors.TwincacheError)(message)
-        if code != 0:
-            raise RuntimeError(f"the torch ranks of mesh {mesh} failed (exit {code})")
+            if not isinstance(getattr(errors, kind, None), type):  # a rank's own bug: named, still one line
+                raise errors.TwincacheError(f"a torch rank of mesh {mesh} failed: unexpected {kind}: {message}")
+            raise getattr(errors, kind)(message)
+        if code != 0:  # the launcher said why (a rank killed, or lost) in its one line: nothing more to say
+            raise RanksFailed(code)
         ranks = [json.loads(path.read_text()) for path in sorted(folder.glob("rank*.json"))]
     record = ranks[0]
     for field in ("weights_bytes", "kv_bytes"):
         record[field] = {f"rank {r}": sum(rank[field].values()) for r, rank in enumerate(ranks)}
     return record
+
+
+class RanksFailed(Exception):
+    """torch's ranks of a mesh ended with exit `code`, and the launcher has printed the one line that says why (a rank
+    killed by a signal, or one that failed on its own): the bench ends with that code and prints nothing more. It
+    raised RuntimeError, a second line: "unexpected RuntimeError: the torch ranks of mesh ... failed (exit 2)"."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the torch ranks failed (exit {code}); the launcher said why")
+        self.code = code
 
 
 def markdown(records: list[dict[str, Any]]) -> str:
@@ -153,7 +165,7 @@ def _rank_main(argv: Sequence[str]) -> None:
         record = mesh_record(BACKENDS["torch"], Path(inputs["model_dir"]), MistralConfig(**inputs["config"]),
                              inputs["dtype"], parse_mesh(inputs["mesh"]), inputs["prompts"], inputs["new_tokens"],
                              CACHE, mode=inputs["mode"])
-    except errors.TwincacheError as err:  # for the launcher to raise: one line, not every rank's traceback
+    except Exception as err:  # noqa: BLE001 - for the launcher to raise: one line, not every rank's traceback
         (folder / f"rank{launch.rank()}{_RANK_ERROR}").write_text(json.dumps([type(err).__name__, str(err)]))
         sys.exit(2)
     (folder / f"rank{launch.rank()}.json").write_text(json.dumps(record))

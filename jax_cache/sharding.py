@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
-from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, check_devices, plan_shards
+from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, check_devices, plan_shards, wrong_mesh_type
 
 if TYPE_CHECKING:  # jax_cache.cache imports this module
     from jax_cache.cache import StaticCache
@@ -48,16 +48,21 @@ def make_mesh(model: int = 1, data: int = 1) -> Mesh:
 
 def mesh_shape(mesh: Mesh) -> MeshShape:
     """The sizes of a mesh with the axes ("data", "model")."""
+    if not isinstance(mesh, Mesh):
+        raise wrong_mesh_type(mesh, "jax.sharding.Mesh (a torch DeviceMesh is torch_cache's)",
+                              "jax_cache.sharding.make_mesh(model=N, data=M)")
     if tuple(mesh.axis_names) != AXES:
         raise MeshError(f"a twincache mesh has the axes {AXES}, not {tuple(mesh.axis_names)}; build it with "
-                        "jax_cache.sharding.make_mesh")
+                        "jax_cache.sharding.make_mesh(model=N, data=M)")
     return MeshShape(data=mesh.shape["data"], model=mesh.shape["model"])
 
 
-@functools.lru_cache(maxsize=64)
 def plan(mesh: Mesh, config: MistralConfig) -> ShardPlan:
     """How `config` splits over `mesh` (refused in one line when it cannot)."""
-    return plan_shards(config, mesh_shape(mesh))
+    return _plan(config, mesh_shape(mesh))  # the mesh checked first: a cache keyed on it hashed a list's TypeError
+
+
+_plan = functools.lru_cache(maxsize=64)(plan_shards)
 
 
 @functools.lru_cache(maxsize=64)

@@ -347,6 +347,31 @@ def test_an_inductor_cache_dir_that_cannot_be_made_is_one_line_exit_2(bad_checkp
     assert out == ""
 
 
+@pytest.mark.parametrize("where", ["missing", "a file", "/proc"])
+def test_a_temp_dir_python_skips_is_skipped_by_inductors_compiler_too(monkeypatch, tmp_path, where: str):
+    """TMPDIR that Python's tempfile cannot write a file in: it falls back to /tmp, but g++ (which inductor runs for
+    every compiled torch step) trusted the variable. With TMPDIR=/proc as root, or on a full disk, `twincache
+    generate` ended with "unexpected InductorError: ... Cannot create temporary file in /proc/" (or "No space left
+    on device") whenever a kernel was not in inductor's cache yet. The torch tower's first step hands Python's
+    choice on as TMPDIR; g++ itself, given a one-line program, is the judge. (~0.1 s: one g++ run.)"""
+    import tempfile
+
+    from torch_cache.inductor_cpu import check_cache_dir
+
+    (tmp_path / "a file").write_text("")
+    skipped = where if where.startswith("/") else str(tmp_path / where)
+    monkeypatch.setenv("TMPDIR", skipped)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches its choice: choose again under this TMPDIR
+    check_cache_dir()
+    assert os.environ["TMPDIR"] == tempfile.gettempdir() != skipped
+    compiler = shutil.which("g++") or shutil.which("c++")
+    assert compiler, "inductor's CPU steps need a C++ compiler"
+    (tmp_path / "one.cpp").write_text("int main() { return 0; }\n")
+    built = subprocess.run([compiler, "-c", str(tmp_path / "one.cpp"), "-o", str(tmp_path / "one.o")],
+                           capture_output=True, text=True, env=os.environ.copy())
+    assert built.returncode == 0, built.stderr
+
+
 def _entry_point() -> list[str]:
     """The installed `twincache` script next to this interpreter, else `python -m twincache_app.cli`."""
     script = Path(sys.executable).with_name("twincache")

@@ -29,6 +29,7 @@ import pytest
 from parity_tests import background, trained_model
 from parity_tests.conftest import nan_norm_checkpoint, save_hf_checkpoint
 from twincache import cache_checks
+from twincache.checkpoint import expected_tensor_shapes
 from twincache.config import MistralConfig
 from twincache.errors import InputError, MeshError
 from twincache.generation import Batch, GenerationResult, SamplingParams
@@ -141,6 +142,44 @@ def test_a_batch_pads_to_the_data_axis_and_the_padding_rows_are_dropped():
     assert pad_batch(batch, 2, None) == (batch, None)
     forced = np.array([[4, 5], [6, 7]])  # [B, N] forced tokens follow their rows
     assert pad_rows(forced, 4).tolist() == [[4, 5], [6, 7], [6, 7], [6, 7]] and pad_rows(forced, 2) is not forced
+
+
+def test_a_mesh_of_another_type_is_refused_in_one_line_by_both_towers(checkpoints):
+    """`mesh=` given a string, a MeshShape (what backend.load takes), a list or the other tower's mesh: each tower read
+    attributes from it and raised AttributeError "'str' object has no attribute 'axis_names'" (JAX) or "'Mesh'
+    object has no attribute 'mesh_dim_names'" (torch), and torch's from_weights "... 'device_type'". Refused before
+    anything is read, in one MeshError naming the type and how to build the tower's own. (In process, one device:
+    ~0.1 s.)"""
+    import jax.numpy as jnp
+    import torch
+
+    from jax_cache import sharding as jax_sharding
+    from jax_cache.cache import StaticCache as JaxCache
+    from jax_cache.model import Mistral as JaxMistral
+    from torch_cache.cache import StaticCache as TorchCache
+    from torch_cache.model import Mistral as TorchMistral
+
+    path = checkpoints["gqa"]
+    config = MistralConfig.from_json(path / "config.json")
+    jax_mesh = jax_sharding.make_mesh()  # one device: a real jax Mesh with the twincache axes
+    weights = {name: torch.zeros(shape) for name, shape in expected_tensor_shapes(config).items()}
+    towers = {
+        "jax": ([lambda mesh: JaxMistral.from_pretrained(path, jnp.float32, mesh=mesh),
+                 lambda mesh: JaxCache(config, 2, 16, mesh=mesh)],
+                ["model=2", MeshShape(model=2), [2, 1], torch.device("cpu")], "jax_cache.sharding.make_mesh(model=N"),
+        "torch": ([lambda mesh: TorchMistral.from_pretrained(path, mesh=mesh),
+                   lambda mesh: TorchMistral.from_weights(config, weights, mesh=mesh),
+                   lambda mesh: TorchCache(config, 2, 16, mesh=mesh)],
+                  ["model=2", MeshShape(model=2), [2, 1], jax_mesh], "torch_cache.sharding.make_mesh(model=N"),
+    }
+    for tower, (builders, meshes, how) in towers.items():
+        for build in builders:
+            for mesh in meshes:
+                with pytest.raises(MeshError) as caught:
+                    build(mesh)
+                message = str(caught.value)
+                assert message.startswith(f"mesh is a {type(mesh).__module__}.{type(mesh).__qualname__}"), message
+                assert how in message and "\n" not in message, (tower, message)
 
 
 # --- the workers: JAX on 8 simulated devices and torch on 2 gloo processes, started together ----------------------

@@ -57,6 +57,7 @@ from twincache.generation import (
     validate_forced_tokens,
 )
 from twincache.mesh import keep_rows, pad_batch, pad_continuation, pad_rows
+from twincache.storage import share_temp_dir
 from twincache.switches import switch
 
 MAX_DECODE_VARIANTS = 64
@@ -264,6 +265,7 @@ def _decode_one_fn(model: Mistral, compile: bool) -> _DecodeSteps:
         # one graph then serves every partial bucket, and the whole cache is one more (docs/design.md §7.13).
         # Elsewhere each bucket compiles once.
         compiled: _DecodeOne = torch.compile(decode_one, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        share_temp_dir()  # inductor's g++ writes to TMPDIR: the one Python checked, not one it skipped
         from torch._inductor import config as inductor_config
 
         def compile_settings() -> contextlib.ExitStack:

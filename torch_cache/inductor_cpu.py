@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from twincache.storage import writable_directory
+from twincache.storage import share_temp_dir, writable_directory
 
 if TYPE_CHECKING:
     from torch._inductor.cpu_vec_isa import VecISA
@@ -35,7 +35,9 @@ def check_cache_dir() -> None:
     """Refuse a TORCHINDUCTOR_CACHE_DIR that cannot be a writable directory, in one line naming it (StorageError).
     torch creates it when torch._dynamo is first imported (a cache marks its buffers static, inductor's checks load
     here): one it cannot create ended a run with "unexpected FileNotFoundError: [Errno 2] No such file or directory:
-    '/proc/nope'", which named neither the variable nor what to do."""
+    '/proc/nope'", which named neither the variable nor what to do. First TMPDIR becomes the temp dir Python uses
+    (twincache.storage.share_temp_dir)."""
+    share_temp_dir()  # before the compiler probe's first g++ run: a TMPDIR Python skipped, g++ skips too
     directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if directory:
         writable_directory(Path(directory), "TORCHINDUCTOR_CACHE_DIR",

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from twincache.checkpoint import expected_tensor_shapes, missing_tensors_error
 from twincache.config import MistralConfig
 from twincache.errors import CheckpointError, MeshError
-from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, plan_shards
+from twincache.mesh import AXES, MeshShape, ShardPlan, check_batch, plan_shards, wrong_mesh_type
 
 if TYPE_CHECKING:
     from torch_cache.model import DecoderLayer, Mistral  # which imports this module
@@ -52,6 +52,10 @@ def make_mesh(model: int = 1, data: int = 1) -> DeviceMesh:
 
 def mesh_shape(mesh: DeviceMesh) -> MeshShape:
     """The sizes of a mesh with the axes ("data", "model")."""
+    if not isinstance(mesh, DeviceMesh):
+        raise wrong_mesh_type(mesh, "torch DeviceMesh (a jax Mesh is jax_cache's)",
+                              "torch_cache.sharding.make_mesh(model=N, data=M) in each process of a torch.distributed "
+                              "world")
     if tuple(mesh.mesh_dim_names or ()) != AXES:
         raise MeshError(f"a twincache mesh has the axes {AXES}, not {tuple(mesh.mesh_dim_names or ())}; build it "
                         "with torch_cache.sharding.make_mesh")
@@ -116,6 +120,7 @@ def shard_parameters(config: MistralConfig, mesh: DeviceMesh) -> int:
 
 def shard_weights(config: MistralConfig, weights: dict[str, torch.Tensor], mesh: DeviceMesh) -> dict[str, torch.Tensor]:
     """This rank's slices of HF-named tensors, as its own contiguous tensors on its device."""
+    plan(mesh, config)  # a mesh that is none, or cannot split this model, is refused before any tensor is sliced
     device = local_device(mesh)
     return {name: tensor[weight_slice(name, config, mesh)].to(device).contiguous().clone()
             for name, tensor in weights.items()}

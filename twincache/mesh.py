@@ -194,6 +194,15 @@ def split_mesh(mesh: MeshShape | None) -> MeshShape | None:
     return mesh if mesh is not None and mesh.devices > 1 else None
 
 
+def wrong_mesh_type(mesh: object, expected: str, how: str) -> MeshError:
+    """The refusal of a `mesh=` that is not the tower's own mesh type (a string, a MeshShape, the other tower's
+    mesh): each tower's mesh_shape read attributes from it, and a user saw AttributeError "'str' object has no
+    attribute 'axis_names'" from inside the loader."""
+    kind = f"{type(mesh).__module__}.{type(mesh).__qualname__}"
+    shown = f" {mesh!r}" if isinstance(mesh, (str, int, float, MeshShape)) else ""
+    return MeshError(f"mesh is a {kind}{shown}, not a {expected}; build one with {how}")
+
+
 def check_devices(mesh: MeshShape, available: int, where: str) -> None:
     """Refuse a mesh larger than the devices there are (`where` names them, e.g. "JAX sees 1 cpu device")."""
     if mesh.devices > available:
@@ -201,4 +210,4 @@ def check_devices(mesh: MeshShape, available: int, where: str) -> None:
 
 
 __all__ = ["AXES", "MeshShape", "parse_mesh", "ShardPlan", "plan_shards", "check_batch", "pad_batch",
-           "pad_continuation", "pad_rows", "keep_rows", "split_mesh", "check_devices"]
+           "pad_continuation", "pad_rows", "keep_rows", "split_mesh", "wrong_mesh_type", "check_devices"]
