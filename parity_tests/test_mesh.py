@@ -61,8 +61,10 @@ def test_parse_mesh_reads_both_axes_in_any_order_and_refuses_anything_else():
     assert parse_mesh("data=4, model=2") == MeshShape(data=4, model=2)
     for bad, fragment in (("model=0", "positive"), ("modl=2", "data=M or model=N"), ("model=2,model=4", "twice"),
                           ("model=x", "not an integer"), ("model", "data=M or model=N")):
-        with pytest.raises(MeshError, match=fragment):
+        with pytest.raises(MeshError, match=fragment) as caught:
             parse_mesh(bad)
+        # the flag is argparse's to name (--mesh, or the bench's --meshes): "argument --meshes: --mesh 'x'" misled
+        assert "--mesh" not in str(caught.value), str(caught.value)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "intermediate", "model", "numbers"), [
@@ -180,6 +182,11 @@ def test_a_mesh_of_another_type_is_refused_in_one_line_by_both_towers(checkpoint
                 message = str(caught.value)
                 assert message.startswith(f"mesh is a {type(mesh).__module__}.{type(mesh).__qualname__}"), message
                 assert how in message and "\n" not in message, (tower, message)
+    from torch_cache import sharding as torch_sharding
+
+    for model, processes in ((1, "1 process,"), (2, "2 processes,")):  # outside a torch.distributed world
+        with pytest.raises(MeshError, match=f"needs torch.distributed with {processes} and it is not initialised"):
+            torch_sharding.make_mesh(model=model)
 
 
 # --- the workers: JAX on 8 simulated devices and torch on 2 gloo processes, started together ----------------------

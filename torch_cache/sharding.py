@@ -42,8 +42,10 @@ def make_mesh(model: int = 1, data: int = 1) -> DeviceMesh:
     ("data", "model"); each rank uses the GPU of its local rank, or the CPU (gloo)."""
     shape = MeshShape(data=data, model=model)
     if not dist.is_available() or not dist.is_initialized():
-        raise MeshError(f"mesh {shape} needs torch.distributed with {shape.devices} processes, and it is not "
-                        "initialised; run through the twincache command (it launches them) or torchrun")
+        processes = "1 process" if shape.devices == 1 else f"{shape.devices} processes"
+        raise MeshError(f"mesh {shape} needs torch.distributed with {processes}, and it is not initialised; run "
+                        "through the twincache command (it launches them) or torchrun, or pass mesh=None for one "
+                        "device")
     if dist.get_world_size() != shape.devices:
         raise MeshError(f"mesh {shape} needs {shape.devices} processes, but torch.distributed runs "
                         f"{dist.get_world_size()}; launch as many processes as the mesh has devices")

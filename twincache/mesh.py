@@ -66,13 +66,13 @@ def parse_mesh(text: str) -> MeshShape:
         axis, sep, value = field.strip().partition("=")
         axis = axis.strip()
         if not sep or axis not in AXES:
-            raise MeshError(f"--mesh {text!r}: each field is data=M or model=N, comma-separated (e.g. model=2,data=4)")
+            raise MeshError(f"mesh {text!r}: each field is data=M or model=N, comma-separated (e.g. model=2,data=4)")
         if axis in sizes:
-            raise MeshError(f"--mesh {text!r} gives {axis} twice")
+            raise MeshError(f"mesh {text!r} gives {axis} twice")
         try:
             sizes[axis] = int(value)
         except ValueError:
-            raise MeshError(f"--mesh {text!r}: {axis}={value.strip()!r} is not an integer") from None
+            raise MeshError(f"mesh {text!r}: {axis}={value.strip()!r} is not an integer") from None
     return MeshShape(**sizes)
 
 
