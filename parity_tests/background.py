@@ -150,7 +150,9 @@ def stop() -> None:
 def _lane_loop(queued: list[_Job]) -> None:
     if sys.platform == "linux":  # per thread on Linux; elsewhere it would lower the whole test process
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LANE_NICENESS)
+            # relative to the session's own: a suite started under `nice` keeps its lane below its tests too
+            lane = min(os.getpriority(os.PRIO_PROCESS, 0) + LANE_NICENESS, 19)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), lane)
         except OSError:
             pass
     for entry in queued:

@@ -64,7 +64,8 @@ def test_a_job_runs_once_in_the_lane_and_the_processes_it_starts_run_at_its_lowe
         lane.start()
         lane.join(timeout=60)
         thread, niceness = background.collect(request, prepare)
-        assert (thread, niceness) == ("a test lane", os.getpriority(os.PRIO_PROCESS, 0) + background.LANE_NICENESS)
+        lane = min(os.getpriority(os.PRIO_PROCESS, 0) + background.LANE_NICENESS, 19)  # the session may run niced
+        assert (thread, niceness) == ("a test lane", lane)
         assert background.collect(request, prepare) == (thread, niceness) and len(runs) == 1
         assert prepared == [threading.current_thread().name]
         assert_summarised(entry, "lane")
