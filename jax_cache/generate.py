@@ -11,8 +11,10 @@ they sample the same tokens for the same seed (docs/design.md §5).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -409,12 +411,19 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     return carry.out_tokens, carry.out_logits, for_host, _placed(carry.state)  # pinned as it entered (see _placed)
 
 
-_fused_executables: dict[tuple, jax.stages.Compiled] = {}
+# The fused blocks compiled ahead of time, most recently used last: one per model structure, batch, cache shape, dtype,
+# placement, sampling kind and attention bucket. A long-running process that decodes with ever new shapes (each request
+# its own max_cache_len or cache object, say) kept every one; now the least recently used is dropped past
+# MAX_DECODE_VARIANTS (compiled again if used again), as torch_cache drops its decode step's entries at that count.
+MAX_DECODE_VARIANTS = 64
+_fused_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
+_fused_lock = threading.Lock()  # threads decoding at once share the table: a lookup's move and an eviction interleave
 
 
 def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compiled, float]:
     """The compiled fused block for these argument shapes, compiled ahead of time once per shape so its compile time
-    is measured apart from decoding. Returns (executable, seconds spent compiling now: 0.0 when it was ready).
+    is measured apart from decoding, and kept for the next call among the MAX_DECODE_VARIANTS most recently used.
+    Returns (executable, seconds spent compiling now: 0.0 when it was ready).
 
     Under the caller's `jax.disable_jit()` the block is the Python function itself, run op by op as every other jitted
     function of the tower then is: an AOT executable refuses to run there (JAX's ValueError "Disable jit is not
@@ -424,11 +433,17 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
     leaves, treedef = jax.tree_util.tree_flatten(args[1:])
     signature = (args[0], treedef, tuple((leaf.shape, leaf.dtype, getattr(leaf, "sharding", None)) for leaf in leaves),
                  tuple(sorted(static.items())))
-    if signature in _fused_executables:
-        return _fused_executables[signature], 0.0
+    with _fused_lock:
+        if signature in _fused_executables:
+            _fused_executables.move_to_end(signature)
+            return _fused_executables[signature], 0.0
     start = time.perf_counter()
-    _fused_executables[signature] = _fused_decode.lower(*args, **static).compile()
-    return _fused_executables[signature], time.perf_counter() - start
+    compiled = _fused_decode.lower(*args, **static).compile()  # outside the lock: other threads' lookups go on
+    with _fused_lock:
+        _fused_executables[signature] = compiled
+        while len(_fused_executables) > MAX_DECODE_VARIANTS:
+            _fused_executables.popitem(last=False)
+    return compiled, time.perf_counter() - start
 
 
 BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
@@ -817,7 +832,8 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
                                    f"or dtype ({dtype}) are not usable for this input")
 
 
-__all__ = ["MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS", "DecodeStep",
+__all__ = ["MAX_DECODE_VARIANTS", "MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS",
+           "DecodeStep",
            "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body", "FusedCarry",
            "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket", "prefill",
            "generate", "continue_generation", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "TOP_P_CANDIDATES", "filter_logits"]

@@ -261,6 +261,36 @@ def test_decode_is_traced_once_per_mode_across_generations_that_wrap_three_times
     assert result.timed_steps == result.decode_steps - 1  # its first block (one step) is its first step, untimed
 
 
+def test_the_fused_executables_kept_are_the_most_recently_used_few(monkeypatch):
+    """The fused blocks compiled ahead of time are kept per argument shapes and static settings: a service whose
+    requests bring ever new shapes (each its own max_cache_len or batch, say) held every one. Only the
+    MAX_DECODE_VARIANTS (2 here) most recently used are kept: one used again stays over an older one, which is
+    dropped and compiled again when it comes back. The compiler is a stub that counts (no XLA: ~0 s)."""
+    compiled: list[int] = []
+
+    class Stub:  # stands for _fused_decode: lower(...).compile() gives a new object per compile
+        def lower(self, graph: object, state: jax.Array, **static: object) -> Stub:
+            return self
+
+        def compile(self) -> object:
+            compiled.append(1)
+            return object()
+
+    monkeypatch.setattr(jg, "_fused_decode", Stub())
+    monkeypatch.setattr(jg, "MAX_DECODE_VARIANTS", 2)
+    monkeypatch.setattr(jg, "_fused_executables", collections.OrderedDict())
+
+    def executable(slots: int) -> object:  # a cache of `slots` columns: one shape each
+        return jg.fused_executable("graph", jnp.zeros((1, slots)), kind="greedy")[0]
+
+    kept = {16: executable(16), 24: executable(24)}
+    assert executable(16) is kept[16]  # used again: the same one, now the most recent
+    kept[32] = executable(32)  # a third: 24, the least recently used, is dropped
+    assert list(jg._fused_executables.values()) == [kept[16], kept[32]] and len(compiled) == 3
+    assert executable(24) is not kept[24] and len(compiled) == 4  # compiled again
+    assert executable(32) is kept[32] and len(jg._fused_executables) == 2
+
+
 def test_sampling_settings_of_one_kind_share_every_executable(model, monkeypatch):
     """Only the sampling kind is static (greedy / temperature / filtered, as torch_cache's compiled step); the
     temperature, top_k and top_p are traced. After one filtered generation per mode (which compiles the kind's step

@@ -31,7 +31,6 @@ TORCH_ONLY = {
                             "module on any mesh",
     "sharding.weight_slice": f"{_TORCH_RANK}; JAX's weight_sharding places the global array instead",
     "sharding.local_device": f"{_TORCH_RANK}; one JAX process drives every device of its mesh",
-    "generate.MAX_DECODE_VARIANTS": "torch.compile's recompile limit for the one decode-step code object",
     "model.compile_region": "regional compilation for torch.compile (one decoder layer traced once); XLA compiles a "
                             "whole step in seconds",
     "model.DecoderLayer.forward_in_place": "the compiled region: a decoder layer and its cache write on tensors alone",
