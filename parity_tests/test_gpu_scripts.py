@@ -29,10 +29,29 @@ def test_gpu_parity_cases_are_the_ones_its_docstring_names():
     assert gpu_parity.CASES[1][5] == parity.IMPLEMENTATIONS  # fp32: every implementation, torch compiled included
 
 
-def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path, capsys):
+def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path, capsys, monkeypatch):
     """A tiny fp32 case runs and passes (the bf16 one whose ring wraps runs in the lease's smoke test below); a
     second, reached after the deadline (a clock that jumps), is recorded as skipped, not run; the JSON is written
-    after each case, so a run killed later keeps the finished ones."""
+    after each case, so a run killed later keeps the finished ones. The float64 model is gone before any
+    implementation runs (at 7B shape it held 58 GB of an H100's 80 beside JAX's compile)."""
+    import weakref
+
+    from twincache_app import parity
+
+    built, reference_alive = [], []
+
+    def build_models(*args, **kwargs):
+        models = real_build(*args, **kwargs)
+        built.append(weakref.ref(models.reference))
+        return models
+
+    def run_implementation(*args, **kwargs):
+        reference_alive.append(built[-1]() is not None)
+        return real_run(*args, **kwargs)
+
+    real_build, real_run = gpu_parity.build_models, parity.run_implementation
+    monkeypatch.setattr(gpu_parity, "build_models", build_models)
+    monkeypatch.setattr(parity, "run_implementation", run_implementation)
     cases = [("tiny-fp32", gpu_parity.TINY, "float32", 5, 10, ("torch:eager", "jax:fused")),
              ("past-the-deadline", gpu_parity.TINY, "float32", 5, 10, gpu_parity.AT_7B)]
     written_before_each_case = []
@@ -54,10 +73,12 @@ def test_gpu_parity_runs_and_judges_tiny_cases_on_cpu(tmp_path, capsys):
     assert "## tiny-fp32: float32, window 8, prompt 5, 10 steps" in text and "## past-the-deadline: skipped" in text
     assert text.rstrip().splitlines()[-1].startswith("PASS: 6/6 rows") and "past-the-deadline" in text
     assert all("partial" not in r for r in records)  # a finished case's rows replace its partial ones
+    assert reference_alive and not any(reference_alive), reference_alive
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny-fp32: ")]
     assert re.fullmatch(r"tiny-fp32: models built \(\d+ s\)", progress[0]), progress
+    assert re.fullmatch(r"tiny-fp32: float64 reference computed, its model freed \(\d+ s\)", progress[1]), progress
     # each row's verdict as the table gives it
-    assert [re.sub(r" \(worst [\d.]+x the floor\) \(\d+ s\)$| \(\d+ s\)$", "", line) for line in progress[1:]] == [
+    assert [re.sub(r" \(worst [\d.]+x the floor\) \(\d+ s\)$| \(\d+ s\)$", "", line) for line in progress[2:]] == [
         f"tiny-fp32: {cache} {name}: {'floor' if name.endswith('(floor)') else 'ok'}"
         for cache in ("static", "sliding_window")
         for name in ("transformers (floor)", "torch:eager", "jax:fused", "torch:eager vs jax:fused")], progress
