@@ -75,6 +75,23 @@ def background_lane(request: pytest.FixtureRequest):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def signal_handlers_kept():
+    """A test that leaves SIGINT's or SIGTERM's handler changed fails, and the handler is put back: the process-wide
+    state leaked into later tests (a child the lane started inherited an ignored SIGINT once, and a real-SIGINT test
+    ran to exit 0)."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    changed = {sig: signal.getsignal(sig) for sig, handler in before.items() if signal.getsignal(sig) != handler}
+    for sig in changed:
+        signal.signal(sig, before[sig])
+    if changed:
+        pytest.fail(f"the test left signal handlers changed: "
+                    f"{ {signal.Signals(sig).name: (before[sig], now) for sig, now in changed.items()} }")
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m / --deselect have removed what will not run
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     background.lane_modules_last(items)
