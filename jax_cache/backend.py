@@ -16,7 +16,6 @@ from flax import nnx
 from jax_cache import DEFAULT_MODE, MODES, NAME, STREAMING_MODES, sharding
 from jax_cache import generate as _jax_generate
 from jax_cache.cache import StaticCache
-from jax_cache.generate import _fused_executables
 from jax_cache.generate import generate as _generate
 from jax_cache.model import Mistral
 from twincache import cache_checks
@@ -95,12 +94,13 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
 
 
 def compiled_variants() -> int:
-    """Executables jax_cache holds now: each jitted entry point's cache entries plus the fused loop's ahead-of-time
-    executables. Each is one trace + compile."""
+    """Executables jax_cache has compiled: each jitted entry point's cache entries plus the fused loop's ahead-of-time
+    compiles so far (counted, not its table's length: that stops at MAX_DECODE_VARIANTS, where an evicted shape that
+    comes back compiles again). Each is one trace + compile."""
     jitted = (_jax_generate._prefill, _jax_generate._decode_step, _jax_generate._sampled_step)
     # Its own statement: an error ignored inside sum()'s arguments still fails every sum() overload.
     entries = [int(fn._cache_size()) for fn in jitted]  # type: ignore[attr-defined]  # C++ jit wrapper's, not in stubs
-    return sum(entries) + len(_fused_executables)
+    return sum(entries) + _jax_generate._fused_compiles
 
 
 def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:

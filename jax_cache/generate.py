@@ -418,6 +418,8 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
 MAX_DECODE_VARIANTS = 64
 _fused_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
 _fused_lock = threading.Lock()  # threads decoding at once share the table: a lookup's move and an eviction interleave
+_fused_compiles = 0  # fused blocks compiled in this process, an evicted one compiled again counted again (the table's
+# length stops at MAX_DECODE_VARIANTS, so compile counts read this)
 
 
 def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compiled, float]:
@@ -439,7 +441,9 @@ def fused_executable(*args: object, **static: object) -> tuple[jax.stages.Compil
             return _fused_executables[signature], 0.0
     start = time.perf_counter()
     compiled = _fused_decode.lower(*args, **static).compile()  # outside the lock: other threads' lookups go on
+    global _fused_compiles
     with _fused_lock:
+        _fused_compiles += 1
         _fused_executables[signature] = compiled
         while len(_fused_executables) > MAX_DECODE_VARIANTS:
             _fused_executables.popitem(last=False)

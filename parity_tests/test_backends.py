@@ -5,6 +5,7 @@ and a mode is checked before anything runs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from pathlib import Path
@@ -98,9 +99,11 @@ def test_step_logits_equal_generate_logits_along_its_own_greedy_path(models, nam
     np.testing.assert_allclose(forced, np.asarray(result.step_logits[0], np.float32), rtol=0, atol=1e-5)
 
 
-def test_step_logits_run_each_jax_mode_on_its_own_loop(models):
+def test_step_logits_run_each_jax_mode_on_its_own_loop(models, monkeypatch):
     """fused: one ahead-of-time while_loop executable; step: the streaming step, once per shape."""
     jax_backend = BACKENDS["jax"].module()
+    # counted in a table of its own: the session's is an LRU whose length stays put once full
+    monkeypatch.setattr(jg, "_fused_executables", collections.OrderedDict())
     sequence = list(range(3, 3 + 29))  # a length no other test uses: its executables are compiled here
     fused_before, step_before = len(jg._fused_executables), jg._sampled_step._cache_size()
     jax_backend.step_logits(models["jax"], sequence, 9, "static", "fused")

@@ -11,6 +11,7 @@ logit stops generation with NonFiniteLogitsError. ATTEND_BLOCK is lowered to 8 s
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from pathlib import Path
@@ -235,7 +236,7 @@ def test_torch_compiled_decode_reads_only_its_bucket(torch_bucket_runs):
 def test_jax_compiles_once_per_bucket_reached(gqa, mode, monkeypatch):
     model = JaxMistral.from_pretrained(gqa)
     jax.clear_caches()
-    monkeypatch.setattr(jg, "_fused_executables", {})
+    monkeypatch.setattr(jg, "_fused_executables", collections.OrderedDict())
 
     def count() -> int:
         return jg._sampled_step._cache_size() + len(jg._fused_executables)
@@ -263,7 +264,7 @@ def test_jax_caches_with_equal_buffers_share_their_executables(gqa, monkeypatch)
     (step mode) or another max_cache_len (fused) must not trace the decode again."""
     model = JaxMistral.from_pretrained(gqa)
     jax.clear_caches()
-    monkeypatch.setattr(jg, "_fused_executables", {})
+    monkeypatch.setattr(jg, "_fused_executables", collections.OrderedDict())
     first = jg.generate(model, [PROMPT], 20, cache="sliding_window", fused=False)
     steps = jg._sampled_step._cache_size()
     second = jg.generate(model, [PROMPT], 31, cache="sliding_window", fused=False)
