@@ -10,11 +10,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import MistralForCausalLM
 
+from parity_tests import background
 from parity_tests.conftest import save_hf_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,11 +51,23 @@ print(json.dumps([list(a) + list(b) + list(c) for a, b, c in zip(torch_first.tok
 """
 
 
-def test_jax_continues_a_padded_batch_on_a_data_split(tmp_path):
-    model_dir = save_hf_checkpoint(tmp_path / "gqa", seed=3, sliding_window=4)
+@background.job
+def continued(request: pytest.FixtureRequest) -> Callable[[], tuple[Path, subprocess.CompletedProcess]]:
+    """The worker above on a fresh checkpoint, a process only: it runs in the test lane (parity_tests/background.py)."""
+    model_dir = save_hf_checkpoint(request.getfixturevalue("tmp_path_factory").mktemp("gqa"), seed=3,
+                                   sliding_window=4)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _WORKER.format(first=FIRST, more=MORE, back=BACK), str(model_dir),
-                           json.dumps(PROMPTS)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    def run() -> tuple[Path, subprocess.CompletedProcess]:
+        return model_dir, subprocess.run(
+            [sys.executable, "-c", _WORKER.format(first=FIRST, more=MORE, back=BACK), str(model_dir),
+             json.dumps(PROMPTS)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    return run
+
+
+def test_jax_continues_a_padded_batch_on_a_data_split(continued: tuple[Path, subprocess.CompletedProcess]):
+    model_dir, proc = continued
     assert proc.returncode == 0, proc.stderr[-2000:]
     hf = MistralForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     expected = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
