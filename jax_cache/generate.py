@@ -682,17 +682,17 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
     first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos, jnp.int32(0),
                      None if forced is None else jnp.asarray(forced[:, 0]))
-    first = np.asarray(first).tolist()
+    first = np.asarray(first).tolist()[:rows]  # the real rows (a data split pads the batch: pad_batch)
     prefill_s = time.perf_counter() - start
     _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
     if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
         on_token(list(first))
     # The real rows only: continue_generation gives a data split's padding rows their copies again, finished
-    rest = continue_generation(model, cache, first[:rows], max_new_tokens - 1, sampling=sampling, fused=fused,
+    rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:rows, 1:], first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids, strict=False)]
+    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids, strict=True)]
     step_logits = jnp.concatenate([logits[:rows, None], rest.step_logits], axis=1) if return_logits else None
     return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids[:rows], token_ids=tokens,
                                prefill_s=prefill_s, step_logits=step_logits)  # [rows, steps, V] logits
@@ -837,7 +837,7 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
 
 
 __all__ = ["MAX_DECODE_VARIANTS", "MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS",
-           "DecodeStep",
-           "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body", "FusedCarry",
-           "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket", "prefill",
-           "generate", "continue_generation", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "TOP_P_CANDIDATES", "filter_logits"]
+           "DecodeStep", "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body",
+           "FusedCarry", "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket",
+           "prefill", "generate", "continue_generation", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "TOP_P_CANDIDATES",
+           "filter_logits"]

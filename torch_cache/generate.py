@@ -699,16 +699,16 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     logits = prefill(model, torch.from_numpy(inputs.input_ids).long().to(device),
                      torch.from_numpy(inputs.attention_mask).to(device), cache, inputs.prefill_chunk)  # [B, V]
     first_forced = None if forced is None else torch.from_numpy(forced[:, 0]).long().to(device)  # [B]
-    first = _first_tokens(logits, sampling, _eos_tensor(config, eos, device), first_forced)
+    first = _first_tokens(logits, sampling, _eos_tensor(config, eos, device), first_forced)[:rows]  # the real rows
     prefill_s = time.perf_counter() - start
     if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
         on_token(list(first))
     # The real rows only: continue_generation gives a data split's padding rows their copies again, finished
-    rest = continue_generation(model, cache, first[:rows], max_new_tokens - 1, sampling=sampling, compile=compile,
+    rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, compile=compile,
                                on_token=on_token, return_logits=return_logits,
                                forced_tokens=None if forced is None else forced[:rows, 1:], first_step=1)
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
-    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids, strict=False)]
+    tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids, strict=True)]
     # [rows, steps, V]
     step_logits = torch.cat([logits[:rows, None], rest.step_logits], dim=1) if return_logits else None
     return dataclasses.replace(rest, max_cache_len=planned_len, prompt_ids=prompt_ids[:rows], token_ids=tokens,
