@@ -26,10 +26,14 @@ from parity_tests.conftest import nan_norm_checkpoint
 from parity_tests.test_jax_generate import PROMPTS, SAMPLED
 from torch_cache.model import Mistral as TorchMistral
 from twincache.errors import NonFiniteLogitsError, StaleCacheError
+from twincache.generation import SamplingParams
 
 NEW = 12  # continuation steps: the fused mode's blocks are 1, 1 and the other 10 (blocks_of_the_rest)
 RAISE_AT = 5  # on_token raises at the continuation's 6th step: the 4th column of that 10-step block
 CACHE_LEN = {"static": 40, "sliding_window": 64}  # the ring holds the window's 8 slots, wrapped by the 16-column bucket
+# Seeded draws on the ring (their stream must line up across the interruption: first_step), greedy on the static
+# cache: the shapes and kinds test_jax_generate.py compiles, so the session's executables are shared (~10 s saved).
+SAMPLING = {"static": SamplingParams(), "sliding_window": SAMPLED}
 
 
 class Disconnected(Exception):
@@ -56,7 +60,7 @@ def one_step_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 def prefilled(model: Mistral, kind: str) -> tuple[StaticCache, list[int]]:
     """A cache of `kind` holding PROMPTS, and each row's first token (generated-token index 0)."""
     cache = make_cache(kind, model.config, len(PROMPTS), CACHE_LEN[kind])
-    result = jg.generate(model, PROMPTS, 1, cache=cache, sampling=SAMPLED)
+    result = jg.generate(model, PROMPTS, 1, cache=cache, sampling=SAMPLING[kind])
     return result.cache, [row[-1] for row in result.token_ids]
 
 
@@ -86,8 +90,9 @@ def assert_same_cache(ours: StaticCache, control: StaticCache) -> None:
 def test_on_token_raising_leaves_the_read_steps_in_the_callers_cache(model, request, fused, kind, blocks):
     if blocks:
         request.getfixturevalue(blocks)
+    sampling = SAMPLING[kind]
     cache, first = prefilled(model, kind)
-    control = jg.continue_generation(model, cache, first, NEW, sampling=SAMPLED, fused=fused, return_logits=True,
+    control = jg.continue_generation(model, cache, first, NEW, sampling=sampling, fused=fused, return_logits=True,
                                      first_step=1)
     cache, first = prefilled(model, kind)
     length = int(cache.length)
@@ -95,12 +100,12 @@ def test_on_token_raising_leaves_the_read_steps_in_the_callers_cache(model, requ
     error = Disconnected("client gone")
     delivered, on_token = raising_at(RAISE_AT, error)
     with pytest.raises(Disconnected) as caught:
-        jg.continue_generation(model, cache, first, NEW, sampling=SAMPLED, fused=fused, on_token=on_token,
+        jg.continue_generation(model, cache, first, NEW, sampling=sampling, fused=fused, on_token=on_token,
                                return_logits=True, first_step=1)
     assert caught.value is error and caught.traceback[-1].name == "on_token", "re-raised as it came"
     cache.check_live()  # not consumed: the caller's object holds the live cache
     assert int(cache.length) == length + RAISE_AT + 1, "the steps read, the one on_token raised at included"
-    rest = jg.continue_generation(model, cache, delivered[-1], NEW - RAISE_AT - 1, sampling=SAMPLED, fused=fused,
+    rest = jg.continue_generation(model, cache, delivered[-1], NEW - RAISE_AT - 1, sampling=sampling, fused=fused,
                                   return_logits=True, first_step=1 + RAISE_AT + 1)
     tokens = [[step[row] for step in delivered] + more for row, more in enumerate(rest.token_ids)]
     assert tokens == control.token_ids
@@ -117,21 +122,22 @@ def test_fused_on_a_wrapped_ring_cannot_undo_several_steps_and_leaves_the_cache_
     cache, first = prefilled(model, "sliding_window")
     _, on_token = raising_at(RAISE_AT, Disconnected())
     with pytest.raises(Disconnected):
-        jg.continue_generation(model, cache, first, NEW, sampling=SAMPLED, on_token=on_token, first_step=1)
+        jg.continue_generation(model, cache, first, NEW, sampling=SAMPLED, on_token=on_token, return_logits=True,
+                               first_step=1)
     with pytest.raises(StaleCacheError):
         cache.check_live()
 
 
 def test_generate_given_a_cache_object_leaves_it_holding_the_prompt_and_the_steps_read(model):
     cache = make_cache("static", model.config, len(PROMPTS), CACHE_LEN["static"])
-    control = jg.generate(model, PROMPTS, 1 + NEW, cache=cache, sampling=SAMPLED, fused=False, return_logits=True)
+    control = jg.generate(model, PROMPTS, 1 + NEW, cache=cache, fused=False, return_logits=True)
     cache = control.cache
     delivered, on_token = raising_at(RAISE_AT, KeyboardInterrupt())  # the prefill's token is call 0
     with pytest.raises(KeyboardInterrupt):
-        jg.generate(model, PROMPTS, 1 + NEW, cache=cache, sampling=SAMPLED, fused=False, on_token=on_token)
+        jg.generate(model, PROMPTS, 1 + NEW, cache=cache, fused=False, on_token=on_token)
     assert int(cache.length) == 16 + RAISE_AT, "the 16-column prompt bucket and the steps read after it"
-    rest = jg.continue_generation(model, cache, delivered[-1], NEW - RAISE_AT, sampling=SAMPLED, fused=False,
-                                  return_logits=True, first_step=RAISE_AT + 1)
+    rest = jg.continue_generation(model, cache, delivered[-1], NEW - RAISE_AT, fused=False, return_logits=True,
+                                  first_step=RAISE_AT + 1)
     tokens = [[step[row] for step in delivered] + more for row, more in enumerate(rest.token_ids)]
     assert tokens == control.token_ids
     np.testing.assert_array_equal(np.asarray(rest.step_logits), np.asarray(control.step_logits)[:, RAISE_AT + 1:])
@@ -150,7 +156,7 @@ def test_non_finite_logits_leave_the_cache_usable_as_torchs(model, nan_model, ch
     cache, first = prefilled(model, "sliding_window")
     length = int(cache.length)
     with pytest.raises(NonFiniteLogitsError):
-        jg.continue_generation(bad, cache, first, NEW, fused=fused)
+        jg.continue_generation(bad, cache, first, NEW, sampling=SAMPLED, fused=fused, return_logits=True)
     cache.check_live()
     assert int(cache.length) == length + 1
 
