@@ -23,7 +23,7 @@ from jax_cache import backend
 from jax_cache.cache import StaticCache, make_cache
 from jax_cache.model import Mistral
 from parity_tests.conftest import nan_norm_checkpoint
-from parity_tests.test_jax_generate import PROMPTS, SAMPLED
+from parity_tests.test_jax_generate import PROMPTS, SAMPLED, pointers
 from torch_cache.model import Mistral as TorchMistral
 from twincache.errors import NonFiniteLogitsError, StaleCacheError
 from twincache.generation import SamplingParams
@@ -97,6 +97,7 @@ def test_on_token_raising_leaves_the_read_steps_in_the_callers_cache(model, requ
     cache, first = prefilled(model, kind)
     length = int(cache.length)
     compiles, rollbacks = backend.compiled_variants(), jg._roll_back._cache_size()
+    buffers = pointers(cache)
     error = Disconnected("client gone")
     delivered, on_token = raising_at(RAISE_AT, error)
     with pytest.raises(Disconnected) as caught:
@@ -105,6 +106,7 @@ def test_on_token_raising_leaves_the_read_steps_in_the_callers_cache(model, requ
     assert caught.value is error and caught.traceback[-1].name == "on_token", "re-raised as it came"
     cache.check_live()  # not consumed: the caller's object holds the live cache
     assert int(cache.length) == length + RAISE_AT + 1, "the steps read, the one on_token raised at included"
+    assert pointers(cache) == buffers, "decoding and the rollback wrote the K/V in place (donated), copying none"
     rest = jg.continue_generation(model, cache, delivered[-1], NEW - RAISE_AT - 1, sampling=sampling, fused=fused,
                                   return_logits=True, first_step=1 + RAISE_AT + 1)
     tokens = [[step[row] for step in delivered] + more for row, more in enumerate(rest.token_ids)]
