@@ -12,7 +12,6 @@ they sample the same tokens for the same seed (docs/design.md §5).
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import threading
@@ -579,7 +578,7 @@ def _given_back(given: StaticCache, live: StaticCache) -> None:
         setattr(given, name, list(value) if isinstance(value, list) else value)
 
 
-def _handed_back(given: StaticCache, state: DecodeState, read_until: int) -> None:
+def _handed_back(given: StaticCache, state: DecodeState, read_until: int) -> str | None:
     """On an exception leaving a decode loop: roll the live cache back to the steps the host has read (`read_until`:
     the state's step index after the last of them), as torch_cache's `_rolled_back_if_unread` does, and point the
     caller's object at it (`_given_back`). The steps after them (the step mode's queued step, the rest of a fused
@@ -588,17 +587,20 @@ def _handed_back(given: StaticCache, state: DecodeState, read_until: int) -> Non
     Left consumed (StaleCacheError at its next use) where that cannot be exact: the exception cut a dispatch short (the
     live state was donated and not yet taken), or a ring lost keys the window still sees, which happens only in the
     fused mode: undoing n >= 2 steps from column c empties the slots of columns c - W + 1 .. c - W + n - 1, which the
-    next queries read (docs/design.md §7.31)."""
+    next queries read (docs/design.md §7.31). Returns why, for a note on the exception, where it is left consumed."""
     if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(state)):
-        return
+        return "the exception cut a jitted dispatch short"
     live = state.cache
     steps = int(state.step) - read_until  # waits for the steps in flight: they ran whether read or not
     if steps > 0:
         restored = int(live.length) - steps  # the first undone column
         if steps >= 2 and restored + min(steps, live.cache_len) - 1 >= live.cache_len:  # a ring overwrote live keys
-            return
+            return (f"the fused decode had run {steps} steps past the last one read on a sliding-window ring that "
+                    "has wrapped, and their writes overwrote keys the window still sees; decode with fused=False "
+                    "(or a static cache) where a cache must survive an exception")
         live = _roll_back(live, jnp.int32(steps))
     _given_back(given, live)
+    return None
 
 
 def decode_step_fn(model: Mistral) -> DecodeStep:
@@ -898,9 +900,14 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                     on_token(row_ids)
                 if all_done or decode_steps == max_new_tokens:
                     break
-    except BaseException:
-        with contextlib.suppress(Exception):  # the caller's exception is what propagates, unchanged
-            _handed_back(cache, live[0], first_step + read)
+    except BaseException as error:
+        try:  # the caller's exception is what propagates, the same object, with a note where the cache is lost
+            lost = _handed_back(cache, live[0], first_step + read)
+        except Exception as failure:  # a failed rollback must not replace the caller's exception
+            lost = f"handing it back failed: {type(failure).__name__}: {failure}"
+        if lost is not None:
+            error.add_note(f"twincache: the cache this call was given is consumed (StaleCacheError at its next "
+                           f"use): {lost}")
         raise
     # [B, steps, V]: sliced only when decoding ended before the budget (the same ending repeats the same slice)
     step_logits = out_logits if out_logits is None or decode_steps == max_new_tokens else out_logits[:, :decode_steps]

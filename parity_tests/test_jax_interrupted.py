@@ -123,9 +123,11 @@ def test_fused_on_a_wrapped_ring_cannot_undo_several_steps_and_leaves_the_cache_
     exact, so the cache stays consumed, as documented, rather than silently missing keys."""
     cache, first = prefilled(model, "sliding_window")
     _, on_token = raising_at(RAISE_AT, Disconnected())
-    with pytest.raises(Disconnected):
+    with pytest.raises(Disconnected) as caught:
         jg.continue_generation(model, cache, first, NEW, sampling=SAMPLED, on_token=on_token, return_logits=True,
                                first_step=1)
+    assert any("6 steps past the last one read" in note and "fused=False" in note
+               for note in getattr(caught.value, "__notes__", [])), "the exception says the cache is lost, and why"
     with pytest.raises(StaleCacheError):
         cache.check_live()
 
