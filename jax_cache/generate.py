@@ -456,7 +456,8 @@ BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
 def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, kind: str, knobs: _Knobs,
                  eos: tuple[int, ...], num_steps: int, length: int, vocab_size: int, return_logits: bool,
                  on_block: BlockCallback, forced: np.ndarray | None = None,
-                 block_steps: int | None = None) -> tuple[DecodeState, int, int, float, int]:
+                 block_steps: int | None = None,
+                 live: list[DecodeState] | None = None) -> tuple[DecodeState, int, int, float, int]:
     """The fused mode: up to `num_steps` decode steps from a cache holding `length` columns, as jitted blocks, each
     one lax.while_loop over `decode_body` of at most `block_steps` (default FUSED_BLOCK_STEPS) steps. The block's
     step limit is an array, so every block of every budget runs one compiled executable per attention bucket
@@ -467,9 +468,12 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     `on_block(tokens [B, n] numpy, logits [B, block_steps, V] or None)` after each block that ran n > 0 steps (its
     logits are the first n of the block's; sliced here, each n would compile a slice). Block k + 1 is
     queued before block k's tokens are read, so the device does not wait for the host. `forced` ([B, num_steps]
-    int32, on the host) as in `decode_body`. Returns (the final state, steps run, the first non-finite step or -1,
-    untimed seconds, untimed steps): what is not steady decoding, as the step mode counts it: compiling, and the first
-    block up to its tokens on the host (the first run of an executable also sets up its kernels).
+    int32, on the host) as in `decode_body`. `live` (a one-item list), when given, holds the newest state as each block
+    is dispatched: every block donates the state it is given, so an exception leaving here (on_block raising, a
+    KeyboardInterrupt) reaches the live cache only through it. Returns (the final state, steps run, the first
+    non-finite step or -1, untimed seconds, untimed steps): what is not steady decoding, as the step mode counts it:
+    compiling, and the first block up to its tokens on the host (the first run of an executable also sets up its
+    kernels).
     """
     capacity, cache = block_steps or FUSED_BLOCK_STEPS, state.cache  # the cache for its placement only (donated)
     cache_len = cache.cache_len
@@ -506,6 +510,8 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             size = min(steps, num_steps - dispatched, room)
             outputs = executable(params, state, key, knobs, block_forced(dispatched), jnp.int32(size))
             state, pending, dispatched = outputs[3], (outputs[:3], size), dispatched + size
+            if live is not None:
+                live[0] = state
         if queued is not None:  # ... then read the one before it
             (tokens, logits, for_host), queued_steps = queued
             step_after, non_finite_step = np.asarray(for_host).tolist()  # waits for that block only
@@ -539,6 +545,62 @@ def _write_logits(out: jax.Array, logits: jax.Array, at: int, count: int) -> jax
     offsets = jnp.arange(steps.shape[1])  # [n]
     rows = jnp.where(offsets < count, at + offsets, out.shape[1])  # [n]: the steps past `count` land out of range
     return out.at[:, rows].set(steps, mode="drop")
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _roll_back(cache: StaticCache, steps: jax.Array) -> StaticCache:
+    """Undo the last `steps` ([] int32) one-token writes, as torch_cache's _roll_back: `length` goes back and their
+    slots are empty again (position -1, zero K/V). A ring's slot held position p - W before the write, which no query
+    from p on can see (one step back); several steps back, see `_handed_back`. The cache is donated, so the buffers
+    are emptied in place, and `steps` is traced: one executable per cache shape and placement, compiled only when a
+    decode ends by an exception."""
+    length = cache.length - steps
+    slots = jnp.arange(cache.cache_len, dtype=jnp.int32)  # [L]
+    # the undone columns length .. length + steps - 1, in their slots (a ring's wrap; a static cache's never do)
+    undone = jnp.remainder(slots - length, cache.cache_len) < steps  # [L]
+    keys = [jnp.where(undone[:, None], 0, buffer) for buffer in cache.keys]  # [B, Hkv, L, D]
+    values = [jnp.where(undone[:, None], 0, buffer) for buffer in cache.values]  # [B, Hkv, L, D]
+    slot_positions = jnp.where(undone, -1, cache.slot_positions)  # [B, L]
+    # pinned as it came (on a mesh): the donated buffers are reused and a later step sees the placement it compiled for
+    return sharding.place_cache(cache.replace(keys=keys, values=values, slot_positions=slot_positions, length=length))
+
+
+def _given_back(given: StaticCache, live: StaticCache) -> None:
+    """Point the caller's cache object at `live`'s arrays. A decode call donates the cache it is given, so when it ends
+    by an exception (on_token raising, a KeyboardInterrupt, NonFiniteLogitsError) the caller's object refers to
+    deleted buffers and the live cache, inside the loop's state, would be lost with the whole conversation, where
+    torch's cache, written in place, survives. This is the one place a JAX cache object changes after it is built:
+    on an exception's way out, to the arrays the call would have returned."""
+    if given is live:
+        return
+    for name in StaticCache.ARRAY_FIELDS:
+        value = getattr(live, name)
+        setattr(given, name, list(value) if isinstance(value, list) else value)
+
+
+def _handed_back(given: StaticCache, state: DecodeState, read_until: int) -> str | None:
+    """On an exception leaving a decode loop: roll the live cache back to the steps the host has read (`read_until`:
+    the state's step index after the last of them), as torch_cache's `_rolled_back_if_unread` does, and point the
+    caller's object at it (`_given_back`). The steps after them (the step mode's queued step, the rest of a fused
+    block and the block queued after it) ran, but their tokens never reached the host.
+
+    Left consumed (StaleCacheError at its next use) where that cannot be exact: the exception cut a dispatch short (the
+    live state was donated and not yet taken), or a ring lost keys the window still sees, which happens only in the
+    fused mode: undoing n >= 2 steps from column c empties the slots of columns c - W + 1 .. c - W + n - 1, which the
+    next queries read (docs/design.md §7.31). Returns why, for a note on the exception, where it is left consumed."""
+    if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(state)):
+        return "the exception cut a jitted dispatch short"
+    live = state.cache
+    steps = int(state.step) - read_until  # waits for the steps in flight: they ran whether read or not
+    if steps > 0:
+        restored = int(live.length) - steps  # the first undone column
+        if steps >= 2 and restored + min(steps, live.cache_len) - 1 >= live.cache_len:  # a ring overwrote live keys
+            return (f"the fused decode had run {steps} steps past the last one read on a sliding-window ring that "
+                    "has wrapped, and their writes overwrote keys the window still sees; decode with fused=False "
+                    "(or a static cache) where a cache must survive an exception")
+        live = _roll_back(live, jnp.int32(steps))
+    _given_back(given, live)
+    return None
 
 
 def decode_step_fn(model: Mistral) -> DecodeStep:
@@ -622,7 +684,8 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
 
     `cache` is a kind ("static" / "sliding_window", default: sliding when the config has a window) or a cache
     object to reuse (it is reset first, and donated: use `result.cache` afterwards; a `max_cache_len` beside it
-    must be its own). `fused` decodes in jitted blocks
+    must be its own; an exception from the first token on leaves it holding the prompt and the steps read, as
+    `continue_generation` does). `fused` decodes in jitted blocks
     of steps (`on_token` then receives a block's steps when it ends); `fused=False` one jitted step at a time. The
     prompt is prefilled in chunks of `prefill_chunk` columns. `result.max_cache_len` is the capacity planned for this
     generation's tokens, as in torch_cache; the cache built for it may hold the prompt bucket's padding too, rounded
@@ -644,6 +707,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     batch, prompt_len = ids_np.shape
     forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
+    given = None  # the caller's cache object: an exception from the prefill's first token on points it at the live one
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
         check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity)
@@ -653,7 +717,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
         _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
-        cache = cache.reset()
+        given, cache = cache, cache.reset()
     else:
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         # plan_cache gives a sliding_window cache only to a config with a window
@@ -680,17 +744,23 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     announce_compile("XLA", "the decode step" if max_new_tokens > 1 else "the prefill")
     start = time.perf_counter()
     logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
-    first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos, jnp.int32(0),
-                     None if forced is None else jnp.asarray(forced[:, 0]))
-    first = np.asarray(first).tolist()[:rows]  # the real rows (a data split pads the batch: pad_batch)
-    prefill_s = time.perf_counter() - start
-    _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
-    if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
-        on_token(list(first))
-    # The real rows only: continue_generation gives a data split's padding rows their copies again, finished
-    rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
-                               on_token=on_token, return_logits=return_logits,
-                               forced_tokens=None if forced is None else forced[:rows, 1:], first_step=1)
+    try:
+        first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos,
+                         jnp.int32(0), None if forced is None else jnp.asarray(forced[:, 0]))
+        first = np.asarray(first).tolist()[:rows]  # the real rows (a data split pads the batch: pad_batch)
+        prefill_s = time.perf_counter() - start
+        _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
+        if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
+            on_token(list(first))
+        # The real rows only: continue_generation gives a data split's padding rows their copies again, finished.
+        # Raising, it leaves `cache` (this function's object) holding the steps read, for `given` below.
+        rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
+                                   on_token=on_token, return_logits=return_logits,
+                                   forced_tokens=None if forced is None else forced[:rows, 1:], first_step=1)
+    except BaseException:
+        if given is not None and not any(array.is_deleted() for array in cache.arrays()):
+            _given_back(given, cache)  # the prompt, and the steps read; a tower-built cache has no one to go back to
+        raise
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.
     tokens = [[token] + ([] if token in eos else more) for token, more in zip(first, rest.token_ids, strict=True)]
     step_logits = jnp.concatenate([logits[:rows, None], rest.step_logits], axis=1) if return_logits else None
@@ -708,6 +778,14 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     Positions come from the cache itself, so a cache handed over from torch_cache continues exactly where it was.
     A row whose last token is EOS is finished. Returns only the new tokens; `cache` is donated, and `result.cache`
     is the updated one. `forced_tokens` teacher-forces the steps, as in `generate`.
+    When decoding ends by an exception (on_token raising, a KeyboardInterrupt, NonFiniteLogitsError: re-raised as it
+    came), `cache` itself holds the live cache, as torch_cache's does: every step the host has read, the one whose
+    tokens on_token was handed last included (and a non-finite step, whose input token it wrote), and none after it:
+    steps launched but not read (the step mode's queued step, the rest of a fused block and the block queued after it)
+    are rolled back. Continue from on_token's last tokens with `first_step` advanced by the steps it received. One
+    exception: a fused decode on a sliding-window ring that has wrapped cannot undo two or more steps exactly (their
+    writes overwrote keys the window still sees), so there `cache` is left consumed (StaleCacheError); use
+    `fused=False` or a static cache where a decode must survive an exception (docs/design.md §7.31).
     `first_step`: the index, within the generation, of the first token this call samples (generate's prefill token
     is 0); pass the number of tokens generated so far to continue a seeded generation's stream: `generate(n)` then
     `continue_generation(..., m, first_step=n)` samples the tokens of one `generate(n + m)`. A sampled step k draws
@@ -749,68 +827,88 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     first_step_s = decode_s = 0.0
     decode_steps = timed_steps = 0
     all_done = bool(eos) and all(t in eos for t in last_tokens[:rows])
-    if fused and max_new_tokens and not all_done:
-        taken = 0  # steps of the blocks before this one (a row that ended appends no token, but has its logits)
+    # An exception while decoding leaves `cache` holding the steps the host has read, the one it was reading or
+    # handing to on_token included (torch_cache's rule, docs/design.md §7.31), as torch's cache written in place does;
+    # the steps launched after them are rolled back (_handed_back).
+    read, live = 0, [state]  # steps read; the newest state (every step or block donates the one before)
+    try:
+        if fused and max_new_tokens and not all_done:
+            taken = 0  # steps of the blocks before this one (a row that ended appends no token, but has its logits)
 
-        def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
-            nonlocal out_logits, taken
-            if out_logits is not None:
-                assert block_logits is not None  # decode_fused hands a block's logits on whenever return_logits
-                out_logits = _write_logits(out_logits, block_logits, taken, block_tokens.shape[1])
-            taken += block_tokens.shape[1]
-            for row_ids in block_tokens.T.tolist():  # one step's tokens per column
+            def take_block(block_tokens: np.ndarray, block_logits: jax.Array | None) -> None:
+                nonlocal out_logits, taken, read
+                if out_logits is not None:
+                    assert block_logits is not None  # decode_fused hands a block's logits on whenever return_logits
+                    out_logits = _write_logits(out_logits, block_logits, taken, block_tokens.shape[1])
+                taken += block_tokens.shape[1]
+                for row_ids in block_tokens.T.tolist():  # one step's tokens per column
+                    read += 1  # read, also when on_token raises at it
+                    append_tokens(tokens, row_ids, eos, last_tokens)
+                    if on_token is not None:
+                        on_token(row_ids)
+
+            decode_start = time.perf_counter()
+            state, decode_steps, non_finite_step, first_step_s, untimed_steps = decode_fused(
+                graph, params, state, key, kind, knobs, eos, max_new_tokens, length, config.vocab_size,
+                return_logits, on_block=take_block, forced=forced, live=live)
+            read = decode_steps + int(non_finite_step >= 0)  # a non-finite step was read too (its flag)
+            decode_s = time.perf_counter() - decode_start - first_step_s
+            timed_steps = decode_steps - untimed_steps
+            _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
+        elif max_new_tokens and not all_done:
+            cache.check_live()
+
+            def forced_at(step: int) -> jax.Array | None:
+                return None if forced is None else _on_rows(cache, forced[:, step])  # [B]
+
+            def bucket(index: int) -> int:
+                return step_attend_len(length + index, 1, cache.cache_len)  # step `index` of this call
+
+            phases.enter("compile")  # the first step compiles
+            stamp = time.perf_counter()
+            pending = _sampled_step(graph, params, state, key, knobs, kind, eos, config.vocab_size, bucket(0),
+                                    forced_at(0))
+            while True:
+                for_host, logits, state = pending
+                live[0] = state
+                # Dispatching a step of a new bucket traces and compiles it: that wait is timed apart from the
+                # steady state.
+                compiles = decode_steps == 0
+                decode_steps += 1
+                read = decode_steps  # this step is being read: it counts from here, as torch counts a step it pops
+                if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
+                    compiles |= bucket(decode_steps) != bucket(decode_steps - 1)
+                    pending = _sampled_step(graph, params, state, key, knobs, kind, eos, config.vocab_size,
+                                            bucket(decode_steps), forced_at(decode_steps))
+                    # the live state; a step queued after the last token holds it unchanged
+                    state = live[0] = pending[2]
+                *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
+                _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
+                all_done = bool(eos) and all(token in eos for token in row_ids)
+                now = time.perf_counter()
+                if compiles:
+                    first_step_s += now - stamp
+                else:
+                    decode_s, timed_steps = decode_s + now - stamp, timed_steps + 1
+                stamp = now
+                if decode_steps == 1:
+                    phases.enter("decode")
+                if out_logits is not None:
+                    out_logits = _write_logits(out_logits, logits, decode_steps - 1, 1)
                 append_tokens(tokens, row_ids, eos, last_tokens)
                 if on_token is not None:
                     on_token(row_ids)
-
-        decode_start = time.perf_counter()
-        state, decode_steps, non_finite_step, first_step_s, untimed_steps = decode_fused(
-            graph, params, state, key, kind, knobs, eos, max_new_tokens, length, config.vocab_size,
-            return_logits, on_block=take_block, forced=forced)
-        decode_s = time.perf_counter() - decode_start - first_step_s
-        timed_steps = decode_steps - untimed_steps
-        _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
-    elif max_new_tokens and not all_done:
-        cache.check_live()
-
-        def forced_at(step: int) -> jax.Array | None:
-            return None if forced is None else _on_rows(cache, forced[:, step])  # [B]
-
-        def bucket(index: int) -> int:
-            return step_attend_len(length + index, 1, cache.cache_len)  # step `index` of this call
-
-        phases.enter("compile")  # the first step compiles
-        stamp = time.perf_counter()
-        pending = _sampled_step(graph, params, state, key, knobs, kind, eos, config.vocab_size, bucket(0),
-                                forced_at(0))
-        while True:
-            for_host, logits, state = pending
-            # Dispatching a step of a new bucket traces and compiles it: that wait is timed apart from the steady state.
-            compiles = decode_steps == 0
-            decode_steps += 1
-            if decode_steps < max_new_tokens:  # queue the next step before this one's tokens reach the host
-                compiles |= bucket(decode_steps) != bucket(decode_steps - 1)
-                pending = _sampled_step(graph, params, state, key, knobs, kind, eos, config.vocab_size,
-                                        bucket(decode_steps), forced_at(decode_steps))
-                state = pending[2]  # the live state; a step queued after the last token holds it unchanged
-            *row_ids, non_finite_step = np.asarray(for_host).tolist()  # the step's one host sync
-            _raise_if_non_finite(non_finite_step >= 0, non_finite_step, model.dtype)
-            all_done = bool(eos) and all(token in eos for token in row_ids)
-            now = time.perf_counter()
-            if compiles:
-                first_step_s += now - stamp
-            else:
-                decode_s, timed_steps = decode_s + now - stamp, timed_steps + 1
-            stamp = now
-            if decode_steps == 1:
-                phases.enter("decode")
-            if out_logits is not None:
-                out_logits = _write_logits(out_logits, logits, decode_steps - 1, 1)
-            append_tokens(tokens, row_ids, eos, last_tokens)
-            if on_token is not None:
-                on_token(row_ids)
-            if all_done or decode_steps == max_new_tokens:
-                break
+                if all_done or decode_steps == max_new_tokens:
+                    break
+    except BaseException as error:
+        try:  # the caller's exception is what propagates, the same object, with a note where the cache is lost
+            lost = _handed_back(cache, live[0], first_step + read)
+        except Exception as failure:  # a failed rollback must not replace the caller's exception
+            lost = f"handing it back failed: {type(failure).__name__}: {failure}"
+        if lost is not None:
+            error.add_note(f"twincache: the cache this call was given is consumed (StaleCacheError at its next "
+                           f"use): {lost}")
+        raise
     # [B, steps, V]: sliced only when decoding ended before the budget (the same ending repeats the same slice)
     step_logits = out_logits if out_logits is None or decode_steps == max_new_tokens else out_logits[:, :decode_steps]
     return keep_rows(GenerationResult(state.cache.kind, state.cache.max_cache_len, [[] for _ in tokens], tokens, 0.0,

@@ -123,6 +123,9 @@ _EXACT_SUMS = ("top-p's masses summed exactly in float32 (docs/design.md §5): J
                "sums them in float64")
 _JITTED = ("a jitted JAX prefill, step or block, or their shared body (torch prefills eagerly and compiles its step "
            "with _decode_one_fn)")
+_HANDED_BACK = ("a decode call donates the JAX cache it is given: on an exception the caller's object is pointed at "
+                "the live, rolled-back cache; torch's cache is written in place and rolls back in a context manager "
+                "(_rolled_back_if_unread)")
 TORCH_ONLY_HELPERS = {
     "model._aligned": "safetensors' CPU tensors are not 64-byte aligned: torch copies them once so the handoff shares "
                       "them zero-copy with XLA (docs/design.md §7.10); JAX copies every weight into its own arrays",
@@ -137,8 +140,8 @@ TORCH_ONLY_HELPERS = {
                                                      "_guards_pass")},
     **{f"generate.{name}": _VARIANT_LIMIT for name in ("_decode_variant_limit", "_variant_limit", "_must_make_room",
                                                         "_make_room")},
-    **{f"generate.{name}": _IN_FLIGHT for name in ("_overlap_wanted", "_outputs_replayed", "_rolled_back_if_unread",
-                                                    "_roll_back")},
+    **{f"generate.{name}": _IN_FLIGHT for name in ("_overlap_wanted", "_outputs_replayed",
+                                                    "_rolled_back_if_unread")},
 }
 JAX_ONLY_HELPERS = {
     **{f"cache.{name}": "reset() empties a JAX cache by donating its buffers to a jitted emptying (on a mesh keeping "
@@ -160,6 +163,7 @@ JAX_ONLY_HELPERS = {
                           "torch's draw hashes the seed itself (_fold_in)",
     **{f"generate.{name}": _JITTED for name in ("_prefill", "_decode_step", "_sampled_step", "_fused_decode",
                                                  "_forward_last")},
+    **{f"generate.{name}": _HANDED_BACK for name in ("_given_back", "_handed_back")},
     "generate._placed": _JAX_SPMD,
     "generate._on_rows": _JAX_SPMD,
     "generate._write_logits": "return_logits writes each step or block into one donated array with traced offsets: "

@@ -726,6 +726,11 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     Positions come from the cache itself, so a cache handed over from jax_cache continues exactly where it was.
     A row whose last token is EOS is finished. Returns only the new tokens; `result.cache` is `cache`, written in place.
     `forced_tokens` teacher-forces the steps, as in `generate`.
+    When decoding ends by an exception (on_token raising, a KeyboardInterrupt, NonFiniteLogitsError: re-raised as it
+    came), `cache` holds every step the host has read, the one whose tokens on_token was handed last included (and a
+    non-finite step, whose input token it wrote), and none after it: a step in flight but not read is rolled back.
+    Continue from on_token's last tokens with `first_step` advanced by the steps it received (docs/design.md §7.31;
+    jax_cache's cache object does the same).
     `first_step`: the index, within the generation, of the first token this call samples (generate's prefill token
     is 0); pass the number of tokens generated so far to continue a seeded generation's stream: `generate(n)` then
     `continue_generation(..., m, first_step=n)` samples the tokens of one `generate(n + m)`. A sampled step k draws
