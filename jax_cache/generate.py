@@ -104,40 +104,28 @@ class _BoundedJit:
     """A jitted function whose compiled variants are bounded as the fused blocks' are (docs/design.md §5, "JAX's
     executables, bounded too"): every cache shape, batch, bucket and sampling kind is one executable in jax.jit's own
     cache, which keeps thousands (~40-50 MB of RSS each on the default model), so a service whose requests each size
-    their own cache grew by GBs. A call that would compile a variant past MAX_DECODE_VARIANTS drops every executable
-    first (`_drop_executables`), as torch_cache drops its decode step's entries at that count.
-
-    The steady path reads the jit cache's entry count before and after the call (two C++ calls, ~50 ns each; no host
-    sync). A call's signature (`_variant_key`) is built only when the call compiled, or while the cache is at the
-    limit, to tell a variant it holds from a new one. Everything else (`lower`, `_cache_size`, ...) is the jitted
-    function's."""
+    their own cache grew by GBs. A call that compiles a variant past MAX_DECODE_VARIANTS drops every executable
+    (`_drop_executables`), as torch_cache drops its decode step's entries at that count; the variant it ran compiles
+    again at its next call. The steady path reads the jit cache's entry count before and after the call (two C++
+    calls, ~50 ns each; no host sync). Everything else (`lower`, `_cache_size`, ...) is the jitted function's."""
 
     def __init__(self, jitted: Any) -> None:
         self.jitted = jitted
         self.compiles = 0  # variants compiled in this process, one compiled again after a drop counted again
-        self.seen: set[tuple] = set()  # the signatures compiled since the last drop
         functools.update_wrapper(self, jitted)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.jitted, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        live = self.jitted._cache_size()
-        if live >= MAX_DECODE_VARIANTS:
-            key = _variant_key(args, kwargs)
-            if key is not None and key not in self.seen:
-                _drop_executables(self.__name__, live)
-                live = 0
+        before = self.jitted._cache_size()
         out = self.jitted(*args, **kwargs)
         after = self.jitted._cache_size()
-        if after > live:  # compiled now (or in another thread meanwhile)
-            key = _variant_key(args, kwargs)
+        if after != before:  # compiled now (or another thread did, or dropped, meanwhile)
             with _variants_lock:
-                self.compiles += after - live
-                if key is not None:
-                    self.seen.add(key)
-            if after > MAX_DECODE_VARIANTS:  # a signature told no new variant and one compiled: keep the bound
-                _drop_executables(self.__name__, after)
+                self.compiles += max(after - before, 0)
+            if after > MAX_DECODE_VARIANTS:
+                _drop_executables(self.__name__)
         return out
 
 
@@ -147,26 +135,7 @@ def _bounded(jitted: Any) -> _BoundedJit:
     return bounded
 
 
-def _variant_key(args: tuple, kwargs: dict[str, Any]) -> tuple | None:
-    """What selects a call's executable: each array's shape, dtype and placement, and every other argument's value
-    (statics, the model's graph). A model's weights (an nnx.State) are left out: the graph beside them fixes their
-    shapes and dtypes, and flattening ~300 of them per step would cost what a small model's step costs. None under a
-    trace (a jitted function called inside another compiles nothing of its own)."""
-    leaves = jax.tree_util.tree_leaves([arg for arg in (*args, *kwargs.values()) if not isinstance(arg, nnx.State)])
-    key: list[object] = [*sorted(kwargs)]
-    for leaf in leaves:
-        if isinstance(leaf, jax.core.Tracer):
-            return None
-        if isinstance(leaf, jax.Array):
-            key.append((leaf.shape, leaf.dtype, leaf.sharding, getattr(leaf, "weak_type", None)))
-        elif isinstance(leaf, np.ndarray):
-            key.append((leaf.shape, leaf.dtype))
-        else:
-            key.append(leaf)
-    return tuple(key)
-
-
-def _drop_executables(name: str, live: int) -> None:
+def _drop_executables(name: str) -> None:
     """Free every executable this process compiled, so that host memory stays bounded; each variant used again
     compiles again (from XLA's persistent cache where one is set). jax.clear_caches() is the only call that frees
     them all: a jitted function's own clear_cache() left 30% of the default model's per-shape RSS held (the eager ops
@@ -174,17 +143,15 @@ def _drop_executables(name: str, live: int) -> None:
     not), so it also drops the executables of the process's other jitted functions, which compile again when next
     called."""
     with _variants_lock:
-        if all(bounded.jitted._cache_size() < min(live, MAX_DECODE_VARIANTS) for bounded in _BOUNDED_JITS):
+        if all(bounded.jitted._cache_size() <= MAX_DECODE_VARIANTS for bounded in _BOUNDED_JITS):
             return  # another thread dropped them meanwhile
         jax.clear_caches()
-        for bounded in _BOUNDED_JITS:
-            bounded.seen.clear()
         with _fused_lock:
             _fused_executables.clear()
-    NOTICES.warning("jax_cache's %s reached the limit of %d compiled variants in this process (cache shapes, "
-                    "batches, buckets, sampling kinds); dropped JAX's compiled executables, so each variant used "
-                    "again compiles again. To compile few: reuse a cache object, or let the tower size the cache "
-                    "(no max_cache_len: size classes)", name, MAX_DECODE_VARIANTS)
+    NOTICES.warning("jax_cache's %s passed the limit of %d compiled variants in this process (cache shapes, "
+                    "batches, buckets, sampling kinds); dropped JAX's compiled executables (all of this process's), "
+                    "so each variant used again compiles again. To compile few: reuse a cache object, or let the "
+                    "tower size the cache (no max_cache_len: size classes)", name, MAX_DECODE_VARIANTS)
 
 
 _BOUNDED_JITS: list[_BoundedJit] = []

@@ -162,7 +162,7 @@ JAX_ONLY_HELPERS = {
                                                  "_forward_last")},
     **{f"generate.{name}": "jax.jit keeps every compiled variant in its own cache: each jitted function is bounded "
                            "at MAX_DECODE_VARIANTS by a wrapper (torch's step by dynamo's entries, _make_room)"
-       for name in ("_bounded", "_drop_executables", "_variant_key")},
+       for name in ("_bounded", "_drop_executables")},
     "generate._placed": _JAX_SPMD,
     "generate._on_rows": _JAX_SPMD,
     "generate._write_logits": "return_logits writes each step or block into one donated array with traced offsets: "
