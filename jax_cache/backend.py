@@ -94,14 +94,12 @@ def step_logits(model: Mistral, sequence: Sequence[int], prompt_len: int, cache_
 
 
 def compiled_variants() -> int:
-    """Executables jax_cache has compiled: each jitted entry point's cache entries plus the fused loop's ahead-of-time
-    compiles so far (counted, not its table's length: that stops at MAX_DECODE_VARIANTS, where an evicted shape that
-    comes back compiles again). Each is one trace + compile."""
+    """Executables jax_cache has compiled: the jitted prefill's and steps' compiles plus the fused loop's
+    ahead-of-time compiles so far (counted, not read off a cache: the jit caches are emptied at MAX_DECODE_VARIANTS
+    and the fused table stops there, where a variant that comes back compiles again). Each is one trace + compile."""
     jitted = (_jax_generate._prefill, _jax_generate._decode_step, _jax_generate._sampled_step,
               _jax_generate._roll_back)  # the last only where a decode ended by an exception
-    # Its own statement: an error ignored inside sum()'s arguments still fails every sum() overload.
-    entries = [int(fn._cache_size()) for fn in jitted]  # type: ignore[attr-defined]  # C++ jit wrapper's, not in stubs
-    return sum(entries) + _jax_generate._fused_compiles
+    return sum(fn.compiles for fn in jitted) + _jax_generate._fused_compiles
 
 
 def memory_per_device(model: Mistral, cache: StaticCache) -> dict[str, dict[str, int]]:

@@ -17,7 +17,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from twincache import buckets, cache_checks, phases
 from twincache.buckets import decode_buckets, step_attend_len
 from twincache.errors import NonFiniteLogitsError
 from twincache.generation import (
+    NOTICES,
     PREFILL_CHUNK,
     GenerationResult,
     SamplingParams,
@@ -99,6 +100,65 @@ def _knobs(sampling: SamplingParams) -> _Knobs:
     return jnp.float32(temperature), jnp.int32(sampling.top_k), jnp.float32(sampling.top_p)
 
 
+class _BoundedJit:
+    """A jitted function whose compiled variants are bounded as the fused blocks' are (docs/design.md §5, "JAX's
+    executables, bounded too"): every cache shape, batch, bucket and sampling kind is one executable in jax.jit's own
+    cache, which keeps thousands (~40-50 MB of RSS each on the default model), so a service whose requests each size
+    their own cache grew by GBs. A call that compiles a variant past MAX_DECODE_VARIANTS drops every executable
+    (`_drop_executables`), as torch_cache drops its decode step's entries at that count; the variant it ran compiles
+    again at its next call. The steady path reads the jit cache's entry count before and after the call (two C++
+    calls, ~50 ns each; no host sync). Everything else (`lower`, `_cache_size`, ...) is the jitted function's."""
+
+    def __init__(self, jitted: Any) -> None:
+        self.jitted = jitted
+        self.compiles = 0  # variants compiled in this process, one compiled again after a drop counted again
+        functools.update_wrapper(self, jitted)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jitted, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        before = self.jitted._cache_size()
+        out = self.jitted(*args, **kwargs)
+        after = self.jitted._cache_size()
+        if after != before:  # compiled now (or another thread did, or dropped, meanwhile)
+            with _variants_lock:
+                self.compiles += max(after - before, 0)
+            if after > MAX_DECODE_VARIANTS:
+                _drop_executables(self.__name__)
+        return out
+
+
+def _bounded(jitted: Any) -> _BoundedJit:
+    bounded = _BoundedJit(jitted)
+    _BOUNDED_JITS.append(bounded)
+    return bounded
+
+
+def _drop_executables(name: str) -> None:
+    """Free every executable this process compiled, so that host memory stays bounded; each variant used again
+    compiles again (from XLA's persistent cache where one is set). jax.clear_caches() is the only call that frees
+    them all: a jitted function's own clear_cache() left 30% of the default model's per-shape RSS held (the eager ops
+    that build and read a cache of each shape, and the lowerings of the ahead-of-time fused blocks, evicted or
+    not), so it also drops the executables of the process's other jitted functions, which compile again when next
+    called."""
+    with _variants_lock:
+        if all(bounded.jitted._cache_size() <= MAX_DECODE_VARIANTS for bounded in _BOUNDED_JITS):
+            return  # another thread dropped them meanwhile
+        jax.clear_caches()
+        with _fused_lock:
+            _fused_executables.clear()
+    NOTICES.warning("jax_cache's %s passed the limit of %d compiled variants in this process (cache shapes, "
+                    "batches, buckets, sampling kinds); dropped JAX's compiled executables (all of this process's), "
+                    "so each variant used again compiles again. To compile few: reuse a cache object, or let the "
+                    "tower size the cache (no max_cache_len: size classes)", name, MAX_DECODE_VARIANTS)
+
+
+_BOUNDED_JITS: list[_BoundedJit] = []
+_variants_lock = threading.Lock()
+
+
+@_bounded
 @functools.partial(jax.jit, static_argnames=("filters",))
 def _filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
             filters: bool) -> jax.Array:
@@ -252,12 +312,14 @@ def _forward_last(graph: ModelGraph, params: nnx.State, cache: StaticCache, inpu
     return logits[:, -1].astype(jnp.float32), sharding.place_cache(cache)  # [B, V]
 
 
+@_bounded
 @functools.partial(jax.jit, static_argnames=("graph", "attend_len"), donate_argnames=("cache",))
 def _prefill(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array, positions: jax.Array,
              attention_mask: jax.Array, attend_len: int | None) -> tuple[jax.Array, StaticCache]:
     return _forward_last(graph, params, cache, input_ids, positions, attention_mask, attend_len)
 
 
+@_bounded
 @functools.partial(jax.jit, static_argnames=("graph", "attend_len"), donate_argnames=("cache",))
 def _decode_step(graph: ModelGraph, params: nnx.State, cache: StaticCache, input_ids: jax.Array,
                  positions: jax.Array, attend_len: int | None) -> tuple[jax.Array, StaticCache]:
@@ -341,6 +403,7 @@ def decode_body(graph: ModelGraph, params: nnx.State, key: jax.Array, kind: str,
     return logits, _placed(DecodeState(tokens, state.positions + 1, finished, state.step + 1, non_finite_step, cache))
 
 
+@_bounded
 @functools.partial(jax.jit, static_argnames=("graph", "kind", "eos", "vocab_size", "attend_len"),
                    donate_argnames=("state",))
 def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, knobs: _Knobs, kind: str,
@@ -415,7 +478,9 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
 # placement, sampling kind and attention bucket. A long-running process that decodes with ever new shapes (each request
 # its own max_cache_len or cache object, say) kept every one; now the least recently used is dropped past
 # MAX_DECODE_VARIANTS (compiled again if used again), as torch_cache drops its decode step's entries at that count.
-MAX_DECODE_VARIANTS = 64
+# An evicted block's executable stays held by JAX's lowering caches until the jitted functions' next drop
+# (_drop_executables, which also empties this table): measured, not freed at eviction.
+MAX_DECODE_VARIANTS = 64  # also the bound of each jitted function's variants (_BoundedJit)
 _fused_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
 _fused_lock = threading.Lock()  # threads decoding at once share the table: a lookup's move and an eviction interleave
 _fused_compiles = 0  # fused blocks compiled in this process, an evicted one compiled again counted again (the table's
@@ -535,6 +600,7 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     return state, done, non_finite_step, untimed_s, untimed_steps
 
 
+@_bounded
 @functools.partial(jax.jit, donate_argnames=("out",))
 def _write_logits(out: jax.Array, logits: jax.Array, at: int, count: int) -> jax.Array:
     """`out` [B, N, V] with its steps at .. at + count - 1 set to the first `count` of `logits` ([B, n, V], or one
@@ -547,6 +613,7 @@ def _write_logits(out: jax.Array, logits: jax.Array, at: int, count: int) -> jax
     return out.at[:, rows].set(steps, mode="drop")
 
 
+@_bounded
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _roll_back(cache: StaticCache, steps: jax.Array) -> StaticCache:
     """Undo the last `steps` ([] int32) one-token writes, as torch_cache's _roll_back: `length` goes back and their

@@ -164,6 +164,9 @@ JAX_ONLY_HELPERS = {
     **{f"generate.{name}": _JITTED for name in ("_prefill", "_decode_step", "_sampled_step", "_fused_decode",
                                                  "_forward_last")},
     **{f"generate.{name}": _HANDED_BACK for name in ("_given_back", "_handed_back")},
+    **{f"generate.{name}": "jax.jit keeps every compiled variant in its own cache: each jitted function is bounded "
+                           "at MAX_DECODE_VARIANTS by a wrapper (torch's step by dynamo's entries, _make_room)"
+       for name in ("_bounded", "_drop_executables")},
     "generate._placed": _JAX_SPMD,
     "generate._on_rows": _JAX_SPMD,
     "generate._write_logits": "return_logits writes each step or block into one donated array with traced offsets: "
