@@ -39,6 +39,7 @@ from twincache.generation import (
     TokenCallback,
     announce_compile,
     append_tokens,
+    build_batch_class,
     build_sized_cache,
     check_budget,
     check_continuation_room,
@@ -767,23 +768,19 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
                                                                        config)  # [rows, N]
-    if model.mesh is not None and (cache is None or isinstance(cache, str)):  # any batch decodes on a data split
-        inputs, on_token = pad_batch(inputs, sharding.mesh_shape(model.mesh).data, on_token)
-    prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
     sampling, max_new_tokens, chunk = inputs.sampling, inputs.max_new_tokens, inputs.prefill_chunk
-    batch, prompt_len = ids_np.shape
-    forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
+    prompt_len = inputs.input_ids.shape[1]  # [rows, T]
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     given = None  # the caller's cache object: an exception from the prefill's first token on points it at the live one
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
         check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity)
-        cache.check_compatible(config, batch, model.dtype, model.device)  # before reset(): a refusal changes nothing
+        cache.check_compatible(config, rows, model.dtype, model.device)  # before reset(): a refusal changes nothing
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         planned_len = cache.max_cache_len
         bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
-        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
+        _check_outputs_fit(rows, max_new_tokens, config.vocab_size, return_logits)
         given, cache = cache, cache.reset()
     else:
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
@@ -791,14 +788,24 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
         bounded = kind == "static" or (config.sliding_window is not None and planned_len < config.sliding_window)
         bucket = prompt_bucket(prompt_len, planned_len - max_new_tokens if bounded and max_cache_len else None, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
-        _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
         # Without a given max_cache_len, the cache also holds the bucket's extra padding columns, rounded up to a
-        # size class as torch_cache's is: every budget in the class runs the same executables (docs/design.md §5).
-        def build(slots: int) -> StaticCache:
-            return make_cache(kind, config, batch, slots, model.dtype, model.mesh)
+        # size class as torch_cache's is: every budget in the class runs the same executables; its rows are the
+        # batch's size class, a multiple of a data split (docs/design.md §5).
+        def build_rows(batch: int) -> StaticCache:
+            _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits)
 
-        cache = build(planned_len) if max_cache_len else build_sized_cache(build, config, kind,
-                                                                            bucket + max_new_tokens)
+            def build(slots: int) -> StaticCache:
+                return make_cache(kind, config, batch, slots, model.dtype, model.mesh)
+
+            return build(planned_len) if max_cache_len else build_sized_cache(build, config, kind,
+                                                                               bucket + max_new_tokens)
+
+        cache = build_batch_class(build_rows, rows, 1 if model.mesh is None else sharding.mesh_shape(model.mesh).data)
+        # the batch padded up to the cache's rows: copies of the last row, finished from the first decode step
+        inputs, on_token = pad_batch(inputs, cache.batch_size, on_token)
+    prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
+    batch = ids_np.shape[0]
+    forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
     if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
         no_logits = jnp.zeros((len(prompt_ids), 0, config.vocab_size), jnp.float32) if return_logits else None
         return keep_rows(GenerationResult(cache.kind, planned_len, prompt_ids, [[] for _ in prompt_ids], 0.0, 0.0,
@@ -814,12 +821,12 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     try:
         first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos,
                          jnp.int32(0), None if forced is None else jnp.asarray(forced[:, 0]))
-        first = np.asarray(first).tolist()[:rows]  # the real rows (a data split pads the batch: pad_batch)
+        first = np.asarray(first).tolist()[:rows]  # the real rows (pad_batch: a batch class, a data split)
         prefill_s = time.perf_counter() - start
         _raise_if_non_finite(bool(~jnp.isfinite(logits).all()), 0, model.dtype)
         if on_token is not None:  # a copy: `first` feeds the continuation and the result, whatever the callback does
             on_token(list(first))
-        # The real rows only: continue_generation gives a data split's padding rows their copies again, finished.
+        # The real rows only: continue_generation gives the padding rows (pad_batch) their copies again, finished.
         # Raising, it leaves `cache` (this function's object) holding the steps read, for `given` below.
         rest = continue_generation(model, cache, first, max_new_tokens - 1, sampling=sampling, fused=fused,
                                    on_token=on_token, return_logits=return_logits,
@@ -866,10 +873,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)
     first_step = check_first_step(first_step, max_new_tokens)
-    rows = len(last_tokens)  # generate on a data split keeps its padding rows in the cache (pad_batch)
-    if model.mesh is not None:
-        last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
-                                                 sharding.mesh_shape(model.mesh).data, on_token)
+    rows = len(last_tokens)  # generate keeps its padding rows in the cache (pad_batch: a batch class, a data split)
+    last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
+                                             1 if model.mesh is None else sharding.mesh_shape(model.mesh).data,
+                                             on_token)
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
     # attention bucket

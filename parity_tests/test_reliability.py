@@ -663,6 +663,21 @@ def test_item7_a_size_class_that_does_not_fit_falls_back_to_the_slots_needed(sid
         side.generate([prompt], 20, cache="static")
 
 
+def test_item7_a_batch_class_that_does_not_fit_falls_back_to_the_rows_given(side, monkeypatch):
+    """A batch generate sizes the cache for is padded up to its batch class (9 rows: 10, twincache.generation); when
+    the extra row is what does not fit in memory, the cache holds the 9 rows given, not refused. 16 slots of 516 B a
+    row: 9 rows are 74,304 B, 10 are 82,560; with both out of reach the refusal names the 9."""
+    prompts = [[(7 * i + row) % VOCAB for i in range(4)] for row in range(9)]
+    expected = side.generate(prompts, 1, cache="static", max_cache_len=16)
+    assert expected.cache.batch_size == 10  # the class, memory permitting
+    monkeypatch.setattr(cache_checks, "host_available_bytes", lambda: 80_000)
+    result = side.generate(prompts, 1, cache="static", max_cache_len=16)
+    assert result.cache.batch_size == 9 and result.token_ids == expected.token_ids
+    monkeypatch.setattr(cache_checks, "host_available_bytes", lambda: 70_000)
+    with refused(ResourceError, "x batch 9 x", "only 70.0 KB"):
+        side.generate(prompts, 1, cache="static", max_cache_len=16)
+
+
 @pytest.mark.parametrize("backend", list(SIDES))
 @pytest.mark.parametrize(("dtype", "itemsize"), [("float32", 4), ("bfloat16", 2)])
 def test_item7_weights_larger_than_memory_are_refused_before_loading(checkpoints, monkeypatch, backend, dtype,

@@ -40,6 +40,7 @@ from twincache.generation import (
     TokenCallback,
     announce_compile,
     append_tokens,
+    build_batch_class,
     build_sized_cache,
     check_budget,
     check_continuation_room,
@@ -663,18 +664,15 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     rows = len(inputs.prompt_ids)
     forced = None if forced_tokens is None else validate_forced_tokens(forced_tokens, rows, inputs.max_new_tokens,
                                                                        config)  # [rows, N]
-    if model.mesh is not None and (cache is None or isinstance(cache, str)):  # any batch decodes on a data split
-        inputs, on_token = pad_batch(inputs, sharding.mesh_shape(model.mesh).data, on_token)
     sampling, max_new_tokens = inputs.sampling, inputs.max_new_tokens
-    batch, prompt_len = inputs.input_ids.shape  # [B, T]
-    forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
+    prompt_len = inputs.input_ids.shape[1]  # [rows, T]
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     device, dtype = model.device, model.dtype
-    _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits, device)
     if cache is not None and not isinstance(cache, str):
+        _check_outputs_fit(rows, max_new_tokens, config.vocab_size, return_logits, device)
         cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
         check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity)
-        cache.check_compatible(config, batch, dtype, device)  # before reset(): a refused call changes nothing
+        cache.check_compatible(config, rows, dtype, device)  # before reset(): a refused call changes nothing
         model._check_mesh(cache)
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
@@ -682,12 +680,21 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     else:
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
         # reported as planned; a cache sized here is rounded up to a size class, so that every total in the class
-        # runs one compiled step, and a ring holds only min(W, it) slots (docs/design.md §5)
-        def build(slots: int) -> StaticCache:
-            return make_cache(kind, config, batch, slots, dtype, device, model.mesh)
+        # runs one compiled step, and a ring holds only min(W, it) slots; its rows are the batch's size class, a
+        # multiple of a data split (docs/design.md §5)
+        def build_rows(batch: int) -> StaticCache:
+            _check_outputs_fit(batch, max_new_tokens, config.vocab_size, return_logits, device)
 
-        cache = build(planned_len) if max_cache_len is not None else build_sized_cache(build, config, kind,
-                                                                                        planned_len)
+            def build(slots: int) -> StaticCache:
+                return make_cache(kind, config, batch, slots, dtype, device, model.mesh)
+
+            return build(planned_len) if max_cache_len is not None else build_sized_cache(build, config, kind,
+                                                                                           planned_len)
+
+        cache = build_batch_class(build_rows, rows, 1 if model.mesh is None else sharding.mesh_shape(model.mesh).data)
+        # the batch padded up to the cache's rows: copies of the last row, finished from the first decode step
+        inputs, on_token = pad_batch(inputs, cache.batch_size, on_token)
+    forced = None if forced is None else pad_rows(forced, cache.batch_size)  # [B, N]: the padding rows copy the last
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
         no_logits = torch.zeros(len(prompt_ids), 0, config.vocab_size, device=device) if return_logits else None
@@ -746,10 +753,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     last_tokens, sampling, max_new_tokens = prepare_continuation(last_tokens, config, sampling, max_new_tokens,
                                                                  on_token)
     first_step = check_first_step(first_step, max_new_tokens)
-    rows = len(last_tokens)  # generate on a data split keeps its padding rows in the cache (pad_batch)
-    if model.mesh is not None:
-        last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
-                                                 sharding.mesh_shape(model.mesh).data, on_token)
+    rows = len(last_tokens)  # generate keeps its padding rows in the cache (pad_batch: a batch class, a data split)
+    last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
+                                             1 if model.mesh is None else sharding.mesh_shape(model.mesh).data,
+                                             on_token)
     device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
@@ -770,7 +777,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     eos_ids = _eos_tensor(config, eos, device)  # [E]
     next_ids = torch.tensor(last_tokens, dtype=torch.long, device=device)  # [B]
     finished = (next_ids[:, None] == eos_ids).any(dim=-1)  # [B, E] -> [B]; ids are >= 0, so -1 matches none
-    if eos:  # a data split's padding rows (pad_batch) are finished: a sampled copy would keep the batch decoding
+    if eos:  # generate's padding rows (pad_batch) are finished: a sampled copy would keep the batch decoding
         finished[rows:] = True
     kind = "greedy" if forced is not None else _sampling_kind(sampling)  # forcing replaces the choice
     not_forced = torch.zeros(len(last_tokens), dtype=torch.long, device=device)  # [B]

@@ -471,11 +471,20 @@ def plan_cache(config: MistralConfig, cache_kind: str | None, prompt_len: int, m
     return cache_kind, max_cache_len
 
 
+CacheT = TypeVar("CacheT")
+
 # A cache a tower sizes itself (no max_cache_len, no cache object given) is rounded up to a size class, so that one
 # compiled decode step serves every prompt + max_new_tokens in the class: its buffers' shape is what torch's graph
 # specialises on and what JAX's executables are keyed by (docs/design.md §5, "Cache size classes").
 CACHE_CLASSES_PER_OCTAVE = 4  # a power of two; 4: classes m * 2^e, m in 4..7, under 25% extra slots
 MIN_CACHE_SLOTS = 16  # every shorter cache is one class (at most 15 extra slots)
+
+
+def _size_class(count: int) -> int:
+    """The smallest m * 2^e >= count with m in [4, 8) (every count below 8 is one): CACHE_CLASSES_PER_OCTAVE classes
+    per octave, so for a count of 8 or more the class is at most count + count / 4 - 1."""
+    step = 1 << max(count.bit_length() - CACHE_CLASSES_PER_OCTAVE.bit_length(), 0)  # 2^e: count / step in [4, 8)
+    return -(-count // step) * step
 
 
 def cache_size_class(needed: int, limit: int | None = None) -> int:
@@ -484,9 +493,34 @@ def cache_size_class(needed: int, limit: int | None = None) -> int:
     `needed`), at least MIN_CACHE_SLOTS, and at most `limit` (a ring's window, a static cache's
     max_position_embeddings) unless `needed` itself is past it."""
     needed = check_count("needed", needed, minimum=1)
-    step = 1 << max(needed.bit_length() - CACHE_CLASSES_PER_OCTAVE.bit_length(), 0)  # 2^e: needed / step in [4, 8)
-    rounded = max(-(-needed // step) * step, MIN_CACHE_SLOTS)
+    rounded = max(_size_class(needed), MIN_CACHE_SLOTS)
     return max(needed, min(rounded, limit)) if limit is not None else rounded
+
+
+def batch_size_class(rows: int, data: int = 1) -> int:
+    """The rows a tower decodes a batch of `rows` with when it sizes the cache itself (docs/design.md §5, "Batch size
+    classes"): the smallest m * 2^e >= rows with m in [4, 8), as the cache's columns (1..7 rows stay exact; 9 -> 10,
+    17 -> 20; from 8 rows up at most rows + rows / 4 - 1), rounded up to a multiple of `data`, a data-split mesh's
+    axis. For a power-of-two `data` that is the smallest class that is a multiple of it; for another `data` it may be
+    no class (data=3: 17 -> 20 -> 21), but it is one count per class, and never more than data - 1 rows past the
+    class, where the smallest class that is a multiple of 3 or 5 can be twice the rows."""
+    rows = check_count("rows", rows, minimum=1)
+    data = check_count("data", data, minimum=1)
+    return -(-_size_class(rows) // data) * data
+
+
+def build_batch_class(build: Callable[[int], CacheT], rows: int, data: int = 1) -> CacheT:
+    """A cache a tower sizes itself for a batch of `rows`: `build(batch_rows)` at `batch_size_class(rows, data)`, or
+    at the exact rows (a multiple of `data`) when the class's extra rows are what does not fit in memory (build's
+    ResourceError), as `build_sized_cache` falls back to the exact columns. The tower then pads its batch up to the
+    cache's rows (twincache.mesh.pad_batch)."""
+    padded, exact = batch_size_class(rows, data), rows + -rows % data
+    try:
+        return build(padded)
+    except ResourceError:
+        if padded == exact:
+            raise
+        return build(exact)
 
 
 def allocated_cache_len(config: MistralConfig, cache_kind: str, needed: int) -> int:
@@ -495,9 +529,6 @@ def allocated_cache_len(config: MistralConfig, cache_kind: str, needed: int) -> 
     capacity None) nor past max_position_embeddings for a static cache (no position reaches those slots)."""
     window = config.sliding_window if cache_kind == "sliding_window" else None
     return cache_size_class(needed, window or config.max_position_embeddings)
-
-
-CacheT = TypeVar("CacheT")
 
 
 def build_sized_cache(build: Callable[[int], CacheT], config: MistralConfig, cache_kind: str, needed: int) -> CacheT:

@@ -28,7 +28,7 @@ import numpy as np
 
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
-from twincache.generation import Batch, GenerationResult, TokenCallback, as_integer
+from twincache.generation import Batch, GenerationResult, TokenCallback, as_integer, batch_size_class
 
 AXES = ("data", "model")
 
@@ -145,30 +145,32 @@ def check_batch(mesh: MeshShape, batch_size: int) -> None:
                         f"is a multiple of {mesh.data}, or use data=1")
 
 
-def pad_batch(batch: Batch, data: int, on_token: TokenCallback | None) -> tuple[Batch, TokenCallback | None]:
-    """A generation's batch with copies of its last row appended up to a multiple of `data`, so that any batch
-    decodes on a data-split mesh, and an `on_token` that sees the real rows only; `keep_rows` drops the copies'
-    outputs afterwards. The copies are prefilled as their row is; the decode then counts them finished from its
-    first step (a sampled copy draws its own noise, a row's draws following its index, and would hold the loop open
-    past the real rows' EOS for steps whose outputs are dropped)."""
-    rows, extra = len(batch.prompt_ids), -len(batch.prompt_ids) % data
-    if not extra:
+def pad_batch(batch: Batch, rows: int, on_token: TokenCallback | None) -> tuple[Batch, TokenCallback | None]:
+    """A generation's batch with copies of its last row appended up to `rows` rows (the rows of the cache a tower
+    sized for it: `batch_size_class`, a multiple of a data-split mesh's `data`, so that any batch decodes there and
+    batches of nearby sizes share one compiled shape), and an `on_token` that sees the real rows only; `keep_rows`
+    drops the copies' outputs afterwards. The copies are prefilled as their row is; the decode then counts them
+    finished from its first step (a sampled copy draws its own noise, a row's draws following its index, and would
+    hold the loop open past the real rows' EOS for steps whose outputs are dropped)."""
+    real = len(batch.prompt_ids)
+    if rows <= real:
         return batch, on_token
-
-    padded = dataclasses.replace(batch, prompt_ids=batch.prompt_ids + [batch.prompt_ids[-1]] * extra,
-                                 input_ids=pad_rows(batch.input_ids, rows + extra),
-                                 attention_mask=pad_rows(batch.attention_mask, rows + extra))
-    return padded, None if on_token is None else (lambda row_ids: on_token(row_ids[:rows]))
+    padded = dataclasses.replace(batch, prompt_ids=batch.prompt_ids + [batch.prompt_ids[-1]] * (rows - real),
+                                 input_ids=pad_rows(batch.input_ids, rows),
+                                 attention_mask=pad_rows(batch.attention_mask, rows))
+    return padded, None if on_token is None else (lambda row_ids: on_token(row_ids[:real]))
 
 
 def pad_continuation(last_tokens: list[int], cache_rows: int, data: int,
                      on_token: TokenCallback | None) -> tuple[list[int], TokenCallback | None]:
     """A continuation of a generation that pad_batch padded: generate's result leaves the copies of its last row out
     but its cache keeps them, so the result's last tokens (one per real row) are given the copies' as well, the last
-    row's own (the decode counts the copies finished), with an `on_token` that sees the real rows only. Any other
-    count of rows is left as given, for the cache's batch check to refuse."""
+    row's own (the decode counts the copies finished), with an `on_token` that sees the real rows only. That is when
+    the cache holds the rows generate pads `len(last_tokens)` rows to: `batch_size_class(rows, data)`, or the exact
+    rows rounded up to a multiple of `data` (build_batch_class's fallback, and a data split's padding of a cache
+    handed over). Any other count of rows is left as given, for the cache's batch check to refuse."""
     rows = len(last_tokens)
-    if rows >= cache_rows or rows + (-rows % data) != cache_rows:
+    if rows >= cache_rows or cache_rows not in (batch_size_class(rows, data), rows + -rows % data):
         return last_tokens, on_token
     padded = last_tokens + [last_tokens[-1]] * (cache_rows - rows)
     return padded, None if on_token is None else (lambda row_ids: on_token(row_ids[:rows]))

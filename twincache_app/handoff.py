@@ -174,8 +174,9 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
 def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig, device: str | torch.device = "cpu",
                    batch_size: int | None = None) -> torch_caches.StaticCache:
     """A torch_cache copy of a live JAX cache. Its buffers are fresh static addresses on `device`. `batch_size`
-    keeps the first rows only: a cache from a JAX data split holds its padding rows after the batch's (copies of the
-    last row, pad_batch), which torch would count as rows of its own; pass the generation's batch to drop them."""
+    keeps the first rows only: a cache that generate padded (a batch size class, a JAX data split) holds its padding
+    rows after the batch's (copies of the last row, pad_batch); torch's continue_generation from the result's rows
+    pads them again as JAX's does, and the generation's batch here drops them (a smaller cache)."""
     _check_handoff(cache, jax_caches.StaticCache, config, "cache_to_torch")
     rows = cache.batch_size if batch_size is None else check_count("batch_size", batch_size, 1, cache.batch_size)
     torch_cache = torch_caches.make_cache(cache.kind, config, rows, cache.max_cache_len, _torch_dtype(cache.dtype),
