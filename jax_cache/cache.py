@@ -95,7 +95,8 @@ class StaticCache(BufferSizes):
     # --- pytree protocol: arrays are children, the window is static metadata --------------------------------------
 
     def tree_flatten(self) -> tuple[tuple, tuple]:
-        static = tuple((k, v) for k, v in vars(self).items() if k not in self.ARRAY_FIELDS)  # the window, if any
+        # the window, if any; real_rows is not: a padded cache and a full one of its rows run the same executables
+        static = tuple((k, v) for k, v in vars(self).items() if k not in self.ARRAY_FIELDS and k != "real_rows")
         return tuple(getattr(self, name) for name in self.ARRAY_FIELDS), static
 
     @classmethod

@@ -774,13 +774,16 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     given = None  # the caller's cache object: an exception from the prefill's first token on points it at the live one
     if cache is not None and not isinstance(cache, str):
         cache_checks.check_cache_type(cache, StaticCache, "jax_cache", _CACHE_HINT)
+        # a cache generate padded for this many rows (its real_rows: a batch class, a data split) is padded again
+        padded_rows = cache.batch_size if cache.real_rows == rows else rows
         check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity)
-        cache.check_compatible(config, rows, model.dtype, model.device)  # before reset(): a refusal changes nothing
+        # before reset(): a refusal changes nothing
+        cache.check_compatible(config, padded_rows, model.dtype, model.device)
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         planned_len = cache.max_cache_len
         bucket = prompt_bucket(prompt_len, None if cache.capacity is None else cache.capacity - max_new_tokens, chunk)
         check_positions(config, prompt_len, max_new_tokens, bucket + max(max_new_tokens - 1, 0))
-        _check_outputs_fit(rows, max_new_tokens, config.vocab_size, return_logits)
+        _check_outputs_fit(padded_rows, max_new_tokens, config.vocab_size, return_logits)
         given, cache = cache, cache.reset()
     else:
         kind, planned_len = plan_cache(config, cache, prompt_len, max_new_tokens, max_cache_len)
@@ -801,8 +804,13 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
                                                                                bucket + max_new_tokens)
 
         cache = build_batch_class(build_rows, rows, 1 if model.mesh is None else sharding.mesh_shape(model.mesh).data)
-        # the batch padded up to the cache's rows: copies of the last row, finished from the first decode step
-        inputs, on_token = pad_batch(inputs, cache.batch_size, on_token)
+    # the batch padded up to the cache's rows: copies of the last row, finished from the first decode step; the cache
+    # records the real rows, for continue_generation to pad that many last tokens again (pad_continuation)
+    inputs, on_token = pad_batch(inputs, cache.batch_size, on_token)
+    real_rows = rows if rows < cache.batch_size else None
+    cache.real_rows = real_rows
+    if given is not None:  # an exception from the first token on hands the live arrays back to it (_given_back)
+        given.real_rows = real_rows
     prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
     batch = ids_np.shape[0]
     forced = None if forced is None else pad_rows(forced, batch)  # [B, N]: the padding rows copy the last one's
@@ -818,6 +826,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     announce_compile("XLA", "the decode step" if max_new_tokens > 1 else "the prefill")
     start = time.perf_counter()
     logits, cache = prefill(model, ids_np, mask_np, cache, chunk)  # [B, V]
+    cache.real_rows = real_rows  # not pytree metadata: the jitted prefill's cache comes back without it
     try:
         first, _ = _pick(logits, jnp.zeros(batch, bool), _sampling_kind(sampling), _knobs(sampling), key, eos,
                          jnp.int32(0), None if forced is None else jnp.asarray(forced[:, 0]))
@@ -874,9 +883,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                                                                  on_token)
     first_step = check_first_step(first_step, max_new_tokens)
     rows = len(last_tokens)  # generate keeps its padding rows in the cache (pad_batch: a batch class, a data split)
-    last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
-                                             1 if model.mesh is None else sharding.mesh_shape(model.mesh).data,
-                                             on_token)
+    last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size, cache.real_rows, on_token)
     cache.check_compatible(config, len(last_tokens), model.dtype, model.device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's
     # attention bucket

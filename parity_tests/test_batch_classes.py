@@ -27,6 +27,7 @@ from jax_cache import backend as jax_backend
 from jax_cache.model import Mistral as JaxMistral
 from parity_tests.mesh_weights import checkpoint_with_eos
 from torch_cache.model import Mistral as TorchMistral
+from twincache.errors import CacheError
 from twincache.generation import SamplingParams, batch_size_class
 from twincache.mesh import pad_continuation
 from twincache_app.handoff import cache_to_torch
@@ -69,16 +70,31 @@ def test_there_are_four_batch_classes_per_octave_and_the_first_are_exact():
 
 def test_a_continuation_is_padded_to_the_rows_generate_gave_its_cache_and_to_no_other():
     seen = []
-    assert pad_continuation([4] * 9, 10, 1, None) == ([4] * 10, None)
-    padded, on_token = pad_continuation([1] * 8 + [5], 10, 1, seen.append)
+    assert pad_continuation([4] * 9, 10, 9, None) == ([4] * 10, None)
+    padded, on_token = pad_continuation([1] * 8 + [5], 10, 9, seen.append)
     assert padded == [1] * 8 + [5, 5]
     on_token(list(range(10)))
     assert seen == [list(range(9))], "the callback sees the real rows only"
-    assert pad_continuation([4] * 9, 12, 4, None)[0] == [4] * 12, "the class (10) rounded up to data=4"
-    assert pad_continuation([4] * 9, 12, 3, None)[0] == [4] * 12, "the class (10) rounded up to data=3"
-    assert pad_continuation([4] * 9, 9, 3, None)[0] == [4] * 9, "the exact rows (the memory fallback)"
-    for rows, cache_rows in ((9, 12), (9, 11), (8, 10), (2, 3), (10, 9)):  # not what generate pads to: left as given
-        assert pad_continuation([4] * rows, cache_rows, 1, None)[0] == [4] * rows, (rows, cache_rows)
+    assert pad_continuation([4] * 9, 12, 9, None)[0] == [4] * 12, "the class (10) rounded up to data=4"
+    # the cache's real_rows, not a guess from the counts: 17 tokens for a cache of 18 real rows in 20 (a row lost
+    # by the caller) is not padding, nor 9 for a 10-row cache the caller filled (no real_rows)
+    for rows, cache_rows, real in ((17, 20, 18), (9, 10, None), (9, 12, 10), (10, 10, None), (10, 9, 9)):
+        assert pad_continuation([4] * rows, cache_rows, real, None)[0] == [4] * rows, (rows, cache_rows, real)
+
+
+def test_a_padded_cache_refuses_a_row_too_few_and_is_reused_for_its_rows(gqa):
+    """generate(18 rows) pads to 20: continued with 17 last tokens (a row dropped) it is refused in one line that
+    names the 18, where it was read as padding; given back to generate with its 18 prompts it is padded again,
+    where it was refused. torch eager and JAX step mode, one new token each."""
+    prompts = [[(3 * row + i) % 120 + 2 for i in range(3)] for row in range(18)]
+    for tower, model, mode in ((tg, TorchMistral.from_pretrained(gqa), {"compile": False}),
+                               (jg, JaxMistral.from_pretrained(gqa, jnp.float32), {"fused": False})):
+        first = tower.generate(model, prompts, 1, **mode)
+        assert (first.cache.batch_size, first.cache.real_rows) == (20, 18)
+        with pytest.raises(CacheError, match=r"batch 17 was given, .* a batch of 18 rows \(padded to 20: give 18\)"):
+            tower.continue_generation(model, first.cache, [row[-1] for row in first.token_ids][:17], 1, **mode)
+        again = tower.generate(model, prompts, 1, cache=first.cache, **mode)
+        assert again.token_ids == first.token_ids and again.cache.real_rows == 18
 
 
 # --- the towers -------------------------------------------------------------------------------------------------------

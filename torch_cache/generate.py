@@ -669,10 +669,12 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     device, dtype = model.device, model.dtype
     if cache is not None and not isinstance(cache, str):
-        _check_outputs_fit(rows, max_new_tokens, config.vocab_size, return_logits, device)
         cache_checks.check_cache_type(cache, StaticCache, "torch_cache", _CACHE_HINT)
+        # a cache generate padded for this many rows (its real_rows: a batch class, a data split) is padded again
+        padded_rows = cache.batch_size if cache.real_rows == rows else rows
+        _check_outputs_fit(padded_rows, max_new_tokens, config.vocab_size, return_logits, device)
         check_given_cache_len(max_cache_len, cache.max_cache_len, cache.capacity)
-        cache.check_compatible(config, rows, dtype, device)  # before reset(): a refused call changes nothing
+        cache.check_compatible(config, padded_rows, dtype, device)  # before reset(): a refused call changes nothing
         model._check_mesh(cache)
         check_budget(cache.capacity, prompt_len, max_new_tokens)
         cache.reset()
@@ -692,8 +694,10 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
                                                                                            planned_len)
 
         cache = build_batch_class(build_rows, rows, 1 if model.mesh is None else sharding.mesh_shape(model.mesh).data)
-        # the batch padded up to the cache's rows: copies of the last row, finished from the first decode step
-        inputs, on_token = pad_batch(inputs, cache.batch_size, on_token)
+    # the batch padded up to the cache's rows: copies of the last row, finished from the first decode step; the cache
+    # records the real rows, for continue_generation to pad that many last tokens again (pad_continuation)
+    inputs, on_token = pad_batch(inputs, cache.batch_size, on_token)
+    cache.real_rows = rows if rows < cache.batch_size else None
     forced = None if forced is None else pad_rows(forced, cache.batch_size)  # [B, N]: the padding rows copy the last
     prompt_ids = inputs.prompt_ids
     if max_new_tokens == 0:  # logits asked for: [B, 0, V], as continue_generation gives
@@ -754,9 +758,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                                                                  on_token)
     first_step = check_first_step(first_step, max_new_tokens)
     rows = len(last_tokens)  # generate keeps its padding rows in the cache (pad_batch: a batch class, a data split)
-    last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size,
-                                             1 if model.mesh is None else sharding.mesh_shape(model.mesh).data,
-                                             on_token)
+    last_tokens, on_token = pad_continuation(last_tokens, cache.batch_size, cache.real_rows, on_token)
     device, dtype = model.device, model.dtype
     cache.check_compatible(config, len(last_tokens), dtype, device)
     # refused up front, not after decoding part of the budget; the host's copy of the cache length picks each step's

@@ -46,7 +46,10 @@ def check_compatible(cache: Any, config: MistralConfig, batch_size: int, model_d
         raise CacheError(f"cache dtype {cache.dtype} differs from model dtype {model_dtype}; "
                          f"build the cache with dtype={model_dtype}")
     if batch_size != cache.batch_size:
-        raise CacheError(f"batch {batch_size} was given, but the cache was built for batch {cache.batch_size}; "
+        real = getattr(cache, "real_rows", None)  # a batch generate padded (docs/design.md §5 "Batch size classes")
+        built = (f"a batch of {real} rows (padded to {cache.batch_size}: give {real})" if real is not None else
+                 f"batch {cache.batch_size}")
+        raise CacheError(f"batch {batch_size} was given, but the cache was built for {built}; "
                          "give one prompt (or, to continue, one last token) per cache row, or build a cache whose "
                          "batch_size equals the number of rows")
 

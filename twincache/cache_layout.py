@@ -11,6 +11,12 @@ class BufferSizes:
     """A cache's sizes, read from its `keys` (a list of per-layer [batch, kv_heads, cache_len, head_dim] arrays)."""
 
     keys: list[Any]
+    # The rows of the batch a tower padded this cache's rows for (the rest are copies of its last row, finished:
+    # twincache.mesh.pad_batch, docs/design.md §5 "Batch size classes"); None: every row is the caller's. Set on every
+    # result's cache (twincache.mesh.keep_rows) and by the handoff; continue_generation given that many last tokens,
+    # and generate given that many prompts with this cache, pad them again (pad_continuation), any other count but
+    # the cache's own rows is refused. Not pytree metadata in JAX: a padded and a full cache share executables.
+    real_rows: int | None = None
 
     @property
     def num_layers(self) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 
 from twincache.config import MistralConfig
 from twincache.errors import MeshError
-from twincache.generation import Batch, GenerationResult, TokenCallback, as_integer, batch_size_class
+from twincache.generation import Batch, GenerationResult, TokenCallback, as_integer
 
 AXES = ("data", "model")
 
@@ -161,16 +161,16 @@ def pad_batch(batch: Batch, rows: int, on_token: TokenCallback | None) -> tuple[
     return padded, None if on_token is None else (lambda row_ids: on_token(row_ids[:real]))
 
 
-def pad_continuation(last_tokens: list[int], cache_rows: int, data: int,
+def pad_continuation(last_tokens: list[int], cache_rows: int, real_rows: int | None,
                      on_token: TokenCallback | None) -> tuple[list[int], TokenCallback | None]:
     """A continuation of a generation that pad_batch padded: generate's result leaves the copies of its last row out
     but its cache keeps them, so the result's last tokens (one per real row) are given the copies' as well, the last
     row's own (the decode counts the copies finished), with an `on_token` that sees the real rows only. That is when
-    the cache holds the rows generate pads `len(last_tokens)` rows to: `batch_size_class(rows, data)`, or the exact
-    rows rounded up to a multiple of `data` (build_batch_class's fallback, and a data split's padding of a cache
-    handed over). Any other count of rows is left as given, for the cache's batch check to refuse."""
+    there are exactly the cache's `real_rows` tokens (`BufferSizes.real_rows`: the rows generate padded this cache
+    for, or the handoff's data-split padding). Any other count of rows is left as given, for the cache's batch check
+    to refuse: a row too few for a padded cache is a caller's mistake, never read as padding."""
     rows = len(last_tokens)
-    if rows >= cache_rows or cache_rows not in (batch_size_class(rows, data), rows + -rows % data):
+    if real_rows is None or rows != real_rows or rows >= cache_rows:
         return last_tokens, on_token
     padded = last_tokens + [last_tokens[-1]] * (cache_rows - rows)
     return padded, None if on_token is None else (lambda row_ids: on_token(row_ids[:rows]))
@@ -182,7 +182,10 @@ def pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
 
 
 def keep_rows(result: GenerationResult, rows: int) -> GenerationResult:
-    """A result of the first `rows` rows only (the padding rows of pad_batch left out); the cache keeps them all."""
+    """A result of the first `rows` rows only (the padding rows of pad_batch left out); the cache keeps them all and
+    records `rows` as its `real_rows` (None where it holds no padding), for a continuation to pad again."""
+    if result.cache is not None:
+        result.cache.real_rows = rows if rows < result.cache.batch_size else None
     if len(result.token_ids) == rows:
         return result
     return dataclasses.replace(result, prompt_ids=result.prompt_ids[:rows], token_ids=result.token_ids[:rows],

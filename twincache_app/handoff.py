@@ -168,7 +168,10 @@ def cache_from_torch(cache: torch_caches.StaticCache, config: MistralConfig,
     if mesh is not None:
         placements = jax_sharding.cache_shardings(mesh, jax_cache.num_layers, jax_cache.num_kv_heads)
         copies = [jax.device_put(copy, placement) for copy, placement in zip(copies, placements, strict=True)]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax_cache), copies)
+    copy = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax_cache), copies)
+    # the rows a generate padded it for, or the data split's padding here (continue_generation pads them again)
+    copy.real_rows = cache.real_rows if cache.real_rows is not None else (rows if padded != rows else None)
+    return copy
 
 
 def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig, device: str | torch.device = "cpu",
@@ -183,4 +186,6 @@ def cache_to_torch(cache: jax_caches.StaticCache, config: MistralConfig, device:
                                           device)
     for buffer, array in zip(torch_cache.arrays(), cache.arrays(), strict=True):  # per-row arrays lead with the batch
         buffer.copy_(_to_torch(array[:rows] if array.ndim else array, torch_cache.device))
+    # the rows a generate (or cache_from_torch) padded it for, where some padding rows are kept
+    torch_cache.real_rows = cache.real_rows if cache.real_rows is not None and cache.real_rows < rows else None
     return torch_cache
