@@ -105,3 +105,27 @@ def test_exact_cache_sizes_past_the_limit_keep_every_jit_cache_bounded_and_token
     assert max(each.most for each in watched) == 1  # reached, never passed once a call returned
     assert most_fused <= 1
     assert dropped and len(notices(caplog)) == len(dropped)  # at least at 41's first compile: one warning each
+
+
+@pytest.mark.parametrize("command", ["soak", "generate --json"])
+def test_the_cli_says_a_drop_in_its_own_lines_and_not_with_json(monkeypatch, capsys, checkpoints, command):
+    """A drop's warning reaches a CLI user as `twincache: ...` lines on stderr, one per drop, in a command that runs
+    a tower outside the blocks that show its progress notices (the soak's decode); with --json none, as the other
+    notices. Before, only those blocks set a handler: elsewhere Python's last resort printed the warning bare (no
+    prefix), --json or not. The root logger's handlers (pytest's) are taken away, as a CLI process has none."""
+    from twincache_app import cli
+
+    monkeypatch.setattr(logging.root, "handlers", [])
+    monkeypatch.setattr(jg, "MAX_DECODE_VARIANTS", 0)  # every compile drops
+    dropped = drops(monkeypatch)
+    model = ["--backend", "jax", "--mode", "step", "--model", str(checkpoints["gqa"])]
+    argv = (["soak", *model, "--steps", "2", "--prompt-len", "4"] if command == "soak" else
+            ["generate", *model, "--prompt-ids", "5,9,2", "--max-new-tokens", "2", "--json"])
+    assert cli.main(argv) in (0, 1)  # the soak's record says the drops' compiles were recompiles (exit 1)
+    err = capsys.readouterr().err.splitlines()
+    assert dropped
+    if command == "soak":
+        assert all(line.startswith("twincache: ") for line in err), err
+        assert len([line for line in err if "passed the limit of 0 compiled variants" in line]) == len(dropped)
+    else:
+        assert err == []

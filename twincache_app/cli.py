@@ -78,7 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.argv = argv  # a command that runs in several processes (--mesh, torch) re-runs itself in each
         if getattr(args, "keep_keyboard_interrupt", False):
             interrupt.restore()
-        return _run(args)
+        from twincache_app.generate_cmd import notices_on_stderr
+
+        # A warning from a tower (jax_cache dropping its executables past MAX_DECODE_VARIANTS, the torch step its
+        # graphs) is one `twincache: ...` line on stderr in every command; none with --json, as the other notices
+        with notices_on_stderr(not getattr(args, "json", False), logging.WARNING):
+            return _run(args)
 
 
 @contextlib.contextmanager

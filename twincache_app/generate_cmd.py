@@ -290,22 +290,35 @@ def resolve_prompts(args: argparse.Namespace, model_path: Path,
     return prompts, tokenizer
 
 
+class _NoticeLines(logging.StreamHandler):
+    """The CLI's handler of NOTICES: one `twincache: ...` line on stderr per record."""
+
+
 @contextlib.contextmanager
-def notices_on_stderr(enabled: bool) -> Iterator[None]:
-    """Print the floor's progress notices (twincache.generation.NOTICES) as `twincache: ...` lines on stderr."""
-    if not enabled:
-        yield
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("twincache: %(message)s"))
-    level = NOTICES.level
-    NOTICES.addHandler(handler)
-    NOTICES.setLevel(logging.INFO)
+def notices_on_stderr(enabled: bool, level: int = logging.INFO) -> Iterator[None]:
+    """Print the floor's notices (twincache.generation.NOTICES) of `level` and above as `twincache: ...` lines on
+    stderr; not `enabled` (--json), none at all. It takes the place of an outer one for its block (`cli.main` shows
+    every command's warnings so), so a notice prints once. Without a handler, Python's last resort printed a warning
+    (jax_cache's drop of its executables, the torch step's of its graphs) bare, a stderr line without the CLI's
+    prefix, --json or not."""
+    outer = [handler for handler in NOTICES.handlers if isinstance(handler, _NoticeLines)]
+    before = NOTICES.level
+    for handler in outer:
+        NOTICES.removeHandler(handler)
+    ours = None
+    if enabled:
+        ours = _NoticeLines(sys.stderr)
+        ours.setFormatter(logging.Formatter("twincache: %(message)s"))
+        NOTICES.addHandler(ours)
+    NOTICES.setLevel(level if enabled else logging.CRITICAL + 1)  # disabled: not even the last resort's bare line
     try:
         yield
     finally:
-        NOTICES.removeHandler(handler)
-        NOTICES.setLevel(level)
+        if ours is not None:
+            NOTICES.removeHandler(ours)
+        for handler in outer:
+            NOTICES.addHandler(handler)
+        NOTICES.setLevel(before)
 
 
 def sampling_params(args: argparse.Namespace, config: MistralConfig) -> SamplingParams:
