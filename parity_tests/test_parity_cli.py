@@ -61,6 +61,15 @@ def test_parity_table_on_transformers_checkpoint(checkpoints, capsys):
     assert len(rows) == 8 and sum(row.endswith(" floor") for row in rows) == 2, out
     assert all(row.endswith(" floor") or " ok (worst " in row for row in rows), out
     assert "PASS: 6/6" in err
+    # Each value ends where its heading does, and no heading runs into the next ("top-1 diverges" over "100.0%" read
+    # as one heading over the agreement).
+    header = next(line for line in out.splitlines() if line.startswith("cache "))
+    number = r"\d\.\d+e[-+]\d+"
+    for heading, value in (("max|Δlogit|", number), ("top-1 same", r"\d+\.\d%"), ("diverges at", r"-|\d+"),
+                           ("max|ΔKV|", number)):
+        assert f"  {heading}" in header, f"{heading!r} not set apart from the heading before it: {header}"
+        end = header.index(heading) + len(heading)
+        assert all(re.fullmatch(value, row[:end].split()[-1]) and row[end] == " " for row in rows), (heading, out)
 
 
 def test_several_prompts_are_one_left_padded_batch_each_row_against_its_own_truth(checkpoints, capsys):

@@ -645,7 +645,7 @@ def format_table(data: dict[str, Any]) -> str:
     """The table `twincache parity` prints, from `report_json`'s object (so a saved --json renders the same)."""
     width = max([27] + [len(row["name"]) for row in data["rows"]])
     header = (f"{'cache':<15} {'implementation':<{width}} {'max|Δlogit|':>11} {'rel':>8} {'mean KL':>8} {'max KL':>8} "
-              f"{'top-1':>7} {'diverges':>8} {'max|ΔKV|':>9}  verdict")
+              f"{'top-1 same':>11} {'diverges at':>12} {'max|ΔKV|':>9}  verdict")
     lines = [f"reference: {data['reference']}; continuation: its own greedy tokens",
              f"floor:     {data['floor']}",
              f"prompt {'/'.join(map(str, data['prompt_lens']))} tokens, {data['steps']} teacher-forced steps, "
@@ -660,7 +660,7 @@ def format_table(data: dict[str, Any]) -> str:
               else _number(d["max_abs_kv_diff"], ">9.2e"))
         lines.append(f"{row['cache']:<15} {row['name']:<{width}} {_number(d['max_abs_logit_diff'], '.2e'):>11} "
                      f"{_number(d['rel_max_abs_logit_diff'], '.1e'):>8} {_number(d['mean_kl'], '.1e'):>8} "
-                     f"{_number(d['max_kl'], '.1e'):>8} {_number(d['top1_agreement'], '.1%'):>7} {diverges:>8} "
+                     f"{_number(d['max_kl'], '.1e'):>8} {_number(d['top1_agreement'], '.1%'):>11} {diverges:>12} "
                      f"{kv:>9}  {row_verdict(row, floors.get(row['cache']))}")
     factors = ", ".join(f"{name} {factor:g}x" for name, factor in data["factors"].items())
     lines.append(f"bounds: each metric within its factor of the floor ({factors}); no greedy divergence at a decisive "
