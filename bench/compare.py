@@ -5,7 +5,9 @@ between machines (bench/README), and every implementation moves with it. So a ve
 min-max spread over its timed runs on the most machine-proof scale the two runs share: its ratio to transformers'
 cell in the same run (code twincache does not change, the control), else its roofline fraction (tok/s over the run's
 own measured limit) when the limits differ by more than LIMIT_TOLERANCE, else tok/s. A cell is faster or slower
-only when the two spreads do not overlap.
+only when the two spreads do not overlap. A batch point is judged alike on its total tok/s, against the reference's
+point at the same batch size; a run recorded before the batch table was repeated timed each point once (its spread
+is its value), so its points get no verdict.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ SINGLE_RUN = "no verdict: one timed run"  # a cell either run timed once: its mi
 _KEYS = {"decode": ("impl", "cache"), "latency_vs_context": ("impl", "cache", "context"), "batch": ("impl", "batch")}
 _MEASURED = {"decode": ("decode_tok_s", "decode_tok_s_min", "decode_tok_s_max"),
              "latency_vs_context": ("ms_per_token",), "batch": ("total_tok_s",)}
+# ... and what it must have measured where recorded (a batch point before the batch table was repeated has neither)
+_SPREAD = {"batch": ("total_tok_s_min", "total_tok_s_max")}
 _STRING_FIELDS = ("status", "impl", "cache")
 
 
@@ -57,6 +61,7 @@ def load_run(path: Path) -> list[dict[str, Any]]:
             raise InputError(f"--compare {file}: a {kind} record has no valid {', '.join(unnamed)} (a string for "
                              f"{', '.join(_STRING_FIELDS)}, else an integer); {hint}")
         unmeasured = [f for f in _MEASURED[kind] if ok and not _positive(record.get(f))]
+        unmeasured += [f for f in _SPREAD.get(kind, ()) if ok and f in record and not _positive(record[f])]
         if unmeasured:
             raise InputError(f"--compare {file}: a {kind} record of {record.get('impl')} / {record.get('cache')} "
                              f"has no positive {', '.join(unmeasured)}; {hint}")
@@ -115,13 +120,14 @@ def verdict(old_span: tuple[float, float], new_span: tuple[float, float]) -> str
     return "within spread"
 
 
-def _timed_runs(record: dict[str, Any]) -> int:
-    """How many timed runs the cell's min-max spans: its tok/s per run, else the run's repeats (2 when neither is
-    recorded, as a hand-written record: taken at its word)."""
+def _timed_runs(record: dict[str, Any], unrecorded: int = 2) -> int:
+    """How many timed runs the record's min-max spans: its tok/s per run, else the run's repeats, else `unrecorded`
+    (a decode cell: 2, a hand-written record taken at its word; a batch point: 1, as every run before the batch
+    table was repeated timed it once)."""
     runs, repeats = record.get("tok_s_runs"), record.get("repeats")
     if isinstance(runs, list):
         return len(runs)
-    return repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else 2
+    return repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else unrecorded
 
 
 def _ok_by(records: list[dict[str, Any]], kind: str) -> dict[tuple, dict[str, Any]]:
@@ -133,14 +139,40 @@ def _status_by(records: list[dict[str, Any]], kind: str) -> dict[tuple, str]:
     return {tuple(r[f] for f in _KEYS[kind]): r["status"] for r in records if r["kind"] == kind}
 
 
+# The figure each kind's verdict reads, with its `_min` and `_max`: a decode cell's tok/s, a batch point's total.
+_SPEED = {"decode": "decode_tok_s", "batch": "total_tok_s"}
+
+
 def _span(record: dict[str, Any], scale: float = 1.0) -> tuple[float, float]:
-    return record["decode_tok_s_min"] * scale, record["decode_tok_s_max"] * scale
+    """The record's min-max; a batch point of a run before the batch table was repeated has one run: its value."""
+    speed = _SPEED[record["kind"]]
+    low, high = record.get(speed + "_min", record[speed]), record.get(speed + "_max", record[speed])
+    return low * scale, high * scale
 
 
 def _ratio_span(record: dict[str, Any], reference: dict[str, Any]) -> tuple[float, float]:
-    """The cell's spread over its reference's in the same run, widened by both: [min / ref max, max / ref min]."""
-    return (record["decode_tok_s_min"] / reference["decode_tok_s_max"],
-            record["decode_tok_s_max"] / reference["decode_tok_s_min"])
+    """The record's spread over its reference's in the same run, widened by both: [min / ref max, max / ref min]."""
+    (low, high), (ref_low, ref_high) = _span(record), _span(reference)
+    return low / ref_high, high / ref_low
+
+
+def _judge(o: dict[str, Any], n: dict[str, Any], refs: tuple[dict[str, Any], dict[str, Any]] | None,
+           limits: tuple[float | None, float | None], one_machine: bool, unrecorded_runs: int) -> dict[str, str]:
+    """The verdict on one decode cell or batch point and the scale it read, most machine-proof first: the ratio to a
+    reference both runs measured (`refs`, OLD's and NEW's, named by their impl); each run's roofline fraction when the
+    limits differ; tok/s on one machine (and for the references themselves). No verdict where either run timed it
+    once."""
+    old_limit, new_limit = limits
+    if refs is not None and o["impl"] not in REFERENCES:  # the same untouched code in both runs: carries across
+        found = {"judged_on": "x " + refs[0]["impl"], "verdict": verdict(_ratio_span(o, refs[0]),
+                                                                        _ratio_span(n, refs[1]))}
+    elif old_limit and new_limit and not one_machine:
+        found = {"judged_on": "roofline", "verdict": verdict(_span(o, 1 / old_limit), _span(n, 1 / new_limit))}
+    else:
+        found = {"judged_on": "tok/s", "verdict": verdict(_span(o), _span(n))}
+    if min(_timed_runs(o, unrecorded_runs), _timed_runs(n, unrecorded_runs)) < 2:  # a spread of one run is a point
+        found["verdict"] = SINGLE_RUN
+    return found
 
 
 def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, Any]:
@@ -166,19 +198,8 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
             old_ref, new_ref = old_cells[(reference, key[1])], new_cells[(reference, key[1])]
             row.update(reference=reference, old_x_ref=o["decode_tok_s"] / old_ref["decode_tok_s"],
                        new_x_ref=n["decode_tok_s"] / new_ref["decode_tok_s"])
-        # The verdict's scale, most machine-proof first: the ratio to a reference both runs measured; each run's
-        # roofline fraction when the limits differ; tok/s on one machine (and for the references themselves).
-        if reference is not None and key[0] not in REFERENCES:
-            row["judged_on"] = "x " + reference
-            row["verdict"] = verdict(_ratio_span(o, old_ref), _ratio_span(n, new_ref))
-        elif old_limit and new_limit and not one_machine:
-            row["judged_on"] = "roofline"
-            row["verdict"] = verdict(_span(o, 1 / old_limit), _span(n, 1 / new_limit))
-        else:
-            row["judged_on"] = "tok/s"
-            row["verdict"] = verdict(_span(o), _span(n))
-        if min(_timed_runs(o), _timed_runs(n)) < 2:  # a spread of one run is a point: any change would be a verdict
-            row["verdict"] = SINGLE_RUN
+        row.update(_judge(o, n, None if reference is None else (old_ref, new_ref), (old_limit, new_limit),
+                          one_machine, unrecorded_runs=2))
         decode.append(row)
     curves = []
     old_points, new_points = _ok_by(old, "latency_vs_context"), _ok_by(new, "latency_vs_context")
@@ -195,10 +216,22 @@ def compare(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> dict[str, A
     batch = []
     old_sizes, new_sizes = _ok_by(old, "batch"), _ok_by(new, "batch")
     for key, o in old_sizes.items():
-        if key in new_sizes:
-            batch.append({"impl": key[0], "batch": key[1], "old_tok_s": o["total_tok_s"],
-                          "new_tok_s": new_sizes[key]["total_tok_s"],
-                          "tok_s_change": new_sizes[key]["total_tok_s"] / o["total_tok_s"]})
+        n = new_sizes.get(key)
+        if n is None:
+            continue
+        point: dict[str, Any] = {"impl": key[0], "batch": key[1], "old_tok_s": o["total_tok_s"],
+                                 "new_tok_s": n["total_tok_s"], "old_span": list(_span(o)), "new_span": list(_span(n)),
+                                 "tok_s_change": n["total_tok_s"] / o["total_tok_s"],
+                                 "old_roofline": o.get("roofline_frac"), "new_roofline": n.get("roofline_frac")}
+        # a reference's point at the same batch size in both runs, as the decode table's at the same cache
+        reference = next((ref for ref in REFERENCES if (ref, key[1]) in old_sizes and (ref, key[1]) in new_sizes),
+                         None)
+        refs = None if reference is None else (old_sizes[(reference, key[1])], new_sizes[(reference, key[1])])
+        if refs is not None:
+            point.update(reference=reference, old_x_ref=o["total_tok_s"] / refs[0]["total_tok_s"],
+                         new_x_ref=n["total_tok_s"] / refs[1]["total_tok_s"])
+        point.update(_judge(o, n, refs, (old_limit, new_limit), one_machine, unrecorded_runs=1))
+        batch.append(point)
     return {"old": _describe(old), "new": _describe(new), "same_machine": one_machine, "decode": decode,
             "latency_vs_context": curves, "batch": batch}
 
@@ -289,14 +322,20 @@ def markdown(result: dict[str, Any], old_path: Path, new_path: Path) -> str:
                   f"{_num(c['old_first_over_last'], 2)} → {_num(c['new_first_over_last'], 2)} | "
                   f"{_num(c['median_ms_change'], 2)} |" for c in result["latency_vs_context"]]
     if result["batch"]:
-        sizes = sorted({p["batch"] for p in result["batch"]})
-        table: dict[str, dict[int, dict[str, Any]]] = {}
-        for p in result["batch"]:
-            table.setdefault(p["impl"], {})[p["batch"]] = p
+        counted = [p["verdict"] for p in result["batch"]]
         lines += ["", "## Total tok/s vs batch (static cache)", "",
-                  "NEW / OLD total tok/s, NEW's in parentheses; one timed run per point, so no verdict.", "",
-                  "| impl | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-        lines += [f"| {impl} | " + " | ".join(
-            f"{_num(by[b]['tok_s_change'], 2)} ({_num(by[b]['new_tok_s'])})" if b in by else "–" for b in sizes) + " |"
-            for impl, by in table.items()]
+                  f"{counted.count('faster')} faster, {counted.count('slower')} slower, "
+                  f"{counted.count('within spread')} within spread"
+                  + (f", {counted.count(SINGLE_RUN)} timed once in a run (a run before the batch table was repeated, "
+                     "or --repeats 1: no spread, so no verdict)" if SINGLE_RUN in counted else "")
+                  + f", of {len(counted)} points both runs measured. Total tok/s = batch x decode steps per second, "
+                  "median [min–max] over the point's interleaved runs; verdicts as the decode table's, the reference "
+                  "being its point at the same batch size.", "",
+                  "| impl | batch | OLD total tok/s [min–max] | NEW total tok/s [min–max] | NEW / OLD | roofline OLD → "
+                  "NEW | x reference OLD → NEW | verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {p['impl']} | {p['batch']} | {_num(p['old_tok_s'])} [{_num(p['old_span'][0])}–"
+                  f"{_num(p['old_span'][1])}] | {_num(p['new_tok_s'])} [{_num(p['new_span'][0])}–"
+                  f"{_num(p['new_span'][1])}] | {_num(p['tok_s_change'], 2)} | {_pct(p['old_roofline'])} → "
+                  f"{_pct(p['new_roofline'])} | {_x_ref(p)} | {p['verdict']} ({_SHORT[p['judged_on']]}) |"
+                  for p in result["batch"]]
     return "\n".join(lines) + "\n"

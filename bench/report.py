@@ -223,9 +223,13 @@ def _batch_section(records: list[dict[str, Any]]) -> list[str]:
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for p in points:
         table.setdefault(p["impl"], {})[p["batch"]] = p
+    counts = sorted({_runs(p) for p in points})
+    runs = (f"{counts[0]} interleaved run{'s' * (counts[0] != 1)}" if len(counts) == 1
+            else f"{counts[0]}–{counts[-1]} interleaved runs per point, the run cut short")
     lines = ["", "## Total decode tok/s vs batch (static cache)", "",
-             f"Prompt {points[0]['prompt_len']}, {points[0]['new_tokens']} new tokens per row; one warm-up and one "
-             "timed run per size; roofline fraction in parentheses.", "",
+             f"Prompt {points[0]['prompt_len']}, {points[0]['new_tokens']} new tokens per row; one warm-up per point, "
+             f"then total tok/s = batch x decode steps per second, median over {runs} [min–max] (each round visits "
+             "every point); roofline fraction of the median in parentheses.", "",
              "| impl | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---|" + "---:|" * len(sizes)]
     for impl, by_batch in table.items():
         cells = []
@@ -235,9 +239,16 @@ def _batch_section(records: list[dict[str, Any]]) -> list[str]:
                 cells.append("–")
                 continue
             frac = f" ({100 * point['roofline_frac']:.0f}%)" if point.get("roofline_frac") is not None else ""
-            cells.append(_fmt(point["total_tok_s"]) + frac)
+            low, high = (point.get(f"total_tok_s_{end}", point["total_tok_s"]) for end in ("min", "max"))
+            cells.append(f"{_fmt(point['total_tok_s'])} [{_fmt(low)}–{_fmt(high)}]{frac}")
         lines.append(f"| {impl} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _runs(point: dict[str, Any]) -> int:
+    """A batch point's timed runs: 1 in a run recorded before they were repeated (no `repeats`)."""
+    repeats = point.get("repeats")
+    return repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else 1
 
 
 def plot_latency(records: list[dict[str, Any]], path: Path) -> None:

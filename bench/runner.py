@@ -14,9 +14,9 @@ import statistics
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -132,6 +132,17 @@ def _round_label(round_number: int) -> str:
     return f"round {round_number}"
 
 
+Point = TypeVar("Point", bound=Hashable)  # what a phase times: a table cell (impl, cache), a batch point (impl, size)
+Measured = tuple[Run, dict[str, Any]]
+
+
+def _rotated(points: list[Point], round_idx: int) -> list[Point]:
+    """The round's order: the points rotated by one a round, so no point always runs right after the same one (or a
+    compile)."""
+    shift = round_idx % max(1, len(points))
+    return points[shift:] + points[:shift]
+
+
 def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
 
@@ -174,6 +185,7 @@ class Bench:
         """One generate call, with the compiles it caused and the memory it peaked at."""
         before, compile_s_before = impl.compile_count(), impl.compile_seconds()
         metrics.reset_device_peak(self.device)
+        started_s = time.monotonic() - self.start
         rss = metrics.PeakRSS()
         cpu_before = rss.cpu_seconds()
         others = metrics.OthersCPU()
@@ -185,7 +197,8 @@ class Bench:
             rss.sample()
         after = impl.compile_count()
         device_mb = metrics.device_peak_mb(self.device, impl.framework)
-        return run, {"compiles": None if before is None or after is None else after - before,
+        return run, {"started_s": round(started_s, 4),  # seconds into the bench: the order runs were made in
+                     "compiles": None if before is None or after is None else after - before,
                      "compile_s": impl.compile_seconds() - compile_s_before,
                      # CPU seconds per wall second: near the thread count when the process had the cores to itself
                      "cpu_per_wall": (rss.cpu_seconds() - cpu_before) / run.wall_s if run.wall_s else None,
@@ -218,7 +231,7 @@ class Bench:
                      for c in self.opts.caches] if self.opts.curves else []
             batch = [n for n in self.preset.batch_impls if n in self.impls] if self.opts.batch else []
             total = (len(cells) * (1 + self.repeats) + len(curve) * (1 + len(self.preset.curve_contexts))
-                     + len(batch) * len(self.preset.batch_sizes) * 2)
+                     + len(batch) * len(self.preset.batch_sizes) * (1 + self.repeats))
             with tqdm(total=total, desc=f"bench {self.preset.name}", unit="run", disable=not self.opts.progress,
                       dynamic_ncols=True) as self.bar:
                 phases: tuple[tuple[str, Callable[[Any], None], list[Any]], ...] = (
@@ -298,31 +311,47 @@ class Bench:
                 self._table_record(cell, measured, [], None, max_cache_len)
             raise
         live = [cell for cell in cells if cell in warm]
-        timed: dict[tuple[str, str], list[tuple[Run, dict[str, Any]]]] = {cell: [] for cell in live}
+        timed: dict[tuple[str, str], list[Measured]] = {cell: [] for cell in live}
         failed: dict[tuple[str, str], str] = {}
+
+        def time_cell(cell: tuple[str, str]) -> tuple[Measured | None, str | None]:
+            return self._guarded(f"{cell[0]} {cell[1]}", self._measure, self.impls[cell[0]], prompts, p.new_tokens,
+                                 cell[1], max_cache_len, track_rss=False)
+
+        def probe(round_idx: int) -> None:
+            # The bandwidth a shared machine offers drifts (this 2-core VM: 46 GB/s for minutes, then 76): a probe
+            # per round gives each timed run the limit measured next to it, beside the run-wide best.
+            self._probe(_round_label(round_idx + 1), repeats=5)
+
         try:
-            for round_idx in range(self.repeats):
-                # The bandwidth a shared machine offers drifts (this 2-core VM: 46 GB/s for minutes, then 76): a
-                # probe per round gives each timed run the limit measured next to it, beside the run-wide best.
-                self._probe(_round_label(round_idx + 1), repeats=5)
-                shift = round_idx % max(1, len(live))
-                for cell in live[shift:] + live[:shift]:  # rotate so no cell always runs right after a compile
-                    self._tick(f"{cell[0]}/{cell[1]} #{round_idx + 1}")
-                    if cell in failed:
-                        continue
-                    measured, error = self._guarded(f"{cell[0]} {cell[1]}", self._measure, self.impls[cell[0]],
-                                                    prompts, p.new_tokens, cell[1], max_cache_len, track_rss=False)
-                    if error:
-                        failed[cell] = error
-                    else:
-                        measured[1]["round"] = round_idx + 1
-                        timed[cell].append(measured)
+            self._timed_rounds(live, timed, failed, time_cell, lambda cell: f"{cell[0]}/{cell[1]}", probe)
         finally:  # a hard stop (SIGINT) between rounds still leaves a row for every cell timed so far
             for cell in live:
                 self._table_record(cell, warm[cell], timed[cell], failed.get(cell), max_cache_len)
             self._ratios()
         for impl in self.impls.values():
             impl.release()
+
+    def _timed_rounds(self, live: list[Point], timed: dict[Point, list[Measured]], failed: dict[Point, str],
+                      time_one: Callable[[Point], tuple[Measured | None, str | None]], label: Callable[[Point], str],
+                      before_round: Callable[[int], None] | None = None) -> None:
+        """`repeats` interleaved rounds over the points warmed up: each round visits every point once, in an order
+        rotated by one a round (`_rotated`), so slow drift of the machine hits every point alike. Each timed run is
+        appended to timed[point] as it ends (with its `round`), so a hard stop leaves what was measured; a point whose
+        run fails is recorded in `failed` and not run again."""
+        for round_idx in range(self.repeats):
+            if before_round is not None:
+                before_round(round_idx)
+            for point in _rotated(live, round_idx):
+                self._tick(f"{label(point)} #{round_idx + 1}")
+                if point in failed:
+                    continue
+                measured, error = time_one(point)
+                if error or measured is None:
+                    failed[point] = error or "no result"
+                else:
+                    measured[1]["round"] = round_idx + 1
+                    timed[point].append(measured)
 
     def _save_warmed_up(self, warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]], max_cache_len: int) -> None:
         """results.json with an `untimed` row for each cell warmed up so far, as a hard stop leaves them; the rows are
@@ -437,42 +466,91 @@ class Bench:
             impl.release()
 
     def _batch_curve(self, names: list[str]) -> None:
-        """Aggregate decode tok/s against batch size, static cache: one warm-up and one timed run per size."""
+        """Aggregate decode tok/s against batch size, static cache, as the decode table times its cells: one warm-up
+        per (impl, size) point, then `repeats` interleaved rounds, each visiting every point in a rotated order."""
         p = self.preset
         max_cache_len = p.batch_prompt_len + p.batch_new_tokens
-        for name in names:
-            impl = self.impls[name]
-            for batch in p.batch_sizes:
-                common = dict(impl=name, cache="static", prompt_len=p.batch_prompt_len, new_tokens=p.batch_new_tokens,
-                              batch=batch, max_cache_len=max_cache_len,
-                              bytes_per_step=self._bytes("static", batch, p.batch_prompt_len, p.batch_new_tokens))
-                if self._past_deadline():
-                    self._tick(f"batch {name} x{batch} skipped")
-                    self._tick(f"batch {name} x{batch} skipped")
-                    self.results.add("batch", status="skipped", note="deadline", **common)
+        points = [(name, batch) for name in names for batch in p.batch_sizes]
+        prompts = {batch: self.workload.prompts(batch, p.batch_prompt_len, salt=2) for batch in p.batch_sizes}
+
+        def time_point(point: tuple[str, int]) -> tuple[Measured | None, str | None]:
+            name, batch = point
+            measured, error = self._guarded(f"batch {name} x{batch}", self._measure, self.impls[name],
+                                            prompts[batch], p.batch_new_tokens, "static", max_cache_len,
+                                            track_rss=False)
+            if not error and measured[0].decode_tok_s is None:
+                error = f"no decode step after the first was timed ({p.batch_new_tokens} new tokens)"
+            return (None, error) if error else (measured, None)
+
+        warm: dict[tuple[str, int], Measured] = {}
+        try:
+            for point in points:  # in the preset's order: a deadline cuts the last
+                name, batch = point
+                self._tick(f"batch {name} x{batch} warm-up")
+                if self._past_deadline():  # its warm-up would not fit: the points warmed up so far still get timed
+                    self.results.add("batch", status="skipped", note="deadline: not warmed up",
+                                     **self._batch_common(point))
                     continue
-                prompts = self.workload.prompts(batch, p.batch_prompt_len, salt=2)
-                runs = []
-                for attempt in ("warm-up", "timed"):
-                    self._tick(f"batch {name} x{batch} {attempt}")
-                    measured, error = self._guarded(f"batch {name} x{batch}", self._measure, impl, prompts,
-                                                    p.batch_new_tokens, "static", max_cache_len, track_rss=False)
-                    if not error and measured[0].decode_tok_s is None:
-                        error = f"no decode step after the first was timed ({p.batch_new_tokens} new tokens)"
-                    if error:
-                        break
-                    runs.append(measured)
-                if len(runs) < 2:
-                    self.results.add("batch", status="error", note=error, **common)
-                    continue
-                (_, warm_info), (run, info) = runs
-                self.results.add("batch", **common, prefill_s=run.prefill_s, decode_tok_s=run.decode_tok_s,
-                                 total_tok_s=batch * run.decode_tok_s, ms_per_token=1000 / run.decode_tok_s,
-                                 compile_s=warm_info["compile_s"], compiles=warm_info["compiles"],
-                                 recompiles=info["compiles"], cpu_per_wall=info["cpu_per_wall"],
-                                 others_cpu_per_wall=info["others_cpu_per_wall"],
-                                 peak_mem_mb=max(warm_info["peak_mem_mb"], info["peak_mem_mb"]))
+                measured, error = time_point(point)
+                if error or measured is None:
+                    self.results.add("batch", status="error", note=error, **self._batch_common(point))
+                else:
+                    warm[point] = measured
+        except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
+            for point, measured in warm.items():
+                self._batch_record(point, measured, [], None)
+            raise
+        live = [point for point in points if point in warm]
+        timed: dict[tuple[str, int], list[Measured]] = {point: [] for point in live}
+        failed: dict[tuple[str, int], str] = {}
+        try:
+            self._timed_rounds(live, timed, failed, time_point, lambda point: f"batch {point[0]} x{point[1]}")
+        finally:  # a hard stop between rounds still leaves a row for every point warmed up
+            for point in live:
+                self._batch_record(point, warm[point], timed[point], failed.get(point))
+        for impl in self.impls.values():
             impl.release()
+
+    def _batch_common(self, point: tuple[str, int]) -> dict[str, Any]:
+        name, batch = point
+        p = self.preset
+        return dict(impl=name, cache="static", prompt_len=p.batch_prompt_len, new_tokens=p.batch_new_tokens,
+                    batch=batch, max_cache_len=p.batch_prompt_len + p.batch_new_tokens,
+                    bytes_per_step=self._bytes("static", batch, p.batch_prompt_len, p.batch_new_tokens))
+
+    def _batch_record(self, point: tuple[str, int], warm: Measured, timed: list[Measured], error: str | None) -> None:
+        """A batch point's record: the median of its timed runs' tok/s with their min and max (per sequence, and
+        total = batch x per sequence); `untimed` with its warm-up's figures when a hard stop came before any."""
+        batch = point[1]
+        common = self._batch_common(point)
+        warm_run, warm_info = warm
+        if error:
+            self.results.add("batch", status="error", note=error, **common)
+            return
+        if not timed:
+            self.results.add("batch", status="untimed", **common,
+                             note=f"stopped before its timed rounds; warm-up {_warm_up_text(warm_run, warm_info)}",
+                             compile_s=warm_info["compile_s"], warmup_first_step_s=warm_run.first_step_s,
+                             warmup_wall_s=warm_run.wall_s, warmup_decode_tok_s=warm_run.decode_tok_s)
+            return
+        runs = [run for run, _ in timed]
+        tok_s = [run.decode_tok_s for run in runs if run.decode_tok_s is not None]  # every run's: time_point checks
+        median_tok_s = statistics.median(tok_s)
+        recompiles = [info["compiles"] for _, info in timed if info["compiles"] is not None]
+        self.results.add(
+            "batch", **common, prefill_s=statistics.median(run.prefill_s for run in runs),
+            decode_tok_s=median_tok_s, decode_tok_s_min=min(tok_s), decode_tok_s_max=max(tok_s),
+            total_tok_s=batch * median_tok_s, total_tok_s_min=batch * min(tok_s),
+            total_tok_s_max=batch * max(tok_s), ms_per_token=1000 / median_tok_s, repeats=len(runs),
+            tok_s_runs=tok_s, rounds=[info["round"] for _, info in timed],
+            # when each run started, seconds into the bench: the warm-up, then one run a round, interleaved
+            warmup_started_s=warm_info["started_s"], run_started_s=[info["started_s"] for _, info in timed],
+            compile_s=warm_info["compile_s"], compiles=warm_info["compiles"],
+            recompiles=sum(recompiles) if recompiles else None,
+            cpu_per_wall=statistics.median(info["cpu_per_wall"] or 0.0 for _, info in timed),
+            others_cpu_per_wall=max((info["others_cpu_per_wall"] for _, info in timed
+                                     if info["others_cpu_per_wall"] is not None), default=None),  # the worst run
+            peak_mem_mb=max([warm_info["peak_mem_mb"]] + [info["peak_mem_mb"] for _, info in timed]))
 
 
 def run_bench(opts: Options) -> list[dict[str, Any]]:

@@ -185,9 +185,6 @@ def test_curves_and_batch_points_compare_where_both_runs_measured():
         return {**decode(impl, 1000 / ms, 0, 0), "kind": "latency_vs_context", "context": context,
                 "ms_per_token": ms}
 
-    def size(impl: str, batch: int, total: float) -> dict:
-        return {**decode(impl, total, 0, 0), "kind": "batch", "batch": batch, "total_tok_s": total}
-
     old = [point("jax_step", 8, 1.0), point("jax_step", 64, 2.0), point("jax_step", 512, 9.0),
            size("jax_fused", 1, 100.0), size("jax_fused", 8, 400.0)]
     new = [point("jax_step", 8, 1.0), point("jax_step", 64, 1.0), size("jax_fused", 8, 600.0)]
@@ -196,8 +193,72 @@ def test_curves_and_batch_points_compare_where_both_runs_measured():
     assert curve["contexts"] == [8, 64]  # 512 only in OLD
     assert curve["old_first_over_last"] == 0.5 and curve["new_first_over_last"] == 1.0
     assert curve["median_ms_change"] == pytest.approx(0.75)  # median of 1.0 / 1.0 and 1.0 / 2.0
-    assert result["batch"] == [{"impl": "jax_fused", "batch": 8, "old_tok_s": 400.0, "new_tok_s": 600.0,
-                                "tok_s_change": 1.5}]
+    [point] = result["batch"]
+    assert {k: point[k] for k in ("impl", "batch", "old_tok_s", "new_tok_s", "tok_s_change")} == {
+        "impl": "jax_fused", "batch": 8, "old_tok_s": 400.0, "new_tok_s": 600.0, "tok_s_change": 1.5}
+
+
+def size(impl: str, batch: int, total: float, low: float | None = None, high: float | None = None,
+         limit: float = 30.0) -> dict:
+    """A batch point as the runner records it: median total tok/s [min–max] over 3 runs; without low and high, as a
+    run before the batch table was repeated recorded it (one run: no min, max or repeats)."""
+    record = {**decode(impl, total / batch, total / batch, total / batch, limit=limit), "kind": "batch",
+              "batch": batch, "total_tok_s": total}
+    for field in ("decode_tok_s_min", "decode_tok_s_max", "repeats"):
+        del record[field]
+    if low is not None and high is not None:
+        record.update(total_tok_s_min=low, total_tok_s_max=high, repeats=3, tok_s_runs=[low / batch, total / batch,
+                                                                                        high / batch])
+    return record
+
+
+def test_batch_points_get_the_decode_tables_verdicts_where_both_runs_have_spreads():
+    """Issue 13 §2 reads torch_compiled against jax_fused at batch 8-32, and the batch table timed one run a point:
+    compare said "no verdict" for every point. With repeats, a point is judged as a decode cell: on its ratio to the
+    reference's point at the same batch size, each spread widened by the reference's."""
+    # The machine is 10% faster in NEW: transformers_eager 100 [95, 105] -> 110 [105, 115] at batch 8.
+    old = [size("transformers_eager", 8, 100, 95, 105), size("torch_compiled", 8, 800, 780, 820),
+           size("jax_fused", 8, 800, 790, 810), size("torch_eager", 8, 300, 290, 310),
+           size("torch_compiled", 16, 1200), size("jax_fused", 4, 400, 390, 410)]
+    new = [size("transformers_eager", 8, 110, 105, 115), size("torch_compiled", 8, 900, 870, 930),
+           size("jax_fused", 8, 1000, 990, 1010), size("torch_eager", 8, 250, 240, 260),
+           size("torch_compiled", 16, 1300, 1290, 1310), size("jax_fused", 4, 500, 495, 505)]
+    result = compare.compare(old, new)
+    got = {(p["impl"], p["batch"]): p for p in result["batch"]}
+    # x tf-eager [780/105, 820/95] = [7.43, 8.63] then [870/115, 930/105] = [7.57, 8.86]: overlapping, though the
+    # medians' ratio moved 8.0 -> 8.18 and the tok/s spreads [780, 820] and [870, 930] do not overlap.
+    compiled = got["torch_compiled", 8]
+    assert compiled["judged_on"] == "x transformers_eager" and compiled["verdict"] == "within spread"
+    assert compiled["old_x_ref"] == pytest.approx(8.0) and compiled["new_x_ref"] == pytest.approx(900 / 110)
+    assert compiled["old_span"] == [780, 820] and compiled["new_span"] == [870, 930]
+    assert got["jax_fused", 8]["verdict"] == "faster"  # [7.52, 8.53] -> [8.61, 9.62]
+    assert got["torch_eager", 8]["verdict"] == "slower"  # [2.76, 3.26] -> [2.09, 2.48]
+    # The reference itself, on tok/s: [95, 105] and [105, 115] touch.
+    assert got["transformers_eager", 8]["judged_on"] == "tok/s"
+    assert got["transformers_eager", 8]["verdict"] == "within spread"
+    # No reference at batch 4, limits within the tolerance: tok/s, [390, 410] -> [495, 505].
+    assert got["jax_fused", 4]["judged_on"] == "tok/s" and got["jax_fused", 4]["verdict"] == "faster"
+    # OLD's batch 16 was timed once (a run before repeats): its spread is its value, and there is no verdict.
+    assert got["torch_compiled", 16]["old_span"] == [1200, 1200]
+    assert got["torch_compiled", 16]["verdict"] == "no verdict: one timed run"
+    text = compare.markdown(result, Path("old"), Path("new"))
+    assert ("2 faster, 1 slower, 2 within spread, 1 timed once in a run (a run before the batch table was "
+            "repeated, or --repeats 1: no spread, so no verdict), of 6 points") in text, text
+    assert ("| torch_compiled | 8 | 800.0 [780.0–820.0] | 900.0 [870.0–930.0] | 1.12 | 33% → 38% | 8.00 → 8.18 "
+            "(x tf-eager) | within spread (x tf-eager) |") in text, text
+    # Limits 2x apart, no reference: each run's roofline fraction, on which [390, 410] / 30 -> [495, 505] / 60 is
+    # slower; on tok/s it would be faster.
+    doubled = [{**record, "limit_gbps": 60.0} for record in new]
+    point = next(p for p in compare.compare(old, doubled)["batch"] if (p["impl"], p["batch"]) == ("jax_fused", 4))
+    assert point["judged_on"] == "roofline" and point["verdict"] == "slower"
+
+
+def test_a_batch_point_whose_spread_is_not_a_positive_number_is_refused(tmp_path):
+    (tmp_path / "lies.json").write_text(json.dumps([size("jax_fused", 8, 800, 0, 810)]))
+    with pytest.raises(InputError, match="a batch record of jax_fused / static has no positive total_tok_s_min"):
+        compare.load_run(tmp_path / "lies.json")
+    (tmp_path / "old.json").write_text(json.dumps([size("jax_fused", 8, 800)]))  # before repeats: neither field
+    assert compare.load_run(tmp_path / "old.json")[0]["total_tok_s"] == 800
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -88,6 +89,33 @@ def test_probe_curve_and_batch_records(tiny_run):
     assert all(r["status"] == "ok" and r["total_tok_s"] > 0 for r in batch)
 
 
+def test_batch_points_are_timed_in_interleaved_rounds(tiny_run):
+    """Issue 13 §2's batch table timed one run per point after its warm-up, so its verdict at batch 8 flipped from run
+    to run. Each point now has `repeats` timed runs, median [min–max], made in rounds as the decode table's are:
+    every warm-up first, then each round visits every point once, in an order rotated by one a round."""
+    _, records = tiny_run
+    repeats = PRESETS["tiny"].repeats
+    batch = [r for r in records if r["kind"] == "batch"]
+    assert len(batch) > 2 and repeats >= 2
+    for r in batch:
+        runs = r["tok_s_runs"]
+        assert r["repeats"] == len(runs) == repeats and r["rounds"] == list(range(1, repeats + 1)), r
+        assert r["decode_tok_s"] == pytest.approx(statistics.median(runs))
+        assert (r["decode_tok_s_min"], r["decode_tok_s_max"]) == (min(runs), max(runs))
+        assert r["total_tok_s"] == pytest.approx(r["batch"] * r["decode_tok_s"])
+        assert r["total_tok_s_min"] <= r["total_tok_s"] <= r["total_tok_s_max"]
+        assert r["total_tok_s_max"] == pytest.approx(r["batch"] * max(runs))
+        # the roofline fraction is the median's: bytes a step reads x steps/s over the run's limit
+        assert r["roofline_frac"] == pytest.approx(r["bytes_per_step"] * r["decode_tok_s"] / 1e9 / r["limit_gbps"])
+    points = [(r["impl"], r["batch"]) for r in batch]  # recorded in the preset's order, the first round's
+    last = max(r["warmup_started_s"] for r in batch)  # every warm-up before the first timed run
+    for k in range(repeats):
+        started = sorted((r["run_started_s"][k], (r["impl"], r["batch"])) for r in batch)
+        assert started[0][0] > last, f"round {k + 1} began before round {k} (or a warm-up) ended"
+        assert [point for _, point in started] == points[k:] + points[:k], f"round {k + 1}'s order"
+        last = started[-1][0]
+
+
 def test_markdown_and_plots(tiny_run):
     out, records = tiny_run
     markdown = (out / "results.md").read_text()
@@ -97,8 +125,24 @@ def test_markdown_and_plots(tiny_run):
     for r in records:
         if r["kind"] == "decode":
             assert f"| {r['impl']} | {r['cache']} |" in markdown
+        if r["kind"] == "batch":  # median [min–max] (roofline of the median)
+            assert (f"{r['total_tok_s']:.1f} [{r['total_tok_s_min']:.1f}–{r['total_tok_s_max']:.1f}] "
+                    f"({100 * r['roofline_frac']:.0f}%)") in markdown, r
+    assert f"median over {PRESETS['tiny'].repeats} interleaved runs [min–max] (each round" in markdown
     for name in ("latency_vs_context.png", "tok_s_by_impl.png", "tok_s_vs_batch.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_a_batch_point_recorded_before_repeats_reads_as_one_run():
+    """results.json of a run before the batch table was repeated: a point has total_tok_s alone (no min, max or
+    repeats); results.md shows it as a spread of one run."""
+    from bench import report
+
+    old = {**_decode_record("torch_eager", "static"), "kind": "batch", "batch": 4, "total_tok_s": 40.0,
+           "roofline_frac": 0.5}
+    del old["repeats"], old["decode_tok_s_min"], old["decode_tok_s_max"]
+    markdown = report.markdown([_decode_record("torch_eager", "static"), old])
+    assert "median over 1 interleaved run [min–max]" in markdown and "| 40.0 [40.0–40.0] (50%) |" in markdown
 
 
 def _decode_record(impl: str, cache: str) -> dict:
@@ -381,6 +425,39 @@ def test_a_reader_gone_mid_warm_ups_leaves_what_they_measured(tmp_path, monkeypa
     decode = [r for r in records if r["kind"] == "decode"]
     assert [(r["impl"], r["status"]) for r in decode] == [("torch_eager", "untimed")], decode
     assert records[0]["machine"]["interrupted_after_s"] > 0
+
+
+def test_a_hard_stop_in_the_batch_rounds_keeps_each_points_runs(tmp_path, monkeypatch):
+    """Ctrl-C during the batch table's first round: the point timed once keeps its run (an ok row of 1 run), the one
+    only warmed up is `untimed` with its warm-up's figures, as the decode table's cells are. (~2 s.)"""
+    import dataclasses
+
+    from bench import runner
+
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=4, repeats=2,
+                                                             probe_bytes=1 << 20))
+    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+    measure = runner.Bench._measure
+    batch_4: list[int] = []
+
+    def stopped_in_batch_4s_first_timed_run(self, impl, prompts, *args, **kwargs):
+        if len(prompts) == 4:
+            batch_4.append(1)
+            if len(batch_4) == 2:  # its warm-up, then (round 1: batch 1's run first) its first timed run
+                raise KeyboardInterrupt
+        return measure(self, impl, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(runner.Bench, "_measure", stopped_in_batch_4s_first_timed_run)
+    out = tmp_path / "out"
+    assert main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--caches", "static", "--no-curves",
+                 "--warm-compile-cache", "--no-progress", "--out", str(out)]) == 130
+    batch = {r["batch"]: r for r in json.loads((out / "results.json").read_text()) if r["kind"] == "batch"}
+    assert [(b, r["status"]) for b, r in batch.items()] == [(1, "ok"), (4, "untimed")], batch
+    assert batch[1]["repeats"] == 1 and batch[1]["total_tok_s_min"] == batch[1]["total_tok_s_max"] > 0
+    assert batch[4]["warmup_decode_tok_s"] > 0 and "stopped before its timed rounds" in batch[4]["note"]
+    assert "tok/s vs batch: 1 point untimed (stopped before its timed rounds" in (out / "results.md").read_text()
 
 
 class _Killed(BaseException):
