@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -372,23 +373,28 @@ def test_long_preset_is_a_16k_static_cache_where_kv_reads_dominate():
     assert min(long.curve_contexts) <= 256
 
 
-def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, monkeypatch):
-    """Two new tokens: the prefill gives one and the first (untimed) decode step the other, so nothing was timed. The
-    decode and batch records then say so, as GenerationResult.decode_tok_s (None) does, never 0.0 tok/s or a division
-    by zero. No preset asks for so few tokens; a preset edited to would."""
+def in_process_tiny(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, **changes: Any) -> None:
+    """The `tiny` preset with `changes`, run by `main` in this process: the bench's process-wide settings (its
+    environment variables) are restored afterwards, and the default model goes to a home of its own."""
     import dataclasses
 
-    import torch._dynamo
-
-    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=2, batch_new_tokens=2,
-                                                             batch_sizes=(1,), repeats=1, probe_bytes=16 << 20))
-    # the bench's process-wide settings, restored afterwards (monkeypatch.setattr would delete dynamo's config entry)
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], **changes))
     for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
         if name in os.environ:
             monkeypatch.setenv(name, os.environ[name])
         else:
             monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+
+
+def test_a_run_that_times_no_step_is_an_error_record_not_zero_tok_s(tmp_path, monkeypatch):
+    """Two new tokens: the prefill gives one and the first (untimed) decode step the other, so nothing was timed. The
+    decode and batch records then say so, as GenerationResult.decode_tok_s (None) does, never 0.0 tok/s or a division
+    by zero. No preset asks for so few tokens; a preset edited to would."""
+    import torch._dynamo
+
+    in_process_tiny(monkeypatch, tmp_path, new_tokens=2, batch_new_tokens=2, batch_sizes=(1,), repeats=1,
+                    probe_bytes=16 << 20)
     out = tmp_path / "out"
     with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
         assert main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--caches", "static", "--no-curves",
@@ -404,15 +410,9 @@ def test_a_reader_gone_mid_warm_ups_leaves_what_they_measured(tmp_path, monkeypa
     """`twincache bench --no-progress | head -2`: the warm-up line after head left raised BrokenPipeError, which the
     CLI ends quietly (141), but the warm-ups measured were dropped (only Ctrl-C kept them): results.json held no
     decode row. Now a broken pipe is a hard stop like Ctrl-C: each warm-up measured is an `untimed` row."""
-    import dataclasses
-
     from bench import runner
 
-    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=4, repeats=1,
-                                                             probe_bytes=1 << 20))
-    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
-        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+    in_process_tiny(monkeypatch, tmp_path, new_tokens=4, repeats=1, probe_bytes=1 << 20)
 
     def reader_gone(*args: object, **kwargs: object) -> None:
         raise BrokenPipeError(32, "Broken pipe")
@@ -430,15 +430,9 @@ def test_a_reader_gone_mid_warm_ups_leaves_what_they_measured(tmp_path, monkeypa
 def test_a_hard_stop_in_the_batch_rounds_keeps_each_points_runs(tmp_path, monkeypatch):
     """Ctrl-C during the batch table's first round: the point timed once keeps its run (an ok row of 1 run), the one
     only warmed up is `untimed` with its warm-up's figures, as the decode table's cells are. (~2 s.)"""
-    import dataclasses
-
     from bench import runner
 
-    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=4, repeats=2,
-                                                             probe_bytes=1 << 20))
-    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
-        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+    in_process_tiny(monkeypatch, tmp_path, new_tokens=4, repeats=2, probe_bytes=1 << 20)
     measure = runner.Bench._measure
     batch_4: list[int] = []
 
@@ -468,15 +462,9 @@ def test_a_bench_killed_mid_warm_ups_leaves_the_ones_it_finished(tmp_path, monke
     """On a GPU, a SIGINT that comes while XLA compiles (C++) is seen only when the compile returns, maybe past
     gpu_7b.sh's --kill-after: the SIGKILL then runs no handler. results.json is rewritten after each warm-up, so the
     cells warmed up before are `untimed` rows in it; it held the empty table written before the warm-ups."""
-    import dataclasses
-
     from bench import runner
 
-    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], new_tokens=4, repeats=1,
-                                                             probe_bytes=1 << 20))
-    for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "TORCHINDUCTOR_COMPILE_THREADS", "TORCHINDUCTOR_CACHE_DIR"):
-        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TWINCACHE_HOME", str(tmp_path / "home"))
+    in_process_tiny(monkeypatch, tmp_path, new_tokens=4, repeats=1, probe_bytes=1 << 20)
     measure = runner.Bench._measure
     warm_ups: list[str] = []
 
