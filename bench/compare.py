@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.report import shared_machine
+from bench.report import shared_machine, timed_runs
 from twincache.errors import InputError
 
 LIMIT_TOLERANCE = 0.10  # bandwidth limits this close count as one machine (probes on one VM vary ~5% a run)
@@ -120,16 +120,6 @@ def verdict(old_span: tuple[float, float], new_span: tuple[float, float]) -> str
     return "within spread"
 
 
-def _timed_runs(record: dict[str, Any], unrecorded: int = 2) -> int:
-    """How many timed runs the record's min-max spans: its tok/s per run, else the run's repeats, else `unrecorded`
-    (a decode cell: 2, a hand-written record taken at its word; a batch point: 1, as every run before the batch
-    table was repeated timed it once)."""
-    runs, repeats = record.get("tok_s_runs"), record.get("repeats")
-    if isinstance(runs, list):
-        return len(runs)
-    return repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else unrecorded
-
-
 def _ok_by(records: list[dict[str, Any]], kind: str) -> dict[tuple, dict[str, Any]]:
     """The kind's ok records by the fields that name them (_KEYS)."""
     return {tuple(r[f] for f in _KEYS[kind]): r for r in records if r["kind"] == kind and r["status"] == "ok"}
@@ -170,7 +160,7 @@ def _judge(o: dict[str, Any], n: dict[str, Any], refs: tuple[dict[str, Any], dic
         found = {"judged_on": "roofline", "verdict": verdict(_span(o, 1 / old_limit), _span(n, 1 / new_limit))}
     else:
         found = {"judged_on": "tok/s", "verdict": verdict(_span(o), _span(n))}
-    if min(_timed_runs(o, unrecorded_runs), _timed_runs(n, unrecorded_runs)) < 2:  # a spread of one run is a point
+    if min(timed_runs(o, unrecorded_runs), timed_runs(n, unrecorded_runs)) < 2:  # a spread of one run is a point
         found["verdict"] = SINGLE_RUN
     return found
 

@@ -223,7 +223,7 @@ def _batch_section(records: list[dict[str, Any]]) -> list[str]:
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for p in points:
         table.setdefault(p["impl"], {})[p["batch"]] = p
-    counts = sorted({_runs(p) for p in points})
+    counts = sorted({timed_runs(p, unrecorded=1) for p in points})
     runs = (f"{counts[0]} interleaved run{'s' * (counts[0] != 1)}" if len(counts) == 1
             else f"{counts[0]}–{counts[-1]} interleaved runs per point, the run cut short")
     lines = ["", "## Total decode tok/s vs batch (static cache)", "",
@@ -245,10 +245,14 @@ def _batch_section(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _runs(point: dict[str, Any]) -> int:
-    """A batch point's timed runs: 1 in a run recorded before they were repeated (no `repeats`)."""
-    repeats = point.get("repeats")
-    return repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else 1
+def timed_runs(record: dict[str, Any], unrecorded: int) -> int:
+    """How many timed runs a decode cell's or batch point's min-max spans: its tok/s per run, else the run's repeats,
+    else `unrecorded` (a decode cell: 2, a hand-written record taken at its word; a batch point: 1, as every run before
+    the batch table was repeated timed it once)."""
+    runs, repeats = record.get("tok_s_runs"), record.get("repeats")
+    if isinstance(runs, list):
+        return len(runs)
+    return repeats if isinstance(repeats, int) and not isinstance(repeats, bool) else unrecorded
 
 
 def plot_latency(records: list[dict[str, Any]], path: Path) -> None:
