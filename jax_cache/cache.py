@@ -205,8 +205,8 @@ class StaticCache(BufferSizes):
         """An empty cache of the same type, shapes and placement: using it is identical to using a fresh one. The
         buffers are donated and emptied in place, as torch's reset() empties its own, so this cache is consumed (use
         the returned one) and no second cache's memory is taken; a consumed cache gets fresh buffers."""
-        arrays = self.arrays()
-        if not any(array.is_deleted() for array in arrays):
+        if not self.is_consumed():
+            arrays = self.arrays()
             *buffers, slot_positions, length = _emptier(arrays)(arrays)
             layers = self.num_layers
             return self.replace(keys=buffers[:layers], values=buffers[layers:], slot_positions=slot_positions,
@@ -219,9 +219,13 @@ class StaticCache(BufferSizes):
 
     # --- checks before dispatch (JAX would clamp or drop out-of-range writes silently) ------------------------------
 
+    def is_consumed(self) -> bool:
+        """Whether the buffers were donated to an earlier jitted call (and so no longer exist)."""
+        return any(array.is_deleted() for array in self.arrays())
+
     def check_live(self) -> None:
         """Refuse a cache whose buffers were donated to an earlier jitted call."""
-        if any(array.is_deleted() for array in self.arrays()):
+        if self.is_consumed():
             raise StaleCacheError(
                 "this cache's buffers were donated to a jitted call and no longer exist: twincache updates caches "
                 "in place by donation, so each call consumes its input cache. Use the cache that call returned "

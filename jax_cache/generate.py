@@ -841,7 +841,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
                                    on_token=on_token, return_logits=return_logits,
                                    forced_tokens=None if forced is None else forced[:rows, 1:], first_step=1)
     except BaseException:
-        if given is not None and not any(array.is_deleted() for array in cache.arrays()):
+        if given is not None and not cache.is_consumed():
             _given_back(given, cache)  # the prompt, and the steps read; a tower-built cache has no one to go back to
         raise
     # Per row: rows end at different lengths (each at its own EOS), so they are joined row by row, never zipped.

@@ -55,6 +55,7 @@ JAX_ONLY = {
     "projection.matmul_precision": "XLA takes a precision per product (float32 must ask for HIGHEST: GPUs default to "
                                    "TF32); torch's CPU and CUDA float32 products are true fp32 unless TF32 is enabled",
     "cache.StaticCache.check_live": "a donated JAX buffer is deleted; a torch cache is written in place, never stale",
+    "cache.StaticCache.is_consumed": "as check_live: whether a donated JAX cache's buffers are gone",
     "cache.StaticCache.replace": "JAX arrays are immutable: a write returns a new cache",
     "cache.default_device": "a torch cache takes a device argument; JAX places new arrays on its default device",
     "cache.device_label": "a JAX array may span several devices, so placements are compared as labels",
