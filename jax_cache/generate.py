@@ -807,8 +807,7 @@ def generate(model: Mistral, prompts: Sequence[Sequence[int]], max_new_tokens: i
     # the batch padded up to the cache's rows: copies of the last row, finished from the first decode step; the cache
     # records the real rows, for continue_generation to pad that many last tokens again (pad_continuation)
     inputs, on_token = pad_batch(inputs, cache.batch_size, on_token)
-    real_rows = rows if rows < cache.batch_size else None
-    cache.real_rows = real_rows
+    real_rows = rows if rows < cache.batch_size else None  # set on the prefill's cache below
     if given is not None:  # an exception from the first token on hands the live arrays back to it (_given_back)
         given.real_rows = real_rows
     prompt_ids, ids_np, mask_np = inputs.prompt_ids, inputs.input_ids, inputs.attention_mask  # ids, mask: [B, T]
