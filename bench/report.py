@@ -307,15 +307,21 @@ def plot_impls(records: list[dict[str, Any]], path: Path) -> None:
 def plot_batch(records: list[dict[str, Any]], path: Path) -> None:
     points = _ok(records, "batch")
     fig, ax = plt.subplots(figsize=(7, 5))
-    series: dict[str, list[tuple[int, float]]] = {}
+    # (batch, median, min, max): a point recorded before the table was repeated has one run (no spread)
+    series: dict[str, list[tuple[int, float, float, float]]] = {}
     for p in points:
-        series.setdefault(p["impl"], []).append((p["batch"], p["total_tok_s"]))
+        median = p["total_tok_s"]
+        series.setdefault(p["impl"], []).append(
+            (p["batch"], median, p.get("total_tok_s_min", median), p.get("total_tok_s_max", median)))
     colors = _impl_colors(set(series))
-    for impl, xy in sorted(series.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", color=colors[impl], label=impl)
+    for impl, rows in sorted(series.items()):
+        rows.sort()
+        batches, medians = [row[0] for row in rows], [row[1] for row in rows]
+        spread = [[row[1] - row[2] for row in rows], [row[3] - row[1] for row in rows]]
+        ax.errorbar(batches, medians, yerr=spread, marker="o", capsize=3, color=colors[impl], label=impl)
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="batch size", ylabel="total decode tok/s", title="Decode throughput vs batch (static cache)")
+    ax.set(xlabel="batch size", ylabel="total decode tok/s (median, min–max)",
+           title="Decode throughput vs batch (static cache)")
     ax.grid(alpha=0.3)
     if series:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))

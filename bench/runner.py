@@ -1,7 +1,7 @@
 """The benchmark run: probes, the impl x cache table (interleaved repeats), latency vs context, tok/s vs batch.
 
-Every phase appends records and rewrites DIR/results.json, so a run cut short (a deadline, a crash, Ctrl-C) still
-leaves what it measured.
+Every phase appends records and rewrites DIR/results.json (the decode and batch tables also after each warm-up and
+each timed round), so a run cut short (a deadline, a crash, Ctrl-C, a SIGKILL) still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -286,6 +286,11 @@ class Bench:
         prompts = self.workload.prompts(1, p.prompt_len)
         max_cache_len = max(p.prompt_len + p.new_tokens, p.table_cache_len or 0)
         warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]] = {}
+
+        def warmed_up() -> None:  # an `untimed` row each
+            for cell, measured in warm.items():
+                self._table_record(cell, measured, [], None, max_cache_len)
+
         # In the order given (a deadline cuts the last), but the first impl that must warm up first goes first.
         first = next((name for name, _ in cells if self.impls[name].warm_up_first), None)
         try:
@@ -305,10 +310,9 @@ class Bench:
                     warm[cell] = measured
                     if not self.opts.progress:  # no bar (gpu_7b.sh): a line per warm-up, for its log
                         print(f"bench: {name}/{cache} warmed up: {_warm_up_text(*measured)}", flush=True)
-                self._save_warmed_up(warm, max_cache_len)
+                self._save_provisional(warmed_up)
         except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
-            for cell, measured in warm.items():
-                self._table_record(cell, measured, [], None, max_cache_len)
+            warmed_up()
             raise
         live = [cell for cell in cells if cell in warm]
         timed: dict[tuple[str, str], list[Measured]] = {cell: [] for cell in live}
@@ -323,22 +327,27 @@ class Bench:
             # per round gives each timed run the limit measured next to it, beside the run-wide best.
             self._probe(_round_label(round_idx + 1), repeats=5)
 
-        try:
-            self._timed_rounds(live, timed, failed, time_cell, lambda cell: f"{cell[0]}/{cell[1]}", probe)
-        finally:  # a hard stop (SIGINT) between rounds still leaves a row for every cell timed so far
+        def table_so_far() -> None:
             for cell in live:
                 self._table_record(cell, warm[cell], timed[cell], failed.get(cell), max_cache_len)
             self._ratios()
+
+        try:
+            self._timed_rounds(live, timed, failed, time_cell, lambda cell: f"{cell[0]}/{cell[1]}", probe,
+                               after_round=lambda: self._save_provisional(table_so_far))
+        finally:  # a hard stop (SIGINT) between rounds still leaves a row for every cell timed so far
+            table_so_far()
         for impl in self.impls.values():
             impl.release()
 
     def _timed_rounds(self, live: list[Point], timed: dict[Point, list[Measured]], failed: dict[Point, str],
                       time_one: Callable[[Point], tuple[Measured | None, str | None]], label: Callable[[Point], str],
-                      before_round: Callable[[int], None] | None = None) -> None:
+                      before_round: Callable[[int], None] | None = None,
+                      after_round: Callable[[], None] | None = None) -> None:
         """`repeats` interleaved rounds over the points warmed up: each round visits every point once, in an order
         rotated by one a round (`_rotated`), so slow drift of the machine hits every point alike. Each timed run is
         appended to timed[point] as it ends (with its `round`), so a hard stop leaves what was measured; a point whose
-        run fails is recorded in `failed` and not run again."""
+        run fails is recorded in `failed` and not run again. `after_round` saves what the rounds so far measured."""
         for round_idx in range(self.repeats):
             if before_round is not None:
                 before_round(round_idx)
@@ -352,16 +361,18 @@ class Bench:
                 else:
                     measured[1]["round"] = round_idx + 1
                     timed[point].append(measured)
+            if after_round is not None and round_idx + 1 < self.repeats:  # the last round's rows come next anyway
+                after_round()
 
-    def _save_warmed_up(self, warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]], max_cache_len: int) -> None:
-        """results.json with an `untimed` row for each cell warmed up so far, as a hard stop leaves them; the rows are
-        taken back out after the write. A SIGINT that comes during a compile in C++ (XLA's) is seen only when the
-        compile returns, maybe past the lease's --kill-after: its SIGKILL then leaves this file as it was last
-        written, which without this was the empty table written before the warm-ups."""
+    def _save_provisional(self, add_rows: Callable[[], None]) -> None:
+        """results.json (and results.md, the plots) with the rows `add_rows` adds for what a phase has measured so
+        far, as a hard stop would leave them; the rows are taken back out after the write. Called after each warm-up
+        and each timed round of the decode and batch tables: a SIGINT that comes during a compile in C++ (XLA's) is
+        seen only when the compile returns, maybe past the lease's --kill-after, and its SIGKILL then runs no handler,
+        leaving this file as it was last written (without this, the table before the phase began)."""
         kept = len(self.results.records)
         try:
-            for cell, measured in warm.items():
-                self._table_record(cell, measured, [], None, max_cache_len)
+            add_rows()
             self.results.save()
         finally:
             del self.results.records[kept:]
@@ -483,6 +494,11 @@ class Bench:
             return (None, error) if error else (measured, None)
 
         warm: dict[tuple[str, int], Measured] = {}
+
+        def warmed_up() -> None:  # an `untimed` row each
+            for point, measured in warm.items():
+                self._batch_record(point, measured, [], None)
+
         try:
             for point in points:  # in the preset's order: a deadline cuts the last
                 name, batch = point
@@ -496,18 +512,23 @@ class Bench:
                     self.results.add("batch", status="error", note=error, **self._batch_common(point))
                 else:
                     warm[point] = measured
+                self._save_provisional(warmed_up)
         except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
-            for point, measured in warm.items():
-                self._batch_record(point, measured, [], None)
+            warmed_up()
             raise
         live = [point for point in points if point in warm]
         timed: dict[tuple[str, int], list[Measured]] = {point: [] for point in live}
         failed: dict[tuple[str, int], str] = {}
-        try:
-            self._timed_rounds(live, timed, failed, time_point, lambda point: f"batch {point[0]} x{point[1]}")
-        finally:  # a hard stop between rounds still leaves a row for every point warmed up
+
+        def batch_so_far() -> None:
             for point in live:
                 self._batch_record(point, warm[point], timed[point], failed.get(point))
+
+        try:
+            self._timed_rounds(live, timed, failed, time_point, lambda point: f"batch {point[0]} x{point[1]}",
+                               after_round=lambda: self._save_provisional(batch_so_far))
+        finally:  # a hard stop between rounds still leaves a row for every point warmed up
+            batch_so_far()
         for impl in self.impls.values():
             impl.release()
 

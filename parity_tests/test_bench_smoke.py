@@ -146,6 +146,23 @@ def test_a_batch_point_recorded_before_repeats_reads_as_one_run():
     assert "median over 1 interleaved run [min–max]" in markdown and "| 40.0 [40.0–40.0] (50%) |" in markdown
 
 
+def test_the_batch_plot_draws_each_points_spread(tmp_path, monkeypatch):
+    """tok_s_vs_batch.png: each point's median with an error bar from its slowest to its fastest timed run, as
+    tok_s_by_impl.png draws the decode table's; a point from before the repeats draws no bar."""
+    from bench import report
+
+    drawn = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: drawn.append(fig))
+    point = {**_decode_record("torch_eager", "static"), "kind": "batch"}
+    points = [{**point, "batch": 1, "total_tok_s": 10.0, "total_tok_s_min": 8.0, "total_tok_s_max": 13.0},
+              {**point, "batch": 4, "total_tok_s": 30.0}]
+    report.plot_batch(points, tmp_path / "batch.png")
+    (container,) = drawn[0].axes[0].containers
+    line, _, (bars,) = container
+    assert line.get_xydata().tolist() == [[1.0, 10.0], [4.0, 30.0]]
+    assert [segment[:, 1].tolist() for segment in bars.get_segments()] == [[8.0, 13.0], [30.0, 30.0]]
+
+
 def _decode_record(impl: str, cache: str) -> dict:
     machine = {"device": "cpu", "cpu_cores": 2}
     return {"kind": "decode", "impl": impl, "cache": cache, "status": "ok", "machine": machine, "preset": "tiny",
@@ -482,6 +499,38 @@ def test_a_bench_killed_mid_warm_ups_leaves_the_ones_it_finished(tmp_path, monke
     decode = [r for r in json.loads((out / "results.json").read_text()) if r["kind"] == "decode"]
     assert [(r["impl"], r["cache"], r["status"]) for r in decode] == [("torch_eager", "static", "untimed")], decode
     assert "| torch_eager | static | untimed: stopped before its timed rounds" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("killed_at", ["decode round 2", "batch warm-up 2"])
+def test_a_bench_killed_later_leaves_the_rounds_and_warm_ups_it_finished(tmp_path, monkeypatch, killed_at):
+    """The same SIGKILL later on: in the decode table's second timed round, or in the batch table's second warm-up.
+    results.json is rewritten after each round and each batch warm-up too, so it holds the first round's runs (`ok`
+    rows of one run each) or the first batch point (`untimed`); it held the table as the phase before it left it."""
+    from bench import runner
+
+    in_process_tiny(monkeypatch, tmp_path, new_tokens=4, batch_new_tokens=4, batch_sizes=(1, 2), repeats=2,
+                    probe_bytes=1 << 20)
+    measure = runner.Bench._measure
+    runs: list[int] = []
+
+    def killed(self, impl, prompts, new_tokens, cache, *args, **kwargs):
+        runs.append(len(prompts))  # decode: 2 warm-ups, then 2 runs a round; then batch 1's warm-up and batch 2's
+        if (killed_at == "decode round 2" and len(runs) == 5) or (killed_at == "batch warm-up 2" and runs[-1] == 2):
+            raise _Killed
+        return measure(self, impl, prompts, new_tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(runner.Bench, "_measure", killed)
+    out = tmp_path / "out"
+    with pytest.raises(_Killed):
+        main(["bench", "--preset", "tiny", "--impls", "torch_eager", "--no-curves", "--warm-compile-cache",
+              "--no-progress", "--out", str(out)])
+    records = json.loads((out / "results.json").read_text())
+    decode = [(r["cache"], r["status"], r.get("repeats")) for r in records if r["kind"] == "decode"]
+    batch = [(r["batch"], r["status"]) for r in records if r["kind"] == "batch"]
+    if killed_at == "decode round 2":
+        assert decode == [("static", "ok", 1), ("sliding_window", "ok", 1)] and batch == [], records
+    else:
+        assert decode == [("static", "ok", 2), ("sliding_window", "ok", 2)] and batch == [(1, "untimed")], records
 
 
 def test_a_model_too_short_for_the_presets_runs_is_refused_before_any(checkpoints, tmp_path, capsys):
