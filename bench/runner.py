@@ -285,58 +285,77 @@ class Bench:
         p = self.preset
         prompts = self.workload.prompts(1, p.prompt_len)
         max_cache_len = max(p.prompt_len + p.new_tokens, p.table_cache_len or 0)
-        warm: dict[tuple[str, str], tuple[Run, dict[str, Any]]] = {}
 
-        def warmed_up() -> None:  # an `untimed` row each
-            for cell, measured in warm.items():
-                self._table_record(cell, measured, [], None, max_cache_len)
+        def measure(cell: tuple[str, str], warm_up: bool) -> tuple[Measured | None, str | None]:
+            name, cache = cell
+            return self._guarded(f"{name} {cache}" + (" warm-up" if warm_up else ""), self._measure, self.impls[name],
+                                 prompts, p.new_tokens, cache, max_cache_len, track_rss=warm_up)
 
-        # In the order given (a deadline cuts the last), but the first impl that must warm up first goes first.
-        first = next((name for name, _ in cells if self.impls[name].warm_up_first), None)
-        try:
-            for cell in sorted(cells, key=lambda cell: cell[0] != first):  # stable
-                name, cache = cell
-                self._tick(f"{name}/{cache} warm-up")
-                if self._past_deadline():  # its compile would not fit: the cells warmed up so far still get timed
-                    self.results.add("decode", impl=name, cache=cache, prompt_len=p.prompt_len,
-                                     new_tokens=p.new_tokens, batch=1, max_cache_len=max_cache_len, status="skipped",
-                                     note="deadline: not warmed up")
-                    continue
-                measured, error = self._guarded(f"{name} {cache} warm-up", self._measure, self.impls[name], prompts,
-                                                p.new_tokens, cache, max_cache_len, track_rss=True)
-                if error:
-                    self.results.add("decode", impl=name, cache=cache, status="error", note=error)
-                else:
-                    warm[cell] = measured
-                    if not self.opts.progress:  # no bar (gpu_7b.sh): a line per warm-up, for its log
-                        print(f"bench: {name}/{cache} warmed up: {_warm_up_text(*measured)}", flush=True)
-                self._save_provisional(warmed_up)
-        except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
-            warmed_up()
-            raise
-        live = [cell for cell in cells if cell in warm]
-        timed: dict[tuple[str, str], list[Measured]] = {cell: [] for cell in live}
-        failed: dict[tuple[str, str], str] = {}
-
-        def time_cell(cell: tuple[str, str]) -> tuple[Measured | None, str | None]:
-            return self._guarded(f"{cell[0]} {cell[1]}", self._measure, self.impls[cell[0]], prompts, p.new_tokens,
-                                 cell[1], max_cache_len, track_rss=False)
+        def refused(cell: tuple[str, str], status: str, note: str) -> None:
+            self.results.add("decode", impl=cell[0], cache=cell[1], prompt_len=p.prompt_len, new_tokens=p.new_tokens,
+                             batch=1, max_cache_len=max_cache_len, status=status, note=note)
 
         def probe(round_idx: int) -> None:
             # The bandwidth a shared machine offers drifts (this 2-core VM: 46 GB/s for minutes, then 76): a probe
             # per round gives each timed run the limit measured next to it, beside the run-wide best.
             self._probe(_round_label(round_idx + 1), repeats=5)
 
-        def table_so_far() -> None:
-            for cell in live:
-                self._table_record(cell, warm[cell], timed[cell], failed.get(cell), max_cache_len)
-            self._ratios()
+        # In the order given (a deadline cuts the last), but the first impl that must warm up first goes first.
+        first = next((name for name, _ in cells if self.impls[name].warm_up_first), None)
+        self._warm_up_and_time(
+            cells, lambda cell: measure(cell, True), lambda cell: measure(cell, False),
+            lambda cell: f"{cell[0]}/{cell[1]}",
+            lambda cell, warm, timed, error: self._table_record(cell, warm, timed, error, max_cache_len), refused,
+            warm_up_order=sorted(cells, key=lambda cell: cell[0] != first), before_round=probe)  # sorted is stable
+
+    def _warm_up_and_time(self, points: list[Point], warm_up: Callable[[Point], tuple[Measured | None, str | None]],
+                          time_one: Callable[[Point], tuple[Measured | None, str | None]],
+                          label: Callable[[Point], str],
+                          record: Callable[[Point, Measured, list[Measured], str | None], None],
+                          refused: Callable[[Point, str, str], None], warm_up_order: list[Point] | None = None,
+                          before_round: Callable[[int], None] | None = None) -> None:
+        """A table's two stages: one warm-up per point (in `warm_up_order`; one past the deadline is `refused` as
+        skipped, its compile would not fit, and the points warmed up so far still get timed), then `repeats`
+        interleaved rounds over the points warmed up (`_timed_rounds`). `record` adds a point's row from its warm-up,
+        timed runs and error: results.json is rewritten with those rows after each warm-up and each round
+        (`_save_provisional`), and a hard stop leaves them too."""
+        warm: dict[Point, Measured] = {}
+
+        def warmed_up() -> None:  # an `untimed` row each
+            for point, measured in warm.items():
+                record(point, measured, [], None)
 
         try:
-            self._timed_rounds(live, timed, failed, time_cell, lambda cell: f"{cell[0]}/{cell[1]}", probe,
-                               after_round=lambda: self._save_provisional(table_so_far))
-        finally:  # a hard stop (SIGINT) between rounds still leaves a row for every cell timed so far
-            table_so_far()
+            for point in warm_up_order or points:
+                self._tick(f"{label(point)} warm-up")
+                if self._past_deadline():
+                    refused(point, "skipped", "deadline: not warmed up")
+                    continue
+                measured, error = warm_up(point)
+                if error or measured is None:
+                    refused(point, "error", error or "no result")
+                else:
+                    warm[point] = measured
+                    if not self.opts.progress:  # no bar (gpu_7b.sh): a line per warm-up, for its log
+                        print(f"bench: {label(point)} warmed up: {_warm_up_text(*measured)}", flush=True)
+                self._save_provisional(warmed_up)
+        except HARD_STOPS:
+            warmed_up()
+            raise
+        live = [point for point in points if point in warm]
+        timed: dict[Point, list[Measured]] = {point: [] for point in live}
+        failed: dict[Point, str] = {}
+
+        def rows_so_far() -> None:
+            for point in live:
+                record(point, warm[point], timed[point], failed.get(point))
+            self._ratios()  # the decode table's ratios to transformers (the batch table's rows have none)
+
+        try:
+            self._timed_rounds(live, timed, failed, time_one, label, before_round,
+                               after_round=lambda: self._save_provisional(rows_so_far))
+        finally:  # a hard stop (SIGINT) between rounds still leaves a row for every point timed so far
+            rows_so_far()
         for impl in self.impls.values():
             impl.release()
 
@@ -481,7 +500,7 @@ class Bench:
         per (impl, size) point, then `repeats` interleaved rounds, each visiting every point in a rotated order."""
         p = self.preset
         max_cache_len = p.batch_prompt_len + p.batch_new_tokens
-        points = [(name, batch) for name in names for batch in p.batch_sizes]
+        points = [(name, batch) for name in names for batch in p.batch_sizes]  # the preset's order: a deadline cuts
         prompts = {batch: self.workload.prompts(batch, p.batch_prompt_len, salt=2) for batch in p.batch_sizes}
 
         def time_point(point: tuple[str, int]) -> tuple[Measured | None, str | None]:
@@ -493,44 +512,11 @@ class Bench:
                 error = f"no decode step after the first was timed ({p.batch_new_tokens} new tokens)"
             return (None, error) if error else (measured, None)
 
-        warm: dict[tuple[str, int], Measured] = {}
+        def refused(point: tuple[str, int], status: str, note: str) -> None:
+            self.results.add("batch", status=status, note=note, **self._batch_common(point))
 
-        def warmed_up() -> None:  # an `untimed` row each
-            for point, measured in warm.items():
-                self._batch_record(point, measured, [], None)
-
-        try:
-            for point in points:  # in the preset's order: a deadline cuts the last
-                name, batch = point
-                self._tick(f"batch {name} x{batch} warm-up")
-                if self._past_deadline():  # its warm-up would not fit: the points warmed up so far still get timed
-                    self.results.add("batch", status="skipped", note="deadline: not warmed up",
-                                     **self._batch_common(point))
-                    continue
-                measured, error = time_point(point)
-                if error or measured is None:
-                    self.results.add("batch", status="error", note=error, **self._batch_common(point))
-                else:
-                    warm[point] = measured
-                self._save_provisional(warmed_up)
-        except HARD_STOPS:  # a hard stop during the warm-ups: what each warm-up measured is still a row
-            warmed_up()
-            raise
-        live = [point for point in points if point in warm]
-        timed: dict[tuple[str, int], list[Measured]] = {point: [] for point in live}
-        failed: dict[tuple[str, int], str] = {}
-
-        def batch_so_far() -> None:
-            for point in live:
-                self._batch_record(point, warm[point], timed[point], failed.get(point))
-
-        try:
-            self._timed_rounds(live, timed, failed, time_point, lambda point: f"batch {point[0]} x{point[1]}",
-                               after_round=lambda: self._save_provisional(batch_so_far))
-        finally:  # a hard stop between rounds still leaves a row for every point warmed up
-            batch_so_far()
-        for impl in self.impls.values():
-            impl.release()
+        self._warm_up_and_time(points, time_point, time_point, lambda point: f"batch {point[0]} x{point[1]}",
+                               self._batch_record, refused)
 
     def _batch_common(self, point: tuple[str, int]) -> dict[str, Any]:
         name, batch = point
