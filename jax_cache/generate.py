@@ -723,9 +723,9 @@ def _write_logits(out: jax.Array, logits: jax.Array, at: int, count: int) -> jax
 def _roll_back(cache: StaticCache, steps: jax.Array) -> StaticCache:
     """Undo the last `steps` ([] int32) one-token writes, as torch_cache's _roll_back: `length` goes back and their
     slots are empty again (position -1, zero K/V). A ring's slot held position p - W before the write, which no query
-    from p on can see (one step back); several steps back, see `_handed_back`. The cache is donated, so the buffers
-    are emptied in place, and `steps` is traced: one executable per cache shape and placement, compiled only when a
-    decode ends by an exception."""
+    from p on can see (one step back: the step mode's queued step); a fused decode on a ring undoes its steps from
+    their undo logs instead (`_undone`). The cache is donated, so the buffers are emptied in place, and `steps` is
+    traced: one executable per cache shape and placement, compiled only when a decode ends by an exception."""
     length = cache.length - steps
     slots = jnp.arange(cache.cache_len, dtype=jnp.int32)  # [L]
     # the undone columns length .. length + steps - 1, in their slots (a ring's wrap; a static cache's never do)
@@ -735,6 +735,45 @@ def _roll_back(cache: StaticCache, steps: jax.Array) -> StaticCache:
     slot_positions = jnp.where(undone, -1, cache.slot_positions)  # [B, L]
     # pinned as it came (on a mesh): the donated buffers are reused and a later step sees the placement it compiled for
     return sharding.place_cache(cache.replace(keys=keys, values=values, slot_positions=slot_positions, length=length))
+
+
+@_bounded
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _undone(cache: StaticCache, logs: tuple[UndoLog, UndoLog], starts: jax.Array, steps: jax.Array) -> StaticCache:
+    """Undo the last `steps` ([] int32) steps of a fused decode on a ring from the undo logs of the blocks that ran
+    them (UndoLog): `logs` are (older, newer), the block being read and the one queued after it (one log twice where
+    one block ran them all), `starts` ([2] int32) their first columns. Each undone step's slot gets back what it held
+    before that step wrote it, K/V of every layer and position, the newest step first: a slot written twice (more
+    undone steps than the ring has slots) ends with what it held before the first of them. So the cache is the one
+    the decode had after the last step read, bit for bit, with the keys the window still sees, and `length` goes
+    back. Donated and placed as `_roll_back` (in place, one executable per cache shape and placement, compiled only
+    when a decode ends by an exception)."""
+    older, newer = logs
+    last = cache.length - 1  # [] the newest undone step's column
+
+    def undo_step(i: jax.Array, arrays: tuple) -> tuple:
+        keys, values, slot_positions = arrays
+        column = last - i  # [] int32
+        in_newer = column >= starts[1]  # []
+        index = column - jnp.where(in_newer, starts[1], starts[0])  # [] the step's column in its block's log
+        slot = jnp.remainder(column, cache.cache_len)  # []
+
+        def restored(buffer: jax.Array, older_log: jax.Array, newer_log: jax.Array, axis: int) -> jax.Array:
+            entry = jnp.where(in_newer, lax.dynamic_slice_in_dim(newer_log, index, 1, axis),
+                              lax.dynamic_slice_in_dim(older_log, index, 1, axis))  # [B, Hkv, 1, D] or [B, 1]
+            return lax.dynamic_update_slice_in_dim(buffer, entry, slot, axis)
+
+        keys = [restored(buffer, old, new, 2)
+                for buffer, old, new in zip(keys, older.keys, newer.keys, strict=True)]  # [B, Hkv, L, D]
+        values = [restored(buffer, old, new, 2)
+                  for buffer, old, new in zip(values, older.values, newer.values, strict=True)]  # [B, Hkv, L, D]
+        return keys, values, restored(slot_positions, older.slot_positions, newer.slot_positions, 1)  # [B, L]
+
+    keys, values, slot_positions = lax.fori_loop(0, steps, undo_step,
+                                                 (cache.keys, cache.values, cache.slot_positions))
+    # pinned as it came (on a mesh), as _roll_back's
+    return sharding.place_cache(cache.replace(keys=keys, values=values, slot_positions=slot_positions,
+                                              length=cache.length - steps))
 
 
 def _given_back(given: StaticCache, live: StaticCache) -> None:
@@ -750,26 +789,31 @@ def _given_back(given: StaticCache, live: StaticCache) -> None:
         setattr(given, name, list(value) if isinstance(value, list) else value)
 
 
-def _handed_back(given: StaticCache, state: DecodeState, read_until: int) -> str | None:
+def _handed_back(given: StaticCache, state: DecodeState, read_until: int,
+                 undo: Sequence[tuple[int, UndoLog]] = ()) -> str | None:
     """On an exception leaving a decode loop: roll the live cache back to the steps the host has read (`read_until`:
     the state's step index after the last of them), as torch_cache's `_rolled_back_if_unread` does, and point the
     caller's object at it (`_given_back`). The steps after them (the step mode's queued step, the rest of a fused
     block and the block queued after it) ran, but their tokens never reached the host.
 
-    Left consumed (StaleCacheError at its next use) where that cannot be exact: the exception cut a dispatch short (the
-    live state was donated and not yet taken), or a ring lost keys the window still sees, which happens only in the
-    fused mode: undoing n >= 2 steps from column c empties the slots of columns c - W + 1 .. c - W + n - 1, which the
-    next queries read (docs/design.md §7.31). Returns why, for a note on the exception, where it is left consumed."""
+    A fused decode on a ring that can wrap hands its blocks' undo logs in `undo` (decode_fused's, oldest first, each
+    with its first column): undoing n >= 2 steps from column c by emptying their slots would lose the keys of columns
+    c - W + 1 .. c - W + n - 1, which the next queries read, so those slots get back what they held (`_undone`), and
+    the cache is the one the decode had after the last step read, bit for bit (docs/design.md §7.31). Elsewhere the
+    undone slots were empty (a static cache, a ring not wrapped), or one step's slot held a key no later query sees
+    (the step mode's), and `_roll_back` empties them.
+    Left consumed (StaleCacheError at its next use) where the exception cut a dispatch short (the live state was
+    donated and not yet taken). Returns why, for a note on the exception, where it is left consumed."""
     if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(state)):
         return "the exception cut a jitted dispatch short"
     live = state.cache
     steps = int(state.step) - read_until  # waits for the steps in flight: they ran whether read or not
-    if steps > 0:
-        restored = int(live.length) - steps  # the first undone column
-        if steps >= 2 and restored + min(steps, live.cache_len) - 1 >= live.cache_len:  # a ring overwrote live keys
-            return (f"the fused decode had run {steps} steps past the last one read on a sliding-window ring that "
-                    "has wrapped, and their writes overwrote keys the window still sees; decode with fused=False "
-                    "(or a static cache) where a cache must survive an exception")
+    if steps > 0 and undo:
+        (older_start, older), (newer_start, newer) = undo[0], undo[-1]
+        # the steps undone are those of the blocks not read through, which decode_fused keeps every log of
+        assert int(live.length) - steps >= older_start, "the undo logs do not reach back to the first undone step"
+        live = _undone(live, (older, newer), jnp.asarray([older_start, newer_start], jnp.int32), jnp.int32(steps))
+    elif steps > 0:
         live = _roll_back(live, jnp.int32(steps))
     _given_back(given, live)
     return None
@@ -968,10 +1012,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     came), `cache` itself holds the live cache, as torch_cache's does: every step the host has read, the one whose
     tokens on_token was handed last included (and a non-finite step, whose input token it wrote), and none after it:
     steps launched but not read (the step mode's queued step, the rest of a fused block and the block queued after it)
-    are rolled back. Continue from on_token's last tokens with `first_step` advanced by the steps it received. One
-    exception: a fused decode on a sliding-window ring that has wrapped cannot undo two or more steps exactly (their
-    writes overwrote keys the window still sees), so there `cache` is left consumed (StaleCacheError); use
-    `fused=False` or a static cache where a decode must survive an exception (docs/design.md §7.31).
+    are rolled back; on a sliding-window ring the fused mode restores what their writes overwrote from its blocks'
+    undo logs, so the keys the window still sees are back (docs/design.md §7.31). Continue from on_token's last tokens
+    with `first_step` advanced by the steps it received: tokens, logits and cache are then one uninterrupted run's.
     `first_step`: the index, within the generation, of the first token this call samples (generate's prefill token
     is 0); pass the number of tokens generated so far to continue a seeded generation's stream: `generate(n)` then
     `continue_generation(..., m, first_step=n)` samples the tokens of one `generate(n + m)`. A sampled step k draws
@@ -1015,6 +1058,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     # handing to on_token included (torch_cache's rule, docs/design.md §7.31), as torch's cache written in place does;
     # the steps launched after them are rolled back (_handed_back).
     read, live = 0, [state]  # steps read; the newest state (every step or block donates the one before)
+    undo: list[tuple[int, UndoLog]] = []  # a fused decode on a ring: the undo logs of the blocks not read through
     try:
         if fused and max_new_tokens and not all_done:
             taken = 0  # steps of the blocks before this one (a row that ended appends no token, but has its logits)
@@ -1034,7 +1078,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             decode_start = time.perf_counter()
             state, decode_steps, non_finite_step, first_step_s, untimed_steps = decode_fused(
                 graph, params, state, key, kind, knobs, eos, max_new_tokens, length, config.vocab_size,
-                return_logits, on_block=take_block, forced=forced, live=live)
+                return_logits, on_block=take_block, forced=forced, live=live, undo=undo)
             read = decode_steps + int(non_finite_step >= 0)  # a non-finite step was read too (its flag)
             decode_s = time.perf_counter() - decode_start - first_step_s
             timed_steps = decode_steps - untimed_steps
@@ -1086,7 +1130,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                     break
     except BaseException as error:
         try:  # the caller's exception is what propagates, the same object, with a note where the cache is lost
-            lost = _handed_back(cache, live[0], first_step + read)
+            lost = _handed_back(cache, live[0], first_step + read, undo)
         except Exception as failure:  # a failed rollback must not replace the caller's exception
             lost = f"handing it back failed: {type(failure).__name__}: {failure}"
         if lost is not None:

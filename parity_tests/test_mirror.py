@@ -171,7 +171,7 @@ JAX_ONLY_HELPERS = {
                                                  "_forward_last")},
     **{f"generate.{name}": _HANDED_BACK for name in ("_given_back", "_handed_back")},
     **{f"generate.{name}": _UNDO_LOG for name in ("_logs_undo", "_block_capacity", "_empty_log", "_logged",
-                                                   "_placed_log")},
+                                                   "_placed_log", "_undone")},
     **{f"generate.{name}": "jax.jit keeps every compiled variant in its own cache: each jitted function is bounded "
                            "at MAX_DECODE_VARIANTS by a wrapper (torch's step by dynamo's entries, _make_room)"
        for name in ("_bounded", "_drop_executables")},
