@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ import pytest
 import jax_cache.generate as jg
 import torch_cache.generate as tg
 from jax_cache import backend
-from jax_cache.cache import StaticCache, make_cache
+from jax_cache.cache import SlidingWindowCache, StaticCache, make_cache
 from jax_cache.model import Mistral
 from parity_tests.conftest import nan_norm_checkpoint
 from parity_tests.test_jax_generate import PROMPTS, SAMPLED, pointers
@@ -145,6 +146,23 @@ def test_on_token_raising_leaves_the_read_steps_in_the_callers_cache(model, requ
     # The rollback compiled once per cache shape, and nothing else did: the rolled-back cache is placed as the
     # control's was, so the continuation ran the executables the control compiled.
     assert backend.compiled_variants() - compiles == rollbacks() - rolled_back <= 1
+
+
+@pytest.mark.parametrize(("cls", "batch", "block_steps"), [
+    (SlidingWindowCache, 1, 256),  # 128 KiB a step: 32 MiB
+    (SlidingWindowCache, 32, 16),  # 4 MiB a step: 256 steps were 1 GiB, 16 are 64 MiB
+    (StaticCache, 32, 256),  # no log
+])
+def test_a_rings_blocks_keep_their_undo_log_within_undo_log_bytes(cls, batch, block_steps):
+    """Mistral-7B's shapes (32 layers, 8 KV heads, head_dim 128, bf16, a 4,096-slot ring): a fused block's undo log
+    holds one token's K/V a step. Shapes only: nothing is allocated."""
+    kv = [jax.ShapeDtypeStruct((batch, 8, 4096, 128), jnp.bfloat16) for _ in range(32)]
+    arrays = (kv, kv, jax.ShapeDtypeStruct((batch, 4096), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    window = (("sliding_window", 4096),) if cls is SlidingWindowCache else ()
+    cache = cls.tree_unflatten((*window, ("mesh", None)), arrays)
+    assert jg._block_capacity(cache) == block_steps
+    if jg._logs_undo(cache):
+        assert 2 * 32 * batch * 8 * block_steps * 128 * 2 <= jg.UNDO_LOG_BYTES
 
 
 def test_generate_given_a_cache_object_leaves_it_holding_the_prompt_and_the_steps_read(model):
