@@ -98,7 +98,7 @@ def compiled_variants() -> int:
     ahead-of-time compiles so far (counted, not read off a cache: the jit caches are emptied at MAX_DECODE_VARIANTS
     and the fused table stops there, where a variant that comes back compiles again). Each is one trace + compile."""
     jitted = (_jax_generate._prefill, _jax_generate._decode_step, _jax_generate._sampled_step,
-              _jax_generate._roll_back)  # the last only where a decode ended by an exception
+              _jax_generate._roll_back, _jax_generate._undone)  # the last two only where a decode ended by an exception
     return sum(fn.compiles for fn in jitted) + _jax_generate._fused_compiles
 
 

@@ -431,12 +431,100 @@ def _sampled_step(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     return for_host, logits, state
 
 
+class UndoLog(NamedTuple):
+    """A fused block's undo log on a ring that can wrap (`_logs_undo`): what each step's write overwrote, so that the
+    steps run after the last one the host read can be undone exactly (`_undone`, docs/design.md §7.31). Column i holds
+    the slot that the block's step i wrote, as it was before that write (zeros and -1 where a step did not run);
+    N = the block's step capacity (`_block_capacity`)."""
+
+    keys: list[jax.Array]  # [layers] x [B, Hkv, N, D]
+    values: list[jax.Array]  # [layers] x [B, Hkv, N, D]
+    slot_positions: jax.Array  # [B, N] int32
+
+
 class FusedCarry(NamedTuple):
     """The fused loop's carry: the decode state plus the outputs it fills, one column per step."""
 
     state: DecodeState
     out_tokens: jax.Array  # [B, N] int32: step i's tokens in column i; -1 where no step ran
     out_logits: jax.Array  # [B, N, V] float32 with return_logits, else [B, 0, V]
+    undo: UndoLog | None  # on a ring that can wrap (_logs_undo), else None: nothing in the executable
+
+
+# The K/V bytes of one fused block's undo log on a ring (UndoLog), which bound its step capacity there
+# (_block_capacity). A step logs one token's K/V of every layer: Mistral-7B (32 layers, 8 KV heads, head_dim 128,
+# bf16) 128 KiB per row, so FUSED_BLOCK_STEPS (256) steps would be 32 MiB at batch 1 and 1 GiB at batch 32, and the
+# host holds two blocks' logs (2 GiB beside a 16 GiB ring of 4,096 slots). Capped: batch 1 keeps 256 steps (32 MiB a
+# block), batch 32 gets 16 (64 MiB). Nothing is lost: a step reads the whole ring, W tokens' K/V for each one it
+# logs, so 16 steps at batch 32 read 16 x 16 GiB, ~80 ms at an H100's 3.35 TB/s, about FUSED_BLOCK_SECONDS: the host
+# sizes blocks to that time and would not fill a longer one.
+UNDO_LOG_BYTES = 64 * 2**20
+
+
+def _logs_undo(cache: StaticCache) -> bool:
+    """Whether a fused block on `cache` keeps an undo log (UndoLog): on a ring of the whole window (capacity None), the
+    one cache whose steps overwrite keys the window still sees. A static cache or a ring shorter than its window
+    never wraps: the slots its undone steps wrote were empty, as `_roll_back` leaves them, so its executable holds no
+    log at all. Read off the cache's type and shapes, static under jit."""
+    return cache.capacity is None
+
+
+def _block_capacity(cache: StaticCache) -> int:
+    """The steps a fused block on `cache` can hold (N, a static argument of its executable): FUSED_BLOCK_STEPS; on a
+    ring with an undo log (`_logs_undo`), the largest power of two (>= 1) whose log's K/V fit UNDO_LOG_BYTES, where
+    that is fewer (the whole cache's bytes: on a mesh each device holds its shard of them)."""
+    if not _logs_undo(cache):
+        return FUSED_BLOCK_STEPS
+    step_bytes = cache.num_layers * 2 * cache.batch_size * cache.num_kv_heads * cache.head_dim * cache.dtype.itemsize
+    fits = max(UNDO_LOG_BYTES // step_bytes, 1)
+    return min(FUSED_BLOCK_STEPS, 1 << (fits.bit_length() - 1))
+
+
+def _empty_log(cache: StaticCache, block_steps: int) -> UndoLog:
+    """A block's undo log before its first step (UndoLog), zeros and -1 as an empty slot."""
+    batch, heads, _, head_dim = cache.keys[0].shape
+
+    def buffers() -> list[jax.Array]:  # [layers] x [B, Hkv, N, D]
+        return [jnp.zeros((batch, heads, block_steps, head_dim), cache.dtype) for _ in range(cache.num_layers)]
+
+    return UndoLog(buffers(), buffers(), jnp.full((batch, block_steps), -1, jnp.int32))  # [B, N]
+
+
+def _logged(undo: UndoLog, cache: StaticCache, index: jax.Array) -> tuple[UndoLog, StaticCache]:
+    """Before a fused step writes: the slot it writes (column `length`), in every layer and in slot_positions, kept
+    in column `index` ([] int32, the step's in its block) of the block's undo log. Returns the log and the cache, its
+    `length` plus a zero computed from one entry of each log buffer's new column (as jax_cache.model._ordered_after
+    orders a layer's write after its output): every write of the step takes its slot from `length`, so XLA must read
+    the old slots first, and then updates the buffers in place. Left unordered, XLA copied every K/V buffer twice per
+    step (docs/design.md §7.2); an optimization barrier on the log and `length` left those copies (the compiled
+    module held no barrier)."""
+    slot = jnp.remainder(cache.length, cache.cache_len)  # [] the slot the step writes (its column on the ring)
+
+    def kept(log: jax.Array, buffer: jax.Array, axis: int) -> jax.Array:  # the slot's entry, one column of the log
+        return lax.dynamic_update_slice_in_dim(log, lax.dynamic_slice_in_dim(buffer, slot, 1, axis), index, axis)
+
+    undo = UndoLog([kept(log, buffer, 2) for log, buffer in zip(undo.keys, cache.keys, strict=True)],
+                   [kept(log, buffer, 2) for log, buffer in zip(undo.values, cache.values, strict=True)],
+                   kept(undo.slot_positions, cache.slot_positions, 1))
+
+    def entry(log: jax.Array, axis: int) -> jax.Array:  # [] float32: one value of the log's new column
+        return lax.dynamic_index_in_dim(log, index, axis, keepdims=False).reshape(-1)[0].astype(jnp.float32)
+
+    # from every log buffer: each was read from its own cache buffer
+    entries = jnp.stack([*(entry(log, 2) for log in (*undo.keys, *undo.values)), entry(undo.slot_positions, 1)])
+    zero = jnp.sum(jnp.nan_to_num(entries, nan=0.0, posinf=0.0, neginf=0.0) * 0).astype(jnp.int32)  # []
+    return undo, cache.replace(length=cache.length + zero)
+
+
+def _placed_log(cache: StaticCache, undo: UndoLog | None) -> UndoLog | None:
+    """On a mesh: an undo log on its cache's shardings (its K/V as the K/V, its positions as slot_positions), pinned
+    as `_placed` pins the state. Off a mesh, or no log: unchanged."""
+    if undo is None or cache.mesh is None:
+        return undo
+    leaves, treedef = jax.tree_util.tree_flatten(undo)
+    placements = sharding.cache_shardings(cache.mesh, cache.num_layers, cache.num_kv_heads)[:-1]  # length: none
+    return jax.tree_util.tree_unflatten(treedef, [sharding.place(leaf, placement)
+                                                  for leaf, placement in zip(leaves, placements, strict=True)])
 
 
 _FUSED_STATIC = ("graph", "kind", "eos", "block_steps", "vocab_size", "return_logits", "attend_len")
@@ -446,18 +534,20 @@ _FUSED_STATIC = ("graph", "kind", "eos", "block_steps", "vocab_size", "return_lo
 def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, knobs: _Knobs,
                   forced: jax.Array | None, steps: jax.Array, kind: str, eos: tuple[int, ...],
                   block_steps: int, vocab_size: int, return_logits: bool,
-                  attend_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array, DecodeState]:
+                  attend_len: int | None) -> tuple[jax.Array, jax.Array, jax.Array, UndoLog | None, DecodeState]:
     """One block: up to `steps` (<= `block_steps`, an array, so every block of one attention bucket runs one
     executable) decode steps in one lax.while_loop; stops early once the state halts. Every step reads the bucket
     `attend_len` (twincache.buckets): a block never crosses from one bucket into the next.
 
     `forced` ([B, block_steps] int32 or None): the tokens to feed instead of the sampled ones (teacher forcing).
     Returns (out_tokens [B, N], out_logits [B, N or 0, V], for_host [2]: the step index after the block and
-    `non_finite_step`, the final state), N = block_steps.
+    `non_finite_step`, the block's undo log: an UndoLog on a ring that can wrap, else None, which adds nothing to the
+    executable; the final state, last as every jitted step returns it), N = block_steps.
     """
     batch, first_step = state.tokens.shape[0], state.step
     out_tokens = jnp.full((batch, block_steps), -1, jnp.int32)  # [B, N]
     out_logits = jnp.zeros((batch, block_steps if return_logits else 0, vocab_size), jnp.float32)  # [B, N, V]
+    undo = _empty_log(state.cache, block_steps) if _logs_undo(state.cache) else None
 
     def cond(carry: FusedCarry) -> jax.Array:
         return (carry.state.step - first_step < steps) & ~carry.state.halted()
@@ -465,14 +555,20 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
     def body(carry: FusedCarry) -> FusedCarry:
         index = carry.state.step - first_step  # [] int32, the output column
         forced_now = None if forced is None else forced[:, index]  # [B]
-        logits, decode_state = decode_body(graph, params, key, kind, knobs, eos, carry.state, attend_len, forced_now)
+        decode_state, undo = carry.state, carry.undo
+        if undo is not None:  # the slot this step overwrites, kept before it does
+            undo, logged = _logged(undo, decode_state.cache, index)
+            decode_state = decode_state._replace(cache=logged)
+        logits, decode_state = decode_body(graph, params, key, kind, knobs, eos, decode_state, attend_len, forced_now)
         out_tokens = carry.out_tokens.at[:, index].set(decode_state.tokens)
         out_logits = carry.out_logits.at[:, index].set(logits) if return_logits else carry.out_logits
-        return FusedCarry(decode_state, out_tokens, out_logits)
+        return FusedCarry(decode_state, out_tokens, out_logits, undo)
 
-    carry = lax.while_loop(cond, body, FusedCarry(state, out_tokens, out_logits))
+    carry = lax.while_loop(cond, body, FusedCarry(state, out_tokens, out_logits, undo))
     for_host = jnp.stack([carry.state.step, carry.state.non_finite_step])  # [2]
-    return carry.out_tokens, carry.out_logits, for_host, _placed(carry.state)  # pinned as it entered (see _placed)
+    # pinned as they entered (see _placed)
+    return (carry.out_tokens, carry.out_logits, for_host, _placed_log(carry.state.cache, carry.undo),
+            _placed(carry.state))
 
 
 # The fused blocks compiled ahead of time, most recently used last: one per model structure, batch, cache shape, dtype,
@@ -522,13 +618,13 @@ BlockCallback = Callable[[np.ndarray, "jax.Array | None"], None]
 def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: jax.Array, kind: str, knobs: _Knobs,
                  eos: tuple[int, ...], num_steps: int, length: int, vocab_size: int, return_logits: bool,
                  on_block: BlockCallback, forced: np.ndarray | None = None,
-                 block_steps: int | None = None,
-                 live: list[DecodeState] | None = None) -> tuple[DecodeState, int, int, float, int]:
+                 block_steps: int | None = None, live: list[DecodeState] | None = None,
+                 undo: list[tuple[int, UndoLog]] | None = None) -> tuple[DecodeState, int, int, float, int]:
     """The fused mode: up to `num_steps` decode steps from a cache holding `length` columns, as jitted blocks, each
-    one lax.while_loop over `decode_body` of at most `block_steps` (default FUSED_BLOCK_STEPS) steps. The block's
-    step limit is an array, so every block of every budget runs one compiled executable per attention bucket
-    (twincache.buckets.decode_buckets: a block ends where its bucket does), and the host sizes each block to last
-    about FUSED_BLOCK_SECONDS.
+    one lax.while_loop over `decode_body` of at most `block_steps` (default `_block_capacity`: FUSED_BLOCK_STEPS, fewer
+    on a ring whose undo log would pass UNDO_LOG_BYTES) steps. The block's step limit is an array, so every block of
+    every budget runs one compiled executable per attention bucket (twincache.buckets.decode_buckets: a block ends
+    where its bucket does), and the host sizes each block to last about FUSED_BLOCK_SECONDS.
 
     Bounded blocks return to Python often, so tokens stream a block at a time and Ctrl-C is seen between blocks:
     `on_block(tokens [B, n] numpy, logits [B, block_steps, V] or None)` after each block that ran n > 0 steps (its
@@ -536,12 +632,16 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
     queued before block k's tokens are read, so the device does not wait for the host. `forced` ([B, num_steps]
     int32, on the host) as in `decode_body`. `live` (a one-item list), when given, holds the newest state as each block
     is dispatched: every block donates the state it is given, so an exception leaving here (on_block raising, a
-    KeyboardInterrupt) reaches the live cache only through it. Returns (the final state, steps run, the first
-    non-finite step or -1, untimed seconds, untimed steps): what is not steady decoding, as the step mode counts it:
-    compiling, and the first block up to its tokens on the host (the first run of an executable also sets up its
-    kernels).
+    KeyboardInterrupt) reaches the live cache only through it. `undo` (a list), when given, holds the undo logs of the
+    blocks dispatched and not yet read through, oldest first, each with its first column (on a ring that can wrap,
+    `_logs_undo`: at most two, the block being read and the one queued after it; else none): device arrays, kept and
+    dropped without a host copy or a wait, for `_handed_back` to undo their steps exactly. Returns (the final state,
+    steps run, the first non-finite step or -1, untimed seconds, untimed steps): what is not steady decoding, as the
+    step mode counts it: compiling, and the first block up to its tokens on the host (the first run of an executable
+    also sets up its kernels).
     """
-    capacity, cache = block_steps or FUSED_BLOCK_STEPS, state.cache  # the cache for its placement only (donated)
+    cache = state.cache  # for its placement and shapes only (donated)
+    capacity = block_steps or _block_capacity(cache)
     cache_len = cache.cache_len
 
     def block_forced(start: int) -> jax.Array | None:  # sliced on the host: a device slice per start would compile
@@ -575,7 +675,9 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             untimed_s += compiled_now if first_read else 0.0  # before the first read, inside the first interval
             size = min(steps, num_steps - dispatched, room)
             outputs = executable(params, state, key, knobs, block_forced(dispatched), jnp.int32(size))
-            state, pending, dispatched = outputs[3], (outputs[:3], size), dispatched + size
+            if undo is not None and outputs[3] is not None:  # its steps write columns length + dispatched on
+                undo.append((length + dispatched, outputs[3]))
+            state, pending, dispatched = outputs[4], (outputs[:3], size), dispatched + size
             if live is not None:
                 live[0] = state
         if queued is not None:  # ... then read the one before it
@@ -585,6 +687,8 @@ def decode_fused(graph: ModelGraph, params: nnx.State, state: DecodeState, key: 
             ran = (step_after if non_finite_step < 0 else non_finite_step) - first_step - done
             if ran:
                 on_block(np.asarray(tokens)[:, :ran], logits if return_logits else None)
+            if undo:  # read through: none of its steps is undone now, so its log goes (the next one's stays)
+                del undo[0]
             now = time.perf_counter()
             if not first_read:  # the first block: the fused mode's first step
                 first_read, untimed_s, untimed_steps = True, now - start, ran
@@ -619,9 +723,9 @@ def _write_logits(out: jax.Array, logits: jax.Array, at: int, count: int) -> jax
 def _roll_back(cache: StaticCache, steps: jax.Array) -> StaticCache:
     """Undo the last `steps` ([] int32) one-token writes, as torch_cache's _roll_back: `length` goes back and their
     slots are empty again (position -1, zero K/V). A ring's slot held position p - W before the write, which no query
-    from p on can see (one step back); several steps back, see `_handed_back`. The cache is donated, so the buffers
-    are emptied in place, and `steps` is traced: one executable per cache shape and placement, compiled only when a
-    decode ends by an exception."""
+    from p on can see (one step back: the step mode's queued step); a fused decode on a ring undoes its steps from
+    their undo logs instead (`_undone`). The cache is donated, so the buffers are emptied in place, and `steps` is
+    traced: one executable per cache shape and placement, compiled only when a decode ends by an exception."""
     length = cache.length - steps
     slots = jnp.arange(cache.cache_len, dtype=jnp.int32)  # [L]
     # the undone columns length .. length + steps - 1, in their slots (a ring's wrap; a static cache's never do)
@@ -631,6 +735,45 @@ def _roll_back(cache: StaticCache, steps: jax.Array) -> StaticCache:
     slot_positions = jnp.where(undone, -1, cache.slot_positions)  # [B, L]
     # pinned as it came (on a mesh): the donated buffers are reused and a later step sees the placement it compiled for
     return sharding.place_cache(cache.replace(keys=keys, values=values, slot_positions=slot_positions, length=length))
+
+
+@_bounded
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _undone(cache: StaticCache, logs: tuple[UndoLog, UndoLog], starts: jax.Array, steps: jax.Array) -> StaticCache:
+    """Undo the last `steps` ([] int32) steps of a fused decode on a ring from the undo logs of the blocks that ran
+    them (UndoLog): `logs` are (older, newer), the block being read and the one queued after it (one log twice where
+    one block ran them all), `starts` ([2] int32) their first columns. Each undone step's slot gets back what it held
+    before that step wrote it, K/V of every layer and position, the newest step first: a slot written twice (more
+    undone steps than the ring has slots) ends with what it held before the first of them. So the cache is the one
+    the decode had after the last step read, bit for bit, with the keys the window still sees, and `length` goes
+    back. Donated and placed as `_roll_back` (in place, one executable per cache shape and placement, compiled only
+    when a decode ends by an exception)."""
+    older, newer = logs
+    last = cache.length - 1  # [] the newest undone step's column
+
+    def undo_step(i: jax.Array, arrays: tuple) -> tuple:
+        keys, values, slot_positions = arrays
+        column = last - i  # [] int32
+        in_newer = column >= starts[1]  # []
+        index = column - jnp.where(in_newer, starts[1], starts[0])  # [] the step's column in its block's log
+        slot = jnp.remainder(column, cache.cache_len)  # []
+
+        def restored(buffer: jax.Array, older_log: jax.Array, newer_log: jax.Array, axis: int) -> jax.Array:
+            entry = jnp.where(in_newer, lax.dynamic_slice_in_dim(newer_log, index, 1, axis),
+                              lax.dynamic_slice_in_dim(older_log, index, 1, axis))  # [B, Hkv, 1, D] or [B, 1]
+            return lax.dynamic_update_slice_in_dim(buffer, entry, slot, axis)
+
+        keys = [restored(buffer, old, new, 2)
+                for buffer, old, new in zip(keys, older.keys, newer.keys, strict=True)]  # [B, Hkv, L, D]
+        values = [restored(buffer, old, new, 2)
+                  for buffer, old, new in zip(values, older.values, newer.values, strict=True)]  # [B, Hkv, L, D]
+        return keys, values, restored(slot_positions, older.slot_positions, newer.slot_positions, 1)  # [B, L]
+
+    keys, values, slot_positions = lax.fori_loop(0, steps, undo_step,
+                                                 (cache.keys, cache.values, cache.slot_positions))
+    # pinned as it came (on a mesh), as _roll_back's
+    return sharding.place_cache(cache.replace(keys=keys, values=values, slot_positions=slot_positions,
+                                              length=cache.length - steps))
 
 
 def _given_back(given: StaticCache, live: StaticCache) -> None:
@@ -646,26 +789,31 @@ def _given_back(given: StaticCache, live: StaticCache) -> None:
         setattr(given, name, list(value) if isinstance(value, list) else value)
 
 
-def _handed_back(given: StaticCache, state: DecodeState, read_until: int) -> str | None:
+def _handed_back(given: StaticCache, state: DecodeState, read_until: int,
+                 undo: Sequence[tuple[int, UndoLog]] = ()) -> str | None:
     """On an exception leaving a decode loop: roll the live cache back to the steps the host has read (`read_until`:
     the state's step index after the last of them), as torch_cache's `_rolled_back_if_unread` does, and point the
     caller's object at it (`_given_back`). The steps after them (the step mode's queued step, the rest of a fused
     block and the block queued after it) ran, but their tokens never reached the host.
 
-    Left consumed (StaleCacheError at its next use) where that cannot be exact: the exception cut a dispatch short (the
-    live state was donated and not yet taken), or a ring lost keys the window still sees, which happens only in the
-    fused mode: undoing n >= 2 steps from column c empties the slots of columns c - W + 1 .. c - W + n - 1, which the
-    next queries read (docs/design.md §7.31). Returns why, for a note on the exception, where it is left consumed."""
+    A fused decode on a ring that can wrap hands its blocks' undo logs in `undo` (decode_fused's, oldest first, each
+    with its first column): undoing n >= 2 steps from column c by emptying their slots would lose the keys of columns
+    c - W + 1 .. c - W + n - 1, which the next queries read, so those slots get back what they held (`_undone`), and
+    the cache is the one the decode had after the last step read, bit for bit (docs/design.md §7.31). Elsewhere the
+    undone slots were empty (a static cache, a ring not wrapped), or one step's slot held a key no later query sees
+    (the step mode's), and `_roll_back` empties them.
+    Left consumed (StaleCacheError at its next use) where the exception cut a dispatch short (the live state was
+    donated and not yet taken). Returns why, for a note on the exception, where it is left consumed."""
     if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(state)):
         return "the exception cut a jitted dispatch short"
     live = state.cache
     steps = int(state.step) - read_until  # waits for the steps in flight: they ran whether read or not
-    if steps > 0:
-        restored = int(live.length) - steps  # the first undone column
-        if steps >= 2 and restored + min(steps, live.cache_len) - 1 >= live.cache_len:  # a ring overwrote live keys
-            return (f"the fused decode had run {steps} steps past the last one read on a sliding-window ring that "
-                    "has wrapped, and their writes overwrote keys the window still sees; decode with fused=False "
-                    "(or a static cache) where a cache must survive an exception")
+    if steps > 0 and undo:
+        (older_start, older), (newer_start, newer) = undo[0], undo[-1]
+        # the steps undone are those of the blocks not read through, which decode_fused keeps every log of
+        assert int(live.length) - steps >= older_start, "the undo logs do not reach back to the first undone step"
+        live = _undone(live, (older, newer), jnp.asarray([older_start, newer_start], jnp.int32), jnp.int32(steps))
+    elif steps > 0:
         live = _roll_back(live, jnp.int32(steps))
     _given_back(given, live)
     return None
@@ -864,10 +1012,9 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     came), `cache` itself holds the live cache, as torch_cache's does: every step the host has read, the one whose
     tokens on_token was handed last included (and a non-finite step, whose input token it wrote), and none after it:
     steps launched but not read (the step mode's queued step, the rest of a fused block and the block queued after it)
-    are rolled back. Continue from on_token's last tokens with `first_step` advanced by the steps it received. One
-    exception: a fused decode on a sliding-window ring that has wrapped cannot undo two or more steps exactly (their
-    writes overwrote keys the window still sees), so there `cache` is left consumed (StaleCacheError); use
-    `fused=False` or a static cache where a decode must survive an exception (docs/design.md §7.31).
+    are rolled back; on a sliding-window ring the fused mode restores what their writes overwrote from its blocks'
+    undo logs, so the keys the window still sees are back (docs/design.md §7.31). Continue from on_token's last tokens
+    with `first_step` advanced by the steps it received: tokens, logits and cache are then one uninterrupted run's.
     `first_step`: the index, within the generation, of the first token this call samples (generate's prefill token
     is 0); pass the number of tokens generated so far to continue a seeded generation's stream: `generate(n)` then
     `continue_generation(..., m, first_step=n)` samples the tokens of one `generate(n + m)`. A sampled step k draws
@@ -911,6 +1058,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     # handing to on_token included (torch_cache's rule, docs/design.md §7.31), as torch's cache written in place does;
     # the steps launched after them are rolled back (_handed_back).
     read, live = 0, [state]  # steps read; the newest state (every step or block donates the one before)
+    undo: list[tuple[int, UndoLog]] = []  # a fused decode on a ring: the undo logs of the blocks not read through
     try:
         if fused and max_new_tokens and not all_done:
             taken = 0  # steps of the blocks before this one (a row that ended appends no token, but has its logits)
@@ -930,7 +1078,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
             decode_start = time.perf_counter()
             state, decode_steps, non_finite_step, first_step_s, untimed_steps = decode_fused(
                 graph, params, state, key, kind, knobs, eos, max_new_tokens, length, config.vocab_size,
-                return_logits, on_block=take_block, forced=forced, live=live)
+                return_logits, on_block=take_block, forced=forced, live=live, undo=undo)
             read = decode_steps + int(non_finite_step >= 0)  # a non-finite step was read too (its flag)
             decode_s = time.perf_counter() - decode_start - first_step_s
             timed_steps = decode_steps - untimed_steps
@@ -982,7 +1130,7 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
                     break
     except BaseException as error:
         try:  # the caller's exception is what propagates, the same object, with a note where the cache is lost
-            lost = _handed_back(cache, live[0], first_step + read)
+            lost = _handed_back(cache, live[0], first_step + read, undo)
         except Exception as failure:  # a failed rollback must not replace the caller's exception
             lost = f"handing it back failed: {type(failure).__name__}: {failure}"
         if lost is not None:
@@ -1016,6 +1164,6 @@ def _raise_if_non_finite(non_finite: bool, step: int, dtype: jnp.dtype) -> None:
 
 __all__ = ["MAX_DECODE_VARIANTS", "MIN_PROMPT_BUCKET", "FUSED_BLOCK_STEPS", "FUSED_BLOCK_SECONDS", "FIRST_BLOCK_STEPS",
            "DecodeStep", "sample", "ModelGraph", "split_model", "DecodeState", "initial_state", "decode_body",
-           "FusedCarry", "fused_executable", "BlockCallback", "decode_fused", "decode_step_fn", "prompt_bucket",
-           "prefill", "generate", "continue_generation", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "TOP_P_CANDIDATES",
-           "filter_logits"]
+           "UndoLog", "FusedCarry", "UNDO_LOG_BYTES", "fused_executable", "BlockCallback", "decode_fused",
+           "decode_step_fn", "prompt_bucket", "prefill", "generate", "continue_generation", "MIN_TEMPERATURE",
+           "MAX_TEMPERATURE", "TOP_P_CANDIDATES", "filter_logits"]

@@ -177,7 +177,10 @@ def test_compiled_decode_copies_no_kv_buffer(model, mha_model, heads, kind, cach
     twice when it read a prefix of it by multiply-and-sum with one query row per KV head (the `long` bench preset:
     65 ms per step for a 256-slot bucket of a 16k cache). Whole buffers and prefixes (an attention bucket of 16 of
     the 48 slots, 64 of 1024), grouped and one-to-one heads: no copy of a K/V buffer. A step over every slot reads
-    the buffers before its write, which depends on the layer's output: without that dependency XLA copied them."""
+    the buffers before its write, which depends on the layer's output: without that dependency XLA copied them. A
+    fused block on a ring (the window's 8 of 48 slots) also reads the slot each step writes, for its undo log, before
+    the write, which depends on the log (jax_cache.generate._logged): without that dependency XLA copied every buffer
+    twice per step."""
     if jax.default_backend() != "cpu":
         pytest.skip("an XLA-CPU property: other backends keep the attention dots (jax_cache/model.py)")
     model = model if heads == "gqa" else mha_model

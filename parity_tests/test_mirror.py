@@ -68,6 +68,9 @@ JAX_ONLY = {
     "generate.split_model": "as ModelGraph",
     "generate.DecodeState": "the jitted decode loops carry their state; torch loops in Python around one compiled step",
     "generate.FusedCarry": "as DecodeState",
+    "generate.UndoLog": "as DecodeState: a fused block's log of the ring slots it overwrote, for a rollback after an "
+                        "exception (docs/design.md §7.31); torch's steps run in Python, at most one queued",
+    "generate.UNDO_LOG_BYTES": "as generate.UndoLog",
     "generate.initial_state": "as DecodeState",
     "generate.decode_body": "as DecodeState",
     "generate.fused_executable": "the fused lax.while_loop is compiled ahead of time, apart from decoding",
@@ -127,6 +130,8 @@ _JITTED = ("a jitted JAX prefill, step or block, or their shared body (torch pre
 _HANDED_BACK = ("a decode call donates the JAX cache it is given: on an exception the caller's object is pointed at "
                 "the live, rolled-back cache; torch's cache is written in place and rolls back in a context manager "
                 "(_rolled_back_if_unread)")
+_UNDO_LOG = ("a fused JAX block runs many steps before the host reads them, so on a ring it logs the slots they "
+             "overwrite, and a rollback restores them (docs/design.md §7.31); torch undoes at most one queued step")
 TORCH_ONLY_HELPERS = {
     "model._aligned": "safetensors' CPU tensors are not 64-byte aligned: torch copies them once so the handoff shares "
                       "them zero-copy with XLA (docs/design.md §7.10); JAX copies every weight into its own arrays",
@@ -165,6 +170,8 @@ JAX_ONLY_HELPERS = {
     **{f"generate.{name}": _JITTED for name in ("_prefill", "_decode_step", "_sampled_step", "_fused_decode",
                                                  "_forward_last")},
     **{f"generate.{name}": _HANDED_BACK for name in ("_given_back", "_handed_back")},
+    **{f"generate.{name}": _UNDO_LOG for name in ("_logs_undo", "_block_capacity", "_empty_log", "_logged",
+                                                   "_placed_log", "_undone")},
     **{f"generate.{name}": "jax.jit keeps every compiled variant in its own cache: each jitted function is bounded "
                            "at MAX_DECODE_VARIANTS by a wrapper (torch's step by dynamo's entries, _make_room)"
        for name in ("_bounded", "_drop_executables")},
