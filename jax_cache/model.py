@@ -161,7 +161,21 @@ def scaled_dot_product_attention(q: jax.Array, keys: _KeySegments, values: _KeyS
         assert not isinstance(values, tuple)
         if decode and jax.default_backend() == "cpu" and keys.shape[2] >= 2:
             half = keys.shape[2] // 2
-            key_parts, value_parts = (keys[:, :, :half], keys[:, :, half:]), (values[:, :, :half], values[:, :, half:])
+
+            def halves(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
+                """The two halves of the slots of `buffer` [B, Hkv, L, D]. Past batch 1 each is sliced from a bitcast
+                to [B, Hkv, L*D] and bitcast back, as XLA reads batch 1 (it drops the unit batch): XLA-CPU fused the
+                buffer's in-place update into a bare slice, which then read the buffer as it was, and copied every
+                K/V buffer twice per step; into a slice with a bitcast it does not (docs/design.md §7.39). Not
+                [B*Hkv, L, D]: on a mesh those two axes are split over different devices."""
+                if buffer.shape[0] == 1:
+                    return buffer[:, :, :half], buffer[:, :, half:]
+                batch, heads, slots, head_dim = buffer.shape
+                flat = buffer.reshape(batch, heads, slots * head_dim)  # [B, Hkv, L*D]
+                return (flat[:, :, :half * head_dim].reshape(batch, heads, half, head_dim),
+                        flat[:, :, half * head_dim:].reshape(batch, heads, slots - half, head_dim))
+
+            key_parts, value_parts = halves(keys), halves(values)
         else:
             key_parts, value_parts = (keys,), (values,)
     scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, part, precision=matmul_precision(q.dtype),
