@@ -231,10 +231,11 @@ class DecoderLayer(nnx.Module):
 
 
 def _ordered_after(x: jax.Array, *states: jax.Array) -> tuple[jax.Array, ...]:
-    """`states` ([B, Hkv, S, D]) with their values, plus a zero computed from x ([B, S, hidden]): a data dependency,
-    so whatever x needs runs before anything that uses them. nan_to_num keeps a non-finite x out of the zero."""
+    """`states` ([B, Hkv, S, D], or positions [B, S]) with their values, plus a zero computed from x ([B, S, hidden]):
+    a data dependency, so whatever x needs runs before anything that uses them. nan_to_num keeps a non-finite x out of
+    the zero."""
     zero = jnp.nan_to_num(x[:, None, :, :1], nan=0.0, posinf=0.0, neginf=0.0) * 0  # [B, 1, S, 1]
-    return tuple(state + zero.astype(state.dtype) for state in states)
+    return tuple(state + (zero if state.ndim == 4 else zero[:, 0, :, 0]).astype(state.dtype) for state in states)
 
 
 class MistralModel(nnx.Module):
@@ -275,6 +276,8 @@ class Mistral(nnx.Module):
         x = self.model.embed_tokens(input_ids).astype(dtype)  # [B, S, hidden]; the table may be stored wider
         for layer_idx, layer in enumerate(self.model.layers):
             x, cache = layer(x, cos, sin, visible, cache, layer_idx)
+        if key_positions.shape[1] == cache.cache_len + new_positions.shape[1]:  # the layers read the old slots
+            new_positions, = _ordered_after(x, new_positions)  # so written after them, as the K/V: no copy (§7.39)
         cache = cache.advance(new_positions)
         if logits_to_keep:  # [B, S, V] logits of a long chunk would outweigh its attention; most are not needed
             x = x[:, -logits_to_keep:]  # [B, K, hidden]

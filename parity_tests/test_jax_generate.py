@@ -195,7 +195,8 @@ def test_compiled_decode_copies_no_kv_buffer(request, heads, kind, cache_len, at
     fused block on a ring (the window's 8 of 48 slots) also reads the slot each step writes, for its undo log, before
     the write, which depends on the log (jax_cache.generate._logged): without that dependency XLA copied every buffer
     twice per step. From batch 2 a prefix's halves are read through a bitcast, as batch 1's are: read by bare slices,
-    XLA fused the buffer's update into them and copied every K/V buffer twice per step (docs/design.md §7.39)."""
+    XLA fused the buffer's update into them and copied every K/V buffer twice per step (docs/design.md §7.39). Nor is
+    slot_positions copied: a step over every slot writes it after the layers that read it (twice per step before)."""
     if jax.default_backend() != "cpu":
         pytest.skip("an XLA-CPU property: other backends keep the attention dots (jax_cache/model.py)")
     model = request.getfixturevalue(COPY_TEST_MODELS[heads])
@@ -209,8 +210,9 @@ def test_compiled_decode_copies_no_kv_buffer(request, heads, kind, cache_len, at
                                        block_steps=2, vocab_size=VOCAB, return_logits=False,
                                        attend_len=attend_len).compile().as_text()
     assert " dynamic-update-slice(" in step_hlo, "the step writes the cache (else this test checks nothing)"
-    assert buffer_copies(step_hlo, cache.keys[0].shape) == []
-    assert buffer_copies(fused_hlo, cache.keys[0].shape) == []
+    for shape in (cache.keys[0].shape, cache.slot_positions.shape):
+        assert buffer_copies(step_hlo, shape) == []
+        assert buffer_copies(fused_hlo, shape) == []
 
 
 def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
