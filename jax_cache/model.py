@@ -161,7 +161,21 @@ def scaled_dot_product_attention(q: jax.Array, keys: _KeySegments, values: _KeyS
         assert not isinstance(values, tuple)
         if decode and jax.default_backend() == "cpu" and keys.shape[2] >= 2:
             half = keys.shape[2] // 2
-            key_parts, value_parts = (keys[:, :, :half], keys[:, :, half:]), (values[:, :, :half], values[:, :, half:])
+
+            def halves(buffer: jax.Array) -> tuple[jax.Array, jax.Array]:
+                """The two halves of the slots of `buffer` [B, Hkv, L, D]. Past batch 1 each is sliced from a bitcast
+                to [B, Hkv, L*D] and bitcast back, as XLA reads batch 1 (it drops the unit batch): XLA-CPU fused the
+                buffer's in-place update into a bare slice, which then read the buffer as it was, and copied every
+                K/V buffer twice per step; into a slice with a bitcast it does not (docs/design.md §7.39). Not
+                [B*Hkv, L, D]: on a mesh those two axes are split over different devices."""
+                if buffer.shape[0] == 1:
+                    return buffer[:, :, :half], buffer[:, :, half:]
+                batch, heads, slots, head_dim = buffer.shape
+                flat = buffer.reshape(batch, heads, slots * head_dim)  # [B, Hkv, L*D]
+                return (flat[:, :, :half * head_dim].reshape(batch, heads, half, head_dim),
+                        flat[:, :, half * head_dim:].reshape(batch, heads, slots - half, head_dim))
+
+            key_parts, value_parts = halves(keys), halves(values)
         else:
             key_parts, value_parts = (keys,), (values,)
     scores = jnp.concatenate([jnp.einsum("bhrd,bhld->bhrl", q, part, precision=matmul_precision(q.dtype),
@@ -217,10 +231,11 @@ class DecoderLayer(nnx.Module):
 
 
 def _ordered_after(x: jax.Array, *states: jax.Array) -> tuple[jax.Array, ...]:
-    """`states` ([B, Hkv, S, D]) with their values, plus a zero computed from x ([B, S, hidden]): a data dependency,
-    so whatever x needs runs before anything that uses them. nan_to_num keeps a non-finite x out of the zero."""
+    """`states` ([B, Hkv, S, D], or positions [B, S]) with their values, plus a zero computed from x ([B, S, hidden]):
+    a data dependency, so whatever x needs runs before anything that uses them. nan_to_num keeps a non-finite x out of
+    the zero."""
     zero = jnp.nan_to_num(x[:, None, :, :1], nan=0.0, posinf=0.0, neginf=0.0) * 0  # [B, 1, S, 1]
-    return tuple(state + zero.astype(state.dtype) for state in states)
+    return tuple(state + (zero if state.ndim == 4 else zero[:, 0, :, 0]).astype(state.dtype) for state in states)
 
 
 class MistralModel(nnx.Module):
@@ -261,6 +276,8 @@ class Mistral(nnx.Module):
         x = self.model.embed_tokens(input_ids).astype(dtype)  # [B, S, hidden]; the table may be stored wider
         for layer_idx, layer in enumerate(self.model.layers):
             x, cache = layer(x, cos, sin, visible, cache, layer_idx)
+        if key_positions.shape[1] == cache.cache_len + new_positions.shape[1]:  # the layers read the old slots
+            new_positions, = _ordered_after(x, new_positions)  # so written after them, as the K/V: no copy (§7.39)
         cache = cache.advance(new_positions)
         if logits_to_keep:  # [B, S, V] logits of a long chunk would outweigh its attention; most are not needed
             x = x[:, -logits_to_keep:]  # [B, K, hidden]

@@ -166,12 +166,26 @@ def mha_model(tmp_path_factory: pytest.TempPathFactory) -> Mistral:
     return Mistral.from_pretrained(directory, jnp.float32)
 
 
+@pytest.fixture(scope="module")
+def window_64_model(tmp_path_factory: pytest.TempPathFactory) -> Mistral:
+    """Grouped heads and a 64-token window: a ring long enough for an attention bucket (16 of its 64 slots)."""
+    directory = save_hf_checkpoint(tmp_path_factory.mktemp("window_64"), seed=4, sliding_window=64)
+    return Mistral.from_pretrained(directory, jnp.float32)
+
+
+COPY_TEST_MODELS = {"gqa": "model", "mha": "mha_model", "gqa_w64": "window_64_model"}
+
+
 # Each regression's own case (grouped heads through a dot over the whole buffer; one query row per KV head over a
-# prefix, `long`'s), each cache kind and a prefix for both head layouts: 5 of the 8 of the product, 2 compiles each.
-@pytest.mark.parametrize(("heads", "kind", "cache_len", "attend_len"),
-                         [("gqa", "static", 48, None), ("gqa", "static", 48, 16), ("gqa", "sliding_window", 48, None),
-                          ("mha", "static", 1024, 64), ("mha", "sliding_window", 48, None)])
-def test_compiled_decode_copies_no_kv_buffer(model, mha_model, heads, kind, cache_len, attend_len):
+# prefix, `long`'s), each cache kind and a prefix for both head layouts: 5 of the 8 of the product at batch 1; then
+# batches of 2 and 3 over a prefix (static, a ring of the whole window, one-to-one heads) and over a whole ring.
+@pytest.mark.parametrize(("heads", "kind", "cache_len", "attend_len", "batch"),
+                         [("gqa", "static", 48, None, 1), ("gqa", "static", 48, 16, 1),
+                          ("gqa", "sliding_window", 48, None, 1), ("mha", "static", 1024, 64, 1),
+                          ("mha", "sliding_window", 48, None, 1),
+                          ("gqa", "static", 48, 16, 2), ("gqa_w64", "sliding_window", 64, 16, 2),
+                          ("mha", "static", 1024, 64, 3), ("gqa", "sliding_window", 48, None, 2)])
+def test_compiled_decode_copies_no_kv_buffer(request, heads, kind, cache_len, attend_len, batch):
     """In place means no hidden copies either: XLA-CPU copied each K/V buffer 4 times per step when attention read
     the freshly updated buffer through a dot, at batch 1 (64 MB per step on the small bench's 2066-slot cache), and
     twice when it read a prefix of it by multiply-and-sum with one query row per KV head (the `long` bench preset:
@@ -180,23 +194,25 @@ def test_compiled_decode_copies_no_kv_buffer(model, mha_model, heads, kind, cach
     the buffers before its write, which depends on the layer's output: without that dependency XLA copied them. A
     fused block on a ring (the window's 8 of 48 slots) also reads the slot each step writes, for its undo log, before
     the write, which depends on the log (jax_cache.generate._logged): without that dependency XLA copied every buffer
-    twice per step."""
+    twice per step. From batch 2 a prefix's halves are read through a bitcast, as batch 1's are: read by bare slices,
+    XLA fused the buffer's update into them and copied every K/V buffer twice per step (docs/design.md §7.39). Nor is
+    slot_positions copied: a step over every slot writes it after the layers that read it (twice per step before)."""
     if jax.default_backend() != "cpu":
         pytest.skip("an XLA-CPU property: other backends keep the attention dots (jax_cache/model.py)")
-    model = model if heads == "gqa" else mha_model
-    _, cache = prefilled(model, kind, PROMPTS[:1], cache_len)
+    model = request.getfixturevalue(COPY_TEST_MODELS[heads])
+    _, cache = prefilled(model, kind, [*PROMPTS, make_prompt(5)][:batch], cache_len)
     graph, params = jg.split_model(model)
-    state = jg.initial_state(jnp.asarray([3], jnp.int32), cache.next_positions(), cache, (), 0)
+    state = jg.initial_state(jnp.full((batch,), 3, jnp.int32), cache.next_positions(), cache, (), 0)
     key, knobs = jax.random.key(0), jg._knobs(SamplingParams())
     step_hlo = jg._sampled_step.lower(graph, params, state, key, knobs, "greedy", (), VOCAB,
                                       attend_len).compile().as_text()
     fused_hlo = jg._fused_decode.lower(graph, params, state, key, knobs, None, jnp.int32(2), kind="greedy", eos=(),
                                        block_steps=2, vocab_size=VOCAB, return_logits=False,
                                        attend_len=attend_len).compile().as_text()
-    buffer_shape = cache.keys[0].shape
     assert " dynamic-update-slice(" in step_hlo, "the step writes the cache (else this test checks nothing)"
-    assert buffer_copies(step_hlo, buffer_shape) == []
-    assert buffer_copies(fused_hlo, buffer_shape) == []
+    for shape in (cache.keys[0].shape, cache.slot_positions.shape):
+        assert buffer_copies(step_hlo, shape) == []
+        assert buffer_copies(fused_hlo, shape) == []
 
 
 def test_fused_loop_aliases_the_whole_cache_and_holds_no_second_copy(model):
