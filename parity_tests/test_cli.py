@@ -5,7 +5,9 @@ default model's end-to-end runs are in test_jax_cli.py.
 The tokens the CLI prints must equal transformers' greedy `generate` on the same directory, each prompt alone
 (parity_tests/hf_greedy.py), never the towers' API that the CLI itself calls; prompt ids and text are judged by the
 `tokenizers` library reading the same tokenizer.json. Most runs pass --mode eager; one run takes the default compiled
-decode path. The error cases and a few others call cli.main in this process.
+decode path. The tiny model's --json and text runs and the compiled run are processes; the transformers-written
+checkpoints' runs, the error cases and a few others call cli.main in this process (what the script calls: a process
+each would cost an interpreter start and a torch import, ~3-4 s of a core).
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ def twincache(home: Path, *args: str) -> subprocess.CompletedProcess:
     env.pop("TWINCACHE_DEBUG", None)  # it would turn unexpected errors into tracebacks
     return subprocess.run([sys.executable, "-m", "twincache_app.cli", "generate", *args], capture_output=True, env=env,
                           cwd=REPO, timeout=600, check=False)
+
+
+def in_process(home: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+               *args: str) -> tuple[str, str]:
+    """`twincache generate ARGS` through cli.main in this process, as `twincache` would run it with TWINCACHE_HOME=home:
+    exit 0, no traceback. Returns (stdout, stderr)."""
+    from twincache_app import cli
+
+    monkeypatch.setenv("TWINCACHE_HOME", str(home))
+    monkeypatch.delenv("TWINCACHE_DEBUG", raising=False)  # it would turn unexpected errors into tracebacks
+    capsys.readouterr()
+    code = cli.main(["generate", *args])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, f"exit {code}\nstdout: {stdout}\nstderr: {stderr}"
+    assert "Traceback" not in stderr
+    return stdout, stderr
 
 
 def succeeded(proc: subprocess.CompletedProcess) -> tuple[str, str]:
@@ -143,12 +161,13 @@ def test_a_rank_left_in_the_environment_without_a_world_is_no_rank(tiny_model_di
     ("no_window", None, "static"),
     ("mqa", "static", "static"),
 ])
-def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag, expected_cache):
+def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, capsys, monkeypatch, name, cache_flag,
+                                        expected_cache):
     args = ["--model", str(checkpoints[name]), "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
             "--max-new-tokens", "20", "--mode", "eager", "--json"]
     if cache_flag:
         args += ["--cache", cache_flag]
-    record = parse_json(succeeded(twincache(cli_home, *args))[0])
+    record = parse_json(in_process(cli_home, capsys, monkeypatch, *args)[0])
     assert record["cache"] == expected_cache
     assert record["prompt_ids"] == PROMPT_IDS
     assert record["token_ids"] == greedy(checkpoints[name], [PROMPT_IDS], 20)[0]
@@ -156,9 +175,9 @@ def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag
     assert record["text"] is None, "no tokenizer.json, so no text"
 
 
-def test_checkpoint_text_mode_prints_the_ids(checkpoints, cli_home):
-    stdout, stderr = succeeded(twincache(cli_home, "--model", str(checkpoints["sharded"]), "--prompt-ids",
-                                         ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--mode", "eager"))
+def test_checkpoint_text_mode_prints_the_ids(checkpoints, cli_home, capsys, monkeypatch):
+    stdout, stderr = in_process(cli_home, capsys, monkeypatch, "--model", str(checkpoints["sharded"]), "--prompt-ids",
+                                ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--mode", "eager")
     assert [int(t) for t in stdout.split()] == greedy(checkpoints["sharded"], [PROMPT_IDS], 20)[0]
     assert "[torch sliding_window cache:" in stderr
 
