@@ -5,7 +5,10 @@ default model's end-to-end runs are in test_jax_cli.py.
 The tokens the CLI prints must equal transformers' greedy `generate` on the same directory, each prompt alone
 (parity_tests/hf_greedy.py), never the towers' API that the CLI itself calls; prompt ids and text are judged by the
 `tokenizers` library reading the same tokenizer.json. Most runs pass --mode eager; one run takes the default compiled
-decode path. The error cases and a few others call cli.main in this process.
+decode path. The tiny model's --json and text runs and the compiled run are processes, started in the background
+lane (parity_tests/background.py: `cli_processes`); the transformers-written checkpoints' runs, the error cases and a
+few others call cli.main in this process (what the script calls: a process each would cost an interpreter start and a
+torch import, ~3-4 s of a core).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from parity_tests import background
 from parity_tests.hf_greedy import greedy
 from twincache_app.generate_cmd import DEFAULT_PROMPT
 
@@ -31,16 +36,59 @@ JSON_KEYS = {"backend", "mode", "cache", "prompt_ids", "token_ids", "text", "loa
 
 @pytest.fixture(scope="module")
 def cli_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An empty TWINCACHE_HOME for the subprocesses: the CLI must build the default model there itself."""
+    """An empty TWINCACHE_HOME for the runs in this process: the CLI must build the default model there itself."""
     return tmp_path_factory.mktemp("cli_home")
 
 
-def twincache(home: Path, *args: str) -> subprocess.CompletedProcess:
+def cli_env(home: Path) -> dict[str, str]:
+    """The environment of a `twincache` process with TWINCACHE_HOME=home, taken from this process's (in the main
+    thread: a lane job's run must not see what a test running beside it has monkeypatched)."""
     env = {**os.environ, "TWINCACHE_HOME": str(home), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("TWINCACHE_DEBUG", None)  # it would turn unexpected errors into tracebacks
+    return env
+
+
+def twincache(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "twincache_app.cli", "generate", *args], capture_output=True, env=env,
                           cwd=REPO, timeout=600, check=False)
+
+
+# name -> (model, arguments): the runs that are processes (the tests below judge them)
+PROCESS_RUNS = {
+    "tiny json": ("tiny", ["--max-new-tokens", "40", "--mode", "eager", "--json"]),
+    "tiny text": ("tiny", ["--max-new-tokens", "40", "--mode", "eager"]),
+    "compiled": ("gqa", ["--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "24", "--json"]),
+}
+
+
+@background.job
+def cli_processes(request: pytest.FixtureRequest) -> Callable[[], dict[str, subprocess.CompletedProcess]]:
+    """Every run in PROCESS_RUNS, one after another, in an empty TWINCACHE_HOME of their own: name -> the process."""
+    env = cli_env(request.getfixturevalue("tmp_path_factory").mktemp("cli_process_home"))
+    models = {"tiny": request.getfixturevalue("tiny_model_dir"), "gqa": request.getfixturevalue("checkpoints")["gqa"]}
+    argv = {name: ["--model", str(models[model]), *args] for name, (model, args) in PROCESS_RUNS.items()}
+
+    def run() -> dict[str, subprocess.CompletedProcess]:
+        return {name: twincache(env, *args) for name, args in argv.items()}
+
+    return run
+
+
+def in_process(home: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+               *args: str) -> tuple[str, str]:
+    """`twincache generate ARGS` through cli.main in this process, as `twincache` would run it with TWINCACHE_HOME=home:
+    exit 0, no traceback. Returns (stdout, stderr)."""
+    from twincache_app import cli
+
+    monkeypatch.setenv("TWINCACHE_HOME", str(home))
+    monkeypatch.delenv("TWINCACHE_DEBUG", raising=False)  # it would turn unexpected errors into tracebacks
+    capsys.readouterr()
+    code = cli.main(["generate", *args])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, f"exit {code}\nstdout: {stdout}\nstderr: {stderr}"
+    assert "Traceback" not in stderr
+    return stdout, stderr
 
 
 def succeeded(proc: subprocess.CompletedProcess) -> tuple[str, str]:
@@ -83,9 +131,8 @@ def tiny_expected(tiny_model_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny_json(cli_home: Path, tiny_model_dir: Path) -> dict:
-    stdout, _ = succeeded(twincache(cli_home, "--model", str(tiny_model_dir), "--max-new-tokens", "40",
-                                    "--mode", "eager", "--json"))
+def tiny_json(cli_processes: dict[str, subprocess.CompletedProcess]) -> dict:
+    stdout, _ = succeeded(cli_processes["tiny json"])
     return parse_json(stdout)
 
 
@@ -99,9 +146,8 @@ def test_tiny_model_json(tiny_json, tiny_expected, tiny_model_dir):
     assert 0 < len(tiny_json["token_ids"]) <= 40
 
 
-def test_tiny_model_text_streams_the_same_tokens(cli_home, tiny_json, tiny_model_dir):
-    stdout, stderr = succeeded(twincache(cli_home, "--model", str(tiny_model_dir), "--max-new-tokens", "40",
-                                         "--mode", "eager"))
+def test_tiny_model_text_streams_the_same_tokens(cli_processes, tiny_json):
+    stdout, stderr = succeeded(cli_processes["tiny text"])
     assert stdout == tiny_json["text"] + "\n"
     summary = stderr.strip().splitlines()
     assert len(summary) == 1 and summary[0].startswith("[torch sliding_window cache:"), stderr
@@ -143,12 +189,13 @@ def test_a_rank_left_in_the_environment_without_a_world_is_no_rank(tiny_model_di
     ("no_window", None, "static"),
     ("mqa", "static", "static"),
 ])
-def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag, expected_cache):
+def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, capsys, monkeypatch, name, cache_flag,
+                                        expected_cache):
     args = ["--model", str(checkpoints[name]), "--prompt-ids", ",".join(map(str, PROMPT_IDS)),
             "--max-new-tokens", "20", "--mode", "eager", "--json"]
     if cache_flag:
         args += ["--cache", cache_flag]
-    record = parse_json(succeeded(twincache(cli_home, *args))[0])
+    record = parse_json(in_process(cli_home, capsys, monkeypatch, *args)[0])
     assert record["cache"] == expected_cache
     assert record["prompt_ids"] == PROMPT_IDS
     assert record["token_ids"] == greedy(checkpoints[name], [PROMPT_IDS], 20)[0]
@@ -156,17 +203,16 @@ def test_checkpoint_json_with_prompt_ids(checkpoints, cli_home, name, cache_flag
     assert record["text"] is None, "no tokenizer.json, so no text"
 
 
-def test_checkpoint_text_mode_prints_the_ids(checkpoints, cli_home):
-    stdout, stderr = succeeded(twincache(cli_home, "--model", str(checkpoints["sharded"]), "--prompt-ids",
-                                         ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--mode", "eager"))
+def test_checkpoint_text_mode_prints_the_ids(checkpoints, cli_home, capsys, monkeypatch):
+    stdout, stderr = in_process(cli_home, capsys, monkeypatch, "--model", str(checkpoints["sharded"]), "--prompt-ids",
+                                ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "20", "--mode", "eager")
     assert [int(t) for t in stdout.split()] == greedy(checkpoints["sharded"], [PROMPT_IDS], 20)[0]
     assert "[torch sliding_window cache:" in stderr
 
 
-def test_compiled_decode_through_the_cli(checkpoints, cli_home):
+def test_compiled_decode_through_the_cli(checkpoints, cli_processes):
     """The default path (torch.compile on) gives transformers' tokens; 24 new tokens wrap the window 8 thrice."""
-    record = parse_json(succeeded(twincache(cli_home, "--model", str(checkpoints["gqa"]), "--prompt-ids",
-                                            ",".join(map(str, PROMPT_IDS)), "--max-new-tokens", "24", "--json"))[0])
+    record = parse_json(succeeded(cli_processes["compiled"])[0])
     assert record["mode"] == "compiled", "torch's default mode, as the decode path reports it"
     assert record["token_ids"] == greedy(checkpoints["gqa"], [PROMPT_IDS], 24)[0]
     assert record["decode_steps"] == 23

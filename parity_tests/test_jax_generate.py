@@ -200,7 +200,7 @@ def test_compiled_decode_copies_no_kv_buffer(request, heads, kind, cache_len, at
     if jax.default_backend() != "cpu":
         pytest.skip("an XLA-CPU property: other backends keep the attention dots (jax_cache/model.py)")
     model = request.getfixturevalue(COPY_TEST_MODELS[heads])
-    _, cache = prefilled(model, kind, [*PROMPTS, make_prompt(5)][:batch], cache_len)
+    cache = make_cache(kind, model.config, batch, cache_len)  # lowering reads its shapes only: no prefill to compile
     graph, params = jg.split_model(model)
     state = jg.initial_state(jnp.full((batch,), 3, jnp.int32), cache.next_positions(), cache, (), 0)
     key, knobs = jax.random.key(0), jg._knobs(SamplingParams())
@@ -548,11 +548,12 @@ def test_fused_and_step_modes_give_identical_tokens(model, sampling):
 def test_a_user_s_global_jax_setting_changes_no_seeded_token(model, setting, value, fused):
     """A process's own JAX settings: under jax_default_prng_impl="rbg" or jax_threefry_partitionable=False a seed
     drew other tokens than in a default process (the key and the draw now pin JAX's defaults). Judged by the
-    oracle, under JAX's defaults again."""
+    oracle, under JAX's defaults again. The batch and sampling kind of the sampling-settings test above, whose
+    executables the rbg case reads back (the key is pinned); the partitionable setting changes the step's trace."""
     before = getattr(jax.config, setting)
     jax.config.update(setting, value)
     try:
-        result = jg.generate(model, PROMPTS[:1], 3, cache="sliding_window", sampling=SAMPLED, fused=fused,
+        result = jg.generate(model, PROMPTS, 3, cache="sliding_window", sampling=SAMPLED, fused=fused,
                              return_logits=True)
     finally:
         jax.config.update(setting, before)

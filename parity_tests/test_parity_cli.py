@@ -1,5 +1,7 @@
 """`twincache parity` on any checkpoint: the table against the float64 truth beside the floor, JSON, exit codes, the
-torch_cache fallback without transformers, and bf16 on a tiny model (bf16 matmuls are slow on CPU: kept small)."""
+torch_cache fallback without transformers, and bf16 on a tiny model (bf16 matmuls are slow on CPU: kept small). The
+JSON run is a process, started in the background lane (parity_tests/background.py: `parity_json`); the others call
+cli.main in this process."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
+from parity_tests import background
 from parity_tests.conftest import save_hf_checkpoint
 from parity_tests.oracle import load_transformers
 from twincache import parity_metrics
@@ -23,16 +27,23 @@ METRIC_FIELDS = {"steps", "rows", "max_abs_logit_diff", "rel_max_abs_logit_diff"
                  "top1_agreement", "first_greedy_divergence", "first_decisive_divergence", "max_abs_kv_diff"}
 
 
-def run_cli(*argv: str, home: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TWINCACHE_HOME=home)
-    return subprocess.run([sys.executable, "-m", "twincache_app.cli", *argv], capture_output=True, text=True, env=env,
-                          timeout=600)
+@background.job
+def parity_json(request: pytest.FixtureRequest) -> Callable[[], subprocess.CompletedProcess]:
+    """`twincache parity --json` on the tiny model, every implementation on one cache kind (torch_compiled then
+    compiles once), in a TWINCACHE_HOME of its own."""
+    home = request.getfixturevalue("tmp_path_factory").mktemp("parity_json_home")
+    env = dict(os.environ, TWINCACHE_HOME=str(home))  # taken here, in the main thread
+    argv = [sys.executable, "-m", "twincache_app.cli", "parity", "--model", str(request.getfixturevalue(
+        "tiny_model_dir")), "--json", "--max-new-tokens", "24", "--cache", "sliding_window"]
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+
+    return run
 
 
-def test_parity_json_on_tiny_model_passes(tiny_model_dir, tmp_path):
-    # every implementation, on one cache kind: torch_compiled then compiles once
-    proc = run_cli("parity", "--model", str(tiny_model_dir), "--json", "--max-new-tokens", "24", "--cache",
-                   "sliding_window", home=str(tmp_path))
+def test_parity_json_on_tiny_model_passes(parity_json):
+    proc = parity_json
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["passed"] and report["dtype"] == "float32" and report["steps"] == 24

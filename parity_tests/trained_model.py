@@ -9,6 +9,7 @@ the code under test. Usage outside pytest: python -m parity_tests.trained_model 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -63,6 +64,20 @@ def gguf_tokenizer() -> Any:
     return with_gguf_special_tokens(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
 
 
+def gguf_fields(path: Path) -> Any:
+    """gguf's reader's fields of a GGUF file (as llama.cpp reads them), read once per version of the file in a process:
+    reading SmolLM2's parses its 49,152-token vocabulary, ~2 s of a core."""
+    stat = Path(path).stat()
+    return _gguf_fields(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_fields(path: str, mtime_ns: int, size: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path).fields
+
+
 GGUF_SPECIAL_TOKEN_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
                           "unk_token": "tokenizer.ggml.unknown_token_id",
                           "pad_token": "tokenizer.ggml.padding_token_id"}
@@ -72,9 +87,7 @@ def with_gguf_special_tokens(tokenizer: Any, path: Path) -> Any:
     """transformers' GGUF tokenizer with the special tokens the file names by id, read with gguf's reader (as
     llama.cpp reads them). transformers 5.17 takes BOS for EOS and drops the padding token of a GGUF; 5.24 reads them
     as the file says, and this changes nothing there."""
-    import gguf
-
-    fields = gguf.GGUFReader(path).fields
+    fields = gguf_fields(path)
     tokens = fields["tokenizer.ggml.tokens"]
     for name, key in GGUF_SPECIAL_TOKEN_IDS.items():
         if key in fields:
