@@ -17,6 +17,7 @@ import functools
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -145,19 +146,28 @@ def _drop_executables(name: str) -> None:
 
     What holds a variant's memory (docs/design.md §5, measured on jax 0.10.2): the jitted function's entry in jit's
     C++ cache and its trace (the jaxpr keys JAX's lowering cache, whose lowering keeps its compiled executable: the
-    fused blocks' too, evicted from their table or not), both dropped by its `clear_cache()`; and the eager ops that
+    fused blocks' too, evicted from their table or not), both dropped by its `clear_cache()`; the eager ops that
     build and read a cache of each shape: primitives (`jnp.zeros`), each an executable of a jitted callable that
     dispatch.xla_primitive_callable keeps, and JAX's own jitted library functions called eagerly (`jnp.max` of a
-    cache's positions), whose C++ entries and traces their `clear_cache()` drops. So this clears jax_cache's jitted
-    functions, JAX's module-level jitted functions and the primitive callables (a user's eager ops compile again
-    once per shape, as after jax.clear_caches()). Where this JAX has no xla_primitive_callable cache to clear,
+    cache's positions), whose C++ entries and traces their `clear_cache()` drops; and the traces of the JAX
+    functions nested in ours (jnp's ufuncs, einsum), one per shape in partial_eval.trace_to_jaxpr, which has no
+    size limit. So this clears jax_cache's jitted functions, JAX's module-level jitted functions, the primitive
+    callables, and the traces of functions of jax_cache and JAX (a user's eager ops compile again once per shape,
+    as after jax.clear_caches()). Where this JAX lacks one of those private caches (or its keys read otherwise),
     jax.clear_caches() drops every executable of the process instead, and the warning says so."""
     with _variants_lock:
         if all(bounded.jitted._cache_size() <= MAX_DECODE_VARIANTS for bounded in _BOUNDED_JITS):
             return  # another thread dropped them meanwhile
         dispatch = sys.modules.get("jax._src.dispatch")
         clear_primitives = getattr(getattr(dispatch, "xla_primitive_callable", None), "cache_clear", None)
-        if clear_primitives is None:
+        traces = getattr(sys.modules.get("jax._src.interpreters.partial_eval"), "trace_to_jaxpr", None)
+        try:  # each key: (a weak reference to the traced function, its signature, ...)
+            keys = traces.cache_keys()  # type: ignore[union-attr]
+            traced = [key[0]() for key in keys if isinstance(key, tuple) and isinstance(key[0], weakref.ref)]
+            evict = traces.evict_weakref if len(traced) == len(keys) else None  # type: ignore[union-attr]
+        except (AttributeError, TypeError, IndexError):
+            traced, evict = [], None
+        if clear_primitives is None or evict is None:
             jax.clear_caches()
             dropped = "JAX's compiled executables (all of this process's)"
         else:
@@ -170,6 +180,9 @@ def _drop_executables(name: str) -> None:
             for function in jitted:
                 function.clear_cache()
             clear_primitives()
+            for function in traced:
+                if str(getattr(function, "__module__", None)).partition(".")[0] in _DROPPED_MODULES:
+                    evict(function)
             dropped = ("jax_cache's compiled executables and JAX's eager ops' (the process's other jitted functions "
                        "keep theirs)")
         with _fused_lock:
@@ -180,8 +193,8 @@ def _drop_executables(name: str) -> None:
                     "classes)", name, MAX_DECODE_VARIANTS, dropped)
 
 
-# The packages whose module-level jitted functions a drop clears: jax_cache's own (_fused_decode, the cache's
-# _empty_in_place, ...), and JAX's library functions, which hold the eager ops of each cache shape
+# The packages whose module-level jitted functions and traces a drop clears: jax_cache's own (_fused_decode, the
+# cache's _empty_in_place, ...), and JAX's library functions, which hold the eager ops of each cache shape
 _DROPPED_MODULES = ("jax_cache", "jax")
 
 _BOUNDED_JITS: list[_BoundedJit] = []

@@ -46,10 +46,20 @@ def notices(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [record.getMessage() for record in caplog.records if record.name == "twincache"]
 
 
+def traces_of_jax_functions() -> int:
+    """The traces JAX keeps of functions of jax and jax_cache (jnp's nested in the tower's jitted functions, one per
+    shape, and the tower's own) in partial_eval.trace_to_jaxpr, which has no size limit."""
+    from jax._src.interpreters import partial_eval
+
+    functions = [key[0]() for key in partial_eval.trace_to_jaxpr.cache_keys()]
+    return sum(str(getattr(function, "__module__", None)).partition(".")[0] in ("jax", "jax_cache")
+               for function in functions)
+
+
 def drops(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
     """From now on, one entry per drop (a _drop_executables call that finds a jitted function past the limit): the
     executables each of jax_cache's jitted functions (bounded, the cache's emptier, the fused blocks' table) holds
-    right after it."""
+    right after it, and the traces of JAX's and jax_cache's functions JAX holds then."""
     calls: list[dict[str, int]] = []
     drop = jg._drop_executables
 
@@ -59,7 +69,7 @@ def drops(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
         if past:
             calls.append({**{bounded.__name__: bounded.jitted._cache_size() for bounded in jg._BOUNDED_JITS},
                           "_empty_in_place": jax_cache_cache._empty_in_place._cache_size(),
-                          "fused table": len(jg._fused_executables)})
+                          "fused table": len(jg._fused_executables), "traces": traces_of_jax_functions()})
 
     monkeypatch.setattr(jg, "_drop_executables", counted)
     return calls
@@ -160,9 +170,10 @@ def test_exact_cache_sizes_past_the_limit_keep_every_jit_cache_bounded_and_token
 @pytest.mark.parametrize("mode", ["fused", "step"])
 def test_a_users_jitted_functions_run_their_executables_after_a_drop(model, mode, monkeypatch):
     """A service that jits its own pre- and post-processing beside the tower: drops (exact cache sizes past a limit
-    of 1) empty every jitted function of jax_cache, and the user's functions compiled before them run after them
-    without compiling or tracing again, on jit's C++ fast path or through JAX's Python dispatch (a debug callback);
-    the tokens are unchanged. Before, the drop was jax.clear_caches(), after which each compiled and traced again.
+    of 1) empty every jitted function of jax_cache and JAX's traces of jnp's and jax_cache's functions, and the
+    user's functions compiled before them run after them without compiling or tracing again, on jit's C++ fast path
+    or through JAX's Python dispatch (a debug callback); the tokens are unchanged. Before, the drop was
+    jax.clear_caches(), after which each compiled and traced again.
     Eager ops are dropped (they hold a cache shape's executables too): a primitive (jnp.zeros) and a jitted JAX
     library function (jnp.max) run before the drop compile again after it; so does each fused block the table lacks
     (its lowering, which keeps the executable, was dropped with it)."""
@@ -192,7 +203,7 @@ def test_a_users_jitted_functions_run_their_executables_after_a_drop(model, mode
     dropped = drops(monkeypatch)
     assert [run(41), run(40)] == [fresh, fresh]  # 40's variants, dropped at 41's prefill, are compiled again
     assert (blocks == []) == (mode == "step") and 0 not in blocks, blocks
-    assert dropped and all(set(after.values()) == {0} for after in dropped), dropped  # jax_cache's all emptied
+    assert dropped and all(set(after.values()) == {0} for after in dropped), dropped  # all emptied
     outputs: list[list[float]] = []
     assert compiles_during(lambda: outputs.extend(user.jitted(x).tolist() for user in users)) == 0
     assert outputs == [[1.0, 3.0, 5.0, 7.0]] * 2
