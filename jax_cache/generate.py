@@ -14,8 +14,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,7 +28,7 @@ from flax import nnx
 from jax import lax
 
 from jax_cache import sharding
-from jax_cache.cache import StaticCache, available_memory, default_device, make_cache, memory_label
+from jax_cache.cache import StaticCache, _mesh_emptiers, available_memory, default_device, make_cache, memory_label
 from jax_cache.model import Mistral
 from twincache import buckets, cache_checks, phases
 from twincache.buckets import decode_buckets, step_attend_len
@@ -105,10 +107,11 @@ class _BoundedJit:
     """A jitted function whose compiled variants are bounded as the fused blocks' are (docs/design.md §5, "JAX's
     executables, bounded too"): every cache shape, batch, bucket and sampling kind is one executable in jax.jit's own
     cache, which keeps thousands (~40-50 MB of RSS each on the default model), so a service whose requests each size
-    their own cache grew by GBs. A call that compiles a variant past MAX_DECODE_VARIANTS drops every executable
-    (`_drop_executables`), as torch_cache drops its decode step's entries at that count; the variant it ran compiles
-    again at its next call. The steady path reads the jit cache's entry count before and after the call (two C++
-    calls, ~50 ns each; no host sync). Everything else (`lower`, `_cache_size`, ...) is the jitted function's."""
+    their own cache grew by GBs. A call that compiles a variant past MAX_DECODE_VARIANTS drops the executables of
+    every jitted function of the tower and of the eager ops (`_drop_executables`; a user's jitted functions keep
+    theirs), as torch_cache drops its decode step's entries at that count; the variant it ran compiles again at its
+    next call. The steady path reads the jit cache's entry count before and after the call (two C++ calls, ~50 ns
+    each; no host sync). Everything else (`lower`, `_cache_size`, ...) is the jitted function's."""
 
     def __init__(self, jitted: Any) -> None:
         self.jitted = jitted
@@ -137,23 +140,62 @@ def _bounded(jitted: Any) -> _BoundedJit:
 
 
 def _drop_executables(name: str) -> None:
-    """Free every executable this process compiled, so that host memory stays bounded; each variant used again
-    compiles again (from XLA's persistent cache where one is set). jax.clear_caches() is the only call that frees
-    them all: a jitted function's own clear_cache() left 30% of the default model's per-shape RSS held (the eager ops
-    that build and read a cache of each shape, and the lowerings of the ahead-of-time fused blocks, evicted or
-    not), so it also drops the executables of the process's other jitted functions, which compile again when next
-    called."""
+    """Free the executables that jax_cache's variants hold, so that host memory stays bounded; each variant used
+    again compiles again (from XLA's persistent cache where one is set). The process's other jitted functions keep
+    theirs: a user's jitted function runs what it compiled before the drop without tracing or compiling again.
+
+    What holds a variant's memory (docs/design.md §5, measured on jax 0.10.2): the jitted function's entry in jit's
+    C++ cache and its trace (the jaxpr keys JAX's lowering cache, whose lowering keeps its compiled executable: the
+    fused blocks' too, evicted from their table or not), both dropped by its `clear_cache()`; the eager ops that
+    build and read a cache of each shape: primitives (`jnp.zeros`), each an executable of a jitted callable that
+    dispatch.xla_primitive_callable keeps, and JAX's own jitted library functions called eagerly (`jnp.max` of a
+    cache's positions), whose C++ entries and traces their `clear_cache()` drops; and the traces of the JAX
+    functions nested in ours (jnp's ufuncs, einsum), one per shape in partial_eval.trace_to_jaxpr, which has no
+    size limit. So this clears jax_cache's jitted functions, JAX's module-level jitted functions, the primitive
+    callables, and the traces of functions of jax_cache and JAX (a user's eager ops compile again once per shape,
+    as after jax.clear_caches()). Where this JAX lacks one of those private caches (or its keys read otherwise),
+    jax.clear_caches() drops every executable of the process instead, and the warning says so."""
     with _variants_lock:
         if all(bounded.jitted._cache_size() <= MAX_DECODE_VARIANTS for bounded in _BOUNDED_JITS):
             return  # another thread dropped them meanwhile
-        jax.clear_caches()
+        dispatch = sys.modules.get("jax._src.dispatch")
+        clear_primitives = getattr(getattr(dispatch, "xla_primitive_callable", None), "cache_clear", None)
+        traces = getattr(sys.modules.get("jax._src.interpreters.partial_eval"), "trace_to_jaxpr", None)
+        try:  # each key: (a weak reference to the traced function, its signature, ...)
+            keys = traces.cache_keys()  # type: ignore[union-attr]
+            traced = [key[0]() for key in keys if isinstance(key, tuple) and isinstance(key[0], weakref.ref)]
+            evict = traces.evict_weakref if len(traced) == len(keys) else None  # type: ignore[union-attr]
+        except (AttributeError, TypeError, IndexError):
+            traced, evict = [], None
+        if clear_primitives is None or evict is None:
+            jax.clear_caches()
+            dropped = "JAX's compiled executables (all of this process's)"
+        else:
+            jitted_type = type(_fused_decode)  # jax.jit's (jaxlib's PjitFunction)
+            jitted = [bounded.jitted for bounded in _BOUNDED_JITS] + list(_mesh_emptiers.values())
+            for module_name, module in list(sys.modules.items()):
+                if module_name.partition(".")[0] in _DROPPED_MODULES:
+                    jitted += [value for value in list(getattr(module, "__dict__", {}).values())
+                               if type(value) is jitted_type]
+            for function in jitted:
+                function.clear_cache()
+            clear_primitives()
+            for function in traced:
+                if str(getattr(function, "__module__", None)).partition(".")[0] in _DROPPED_MODULES:
+                    evict(function)
+            dropped = ("jax_cache's compiled executables and JAX's eager ops' (the process's other jitted functions "
+                       "keep theirs)")
         with _fused_lock:
             _fused_executables.clear()
     NOTICES.warning("jax_cache's %s passed the limit of %d compiled variants in this process (cache shapes, "
-                    "batches, buckets, sampling kinds); dropped JAX's compiled executables (all of this process's), "
-                    "so each variant used again compiles again. To compile few: reuse a cache object, or let the "
-                    "tower size the cache (no max_cache_len: size classes)", name, MAX_DECODE_VARIANTS)
+                    "batches, buckets, sampling kinds); dropped %s, so each variant used again compiles again. To "
+                    "compile few: reuse a cache object, or let the tower size the cache (no max_cache_len: size "
+                    "classes)", name, MAX_DECODE_VARIANTS, dropped)
 
+
+# The packages whose module-level jitted functions and traces a drop clears: jax_cache's own (_fused_decode, the
+# cache's _empty_in_place, ...), and JAX's library functions, which hold the eager ops of each cache shape
+_DROPPED_MODULES = ("jax_cache", "jax")
 
 _BOUNDED_JITS: list[_BoundedJit] = []
 _variants_lock = threading.Lock()
@@ -575,8 +617,8 @@ def _fused_decode(graph: ModelGraph, params: nnx.State, state: DecodeState, key:
 # placement, sampling kind and attention bucket. A long-running process that decodes with ever new shapes (each request
 # its own max_cache_len or cache object, say) kept every one; now the least recently used is dropped past
 # MAX_DECODE_VARIANTS (compiled again if used again), as torch_cache drops its decode step's entries at that count.
-# An evicted block's executable stays held by JAX's lowering caches until the jitted functions' next drop
-# (_drop_executables, which also empties this table): measured, not freed at eviction.
+# An evicted block's executable stays held by JAX's lowering cache (keyed by _fused_decode's trace) until the jitted
+# functions' next drop (_drop_executables, which also empties this table): measured, not freed at eviction.
 MAX_DECODE_VARIANTS = 64  # also the bound of each jitted function's variants (_BoundedJit)
 _fused_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
 _fused_lock = threading.Lock()  # threads decoding at once share the table: a lookup's move and an eviction interleave

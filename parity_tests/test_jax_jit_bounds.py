@@ -1,16 +1,19 @@
 """jax_cache's jitted functions keep at most MAX_DECODE_VARIANTS compiled variants each (docs/design.md §5, "JAX's
 executables, bounded too"): a service that gives each request its own exact max_cache_len compiled a new prefill
-and step per request, held in jax.jit's own caches (~40-50 MB of RSS each on the default model), without bound."""
+and step per request, held in jax.jit's own caches (~40-50 MB of RSS each on the default model), without bound. A
+drop frees the tower's executables and JAX's eager ops', never those of the process's other jitted functions."""
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import jax_cache.cache as jax_cache_cache
 import jax_cache.generate as jg
 from jax_cache import backend
 from jax_cache.model import Mistral
@@ -43,23 +46,78 @@ def notices(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [record.getMessage() for record in caplog.records if record.name == "twincache"]
 
 
-def drops(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """From now on, one entry per jax.clear_caches() call (each drop makes one)."""
-    calls: list[int] = []
-    clear = jax.clear_caches
+def traces_of_jax_functions() -> int:
+    """The traces JAX keeps of functions of jax and jax_cache (jnp's nested in the tower's jitted functions, one per
+    shape, and the tower's own) in partial_eval.trace_to_jaxpr, which has no size limit."""
+    from jax._src.interpreters import partial_eval
 
-    def counted() -> None:
-        calls.append(1)
-        clear()
+    functions = [key[0]() for key in partial_eval.trace_to_jaxpr.cache_keys()]
+    return sum(str(getattr(function, "__module__", None)).partition(".")[0] in ("jax", "jax_cache")
+               for function in functions)
 
-    monkeypatch.setattr(jax, "clear_caches", counted)
+
+def drops(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
+    """From now on, one entry per drop (a _drop_executables call that finds a jitted function past the limit): the
+    executables each of jax_cache's jitted functions (bounded, the cache's emptier, the fused blocks' table) holds
+    right after it, and the traces of JAX's and jax_cache's functions JAX holds then."""
+    calls: list[dict[str, int]] = []
+    drop = jg._drop_executables
+
+    def counted(name: str) -> None:
+        past = any(bounded.jitted._cache_size() > jg.MAX_DECODE_VARIANTS for bounded in jg._BOUNDED_JITS)
+        drop(name)
+        if past:
+            calls.append({**{bounded.__name__: bounded.jitted._cache_size() for bounded in jg._BOUNDED_JITS},
+                          "_empty_in_place": jax_cache_cache._empty_in_place._cache_size(),
+                          "fused table": len(jg._fused_executables), "traces": traces_of_jax_functions()})
+
+    monkeypatch.setattr(jg, "_drop_executables", counted)
     return calls
 
 
-def test_a_jitted_function_past_the_limit_drops_its_variants(monkeypatch, caplog):
+class UserJit:
+    """A user's own jitted function (not jax_cache's), counting its traces: `callback` adds a jax.debug.callback, whose
+    effect keeps the call off jit's C++ fast path (each call goes through JAX's Python dispatch)."""
+
+    def __init__(self, callback: bool) -> None:
+        self.traces = 0
+
+        def scaled(x: jax.Array) -> jax.Array:
+            self.traces += 1
+            if callback:
+                jax.debug.callback(lambda value: None, x)
+            return x * 2.0 + 1.0
+
+        self.jitted = jax.jit(scaled)
+
+
+def compiles_during(call) -> int:
+    """XLA compiles (JAX's backend-compile events) while `call()` runs."""
+    events: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        call()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(events)
+
+
+@pytest.mark.parametrize("route", ["surgical", "jax.clear_caches"])
+def test_a_jitted_function_past_the_limit_drops_its_variants(monkeypatch, caplog, route):
     """Up to the limit, variants are kept and one held runs without a drop; the call that compiles one past it drops
-    every executable after it ran (one warning): after any call the cache holds at most the limit, and every compile
-    is counted, a variant compiled again after the drop counted again."""
+    the executables after it ran (one warning): after any call the cache holds at most the limit, and every compile
+    is counted, a variant compiled again after the drop counted again. A JAX without the eager ops' cache that the
+    drop clears (dispatch.xla_primitive_callable) gets jax.clear_caches(), and the warning says it dropped all."""
+    if route == "jax.clear_caches":
+        monkeypatch.setitem(sys.modules, "jax._src.dispatch", None)  # where the drop looks the cache up
+    cleared: list[int] = []
+    clear = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(1), clear())[1])
     monkeypatch.setattr(jg, "MAX_DECODE_VARIANTS", LIMIT)
     monkeypatch.setattr(jg, "_BOUNDED_JITS", [])
     plus_one = jg._bounded(jax.jit(lambda x: x + 1))
@@ -73,11 +131,13 @@ def test_a_jitted_function_past_the_limit_drops_its_variants(monkeypatch, caplog
         assert plus_one._cache_size() == 0 and len(dropped) == 1
         assert plus_one(jnp.zeros(LIMIT + 1)).tolist() == [1.0] * (LIMIT + 1)  # compiled again
     assert plus_one._cache_size() == 1 and len(dropped) == 1 and plus_one.compiles == LIMIT + 2
+    assert len(cleared) == (route == "jax.clear_caches")
+    what = ("JAX's compiled executables (all of this process's)" if cleared else
+            "jax_cache's compiled executables and JAX's eager ops' (the process's other jitted functions keep theirs)")
     assert notices(caplog) == [
         f"jax_cache's <lambda> passed the limit of {LIMIT} compiled variants in this process (cache shapes, batches, "
-        "buckets, sampling kinds); dropped JAX's compiled executables (all of this process's), so each variant used "
-        "again compiles again. To compile few: reuse a cache object, or let the tower size the cache (no "
-        "max_cache_len: size classes)"]
+        f"buckets, sampling kinds); dropped {what}, so each variant used again compiles again. To compile few: reuse "
+        "a cache object, or let the tower size the cache (no max_cache_len: size classes)"]
 
 
 @pytest.mark.parametrize("mode", ["fused", "step"])
@@ -105,6 +165,50 @@ def test_exact_cache_sizes_past_the_limit_keep_every_jit_cache_bounded_and_token
     assert max(each.most for each in watched) == 1  # reached, never passed once a call returned
     assert most_fused <= 1
     assert dropped and len(notices(caplog)) == len(dropped)  # at least at 41's first compile: one warning each
+
+
+@pytest.mark.parametrize("mode", ["fused", "step"])
+def test_a_users_jitted_functions_run_their_executables_after_a_drop(model, mode, monkeypatch):
+    """A service that jits its own pre- and post-processing beside the tower: drops (exact cache sizes past a limit
+    of 1) empty every jitted function of jax_cache and JAX's traces of jnp's and jax_cache's functions, and the
+    user's functions compiled before them run after them without compiling or tracing again, on jit's C++ fast path
+    or through JAX's Python dispatch (a debug callback); the tokens are unchanged. Before, the drop was
+    jax.clear_caches(), after which each compiled and traced again.
+    Eager ops are dropped (they hold a cache shape's executables too): a primitive (jnp.zeros) and a jitted JAX
+    library function (jnp.max) run before the drop compile again after it; so does each fused block the table lacks
+    (its lowering, which keeps the executable, was dropped with it)."""
+    def run(size: int) -> list[list[int]]:
+        return backend.generate(model, [PROMPT], 3, mode=mode, cache="static", max_cache_len=size).token_ids
+
+    fresh = run(40)
+    users = [UserJit(callback=False), UserJit(callback=True)]
+    x = jnp.arange(4.0)
+    for user in users:
+        assert user.jitted(x).tolist() == [1.0, 3.0, 5.0, 7.0] and user.traces == 1
+    primitive, library = (lambda: jnp.zeros(7)), (lambda: jnp.max(x))
+    primitive(), library()  # compiled here if not before
+    assert compiles_during(primitive) + compiles_during(library) == 0
+    blocks: list[int] = []  # XLA compiles of each fused block that was not in the table
+    fused_executable = jg.fused_executable
+
+    def compiled_block(*args: object, **static: object) -> tuple[object, float]:
+        returned: list[tuple[object, float]] = []
+        compiles = compiles_during(lambda: returned.append(fused_executable(*args, **static)))
+        if returned[0][1] > 0.0:  # not in the table
+            blocks.append(compiles)
+        return returned[0]
+
+    monkeypatch.setattr(jg, "fused_executable", compiled_block)
+    monkeypatch.setattr(jg, "MAX_DECODE_VARIANTS", 1)
+    dropped = drops(monkeypatch)
+    assert [run(41), run(40)] == [fresh, fresh]  # 40's variants, dropped at 41's prefill, are compiled again
+    assert (blocks == []) == (mode == "step") and 0 not in blocks, blocks
+    assert dropped and all(set(after.values()) == {0} for after in dropped), dropped  # all emptied
+    outputs: list[list[float]] = []
+    assert compiles_during(lambda: outputs.extend(user.jitted(x).tolist() for user in users)) == 0
+    assert outputs == [[1.0, 3.0, 5.0, 7.0]] * 2
+    assert [(user.traces, user.jitted._cache_size()) for user in users] == [(1, 1), (1, 1)]
+    assert compiles_during(primitive) >= 1 and compiles_during(library) == 1
 
 
 @pytest.mark.parametrize("command", ["soak", "generate --json"])
