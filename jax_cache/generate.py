@@ -852,8 +852,11 @@ def _handed_back(given: StaticCache, state: DecodeState, read_until: int,
     steps = int(state.step) - read_until  # waits for the steps in flight: they ran whether read or not
     if steps > 0 and undo:
         (older_start, older), (newer_start, newer) = undo[0], undo[-1]
-        # the steps undone are those of the blocks not read through, which decode_fused keeps every log of
-        assert int(live.length) - steps >= older_start, "the undo logs do not reach back to the first undone step"
+        # the steps undone are those of the blocks not read through, whose logs decode_fused keeps; should they not
+        # reach back to the first of them, no exact cache can be rebuilt, and a consumed cache says so at its next use
+        if int(live.length) - steps < older_start:
+            return (f"its undo logs reach back to column {older_start}, past the first undone step's column "
+                    f"{int(live.length) - steps}")
         live = _undone(live, (older, newer), jnp.asarray([older_start, newer_start], jnp.int32), jnp.int32(steps))
     elif steps > 0:
         live = _roll_back(live, jnp.int32(steps))
@@ -1077,8 +1080,10 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     # attention bucket
     check_continuation_room(cache.capacity, int(cache.length), max_new_tokens)
     length = cache._check_write_range(max_new_tokens)
-    # next_positions() is int32 on the device: read the newest position here, where a position past int32 cannot wrap
-    check_positions(config, int(jnp.max(cache.slot_positions)) + 2, max_new_tokens, length + max_new_tokens)
+    # each row's newest position, read on the host: a reduction on the device would compile once per cache shape, and
+    # a position past int32 cannot wrap here before check_positions sees it
+    newest = np.asarray(cache.slot_positions).astype(np.int64).max(axis=1)  # [B]
+    check_positions(config, int(newest.max()) + 2, max_new_tokens, length + max_new_tokens)
     _check_outputs_fit(len(last_tokens), max_new_tokens, config.vocab_size, return_logits)
     batch = len(last_tokens)
     forced = None  # [B, N] int32 on the host: sliced there per step or block, a device slice per start would compile
@@ -1087,7 +1092,8 @@ def continue_generation(model: Mistral, cache: StaticCache, last_tokens: Sequenc
     eos = config.eos_token_ids if forced is None else ()  # a forced row runs to its last forced token
     graph, params = split_model(model)
     key, kind, knobs = _seed_key(sampling.seed), _sampling_kind(sampling), _knobs(sampling)
-    state = initial_state(jnp.asarray(last_tokens, jnp.int32), cache.next_positions(), cache, eos, first_step, rows)
+    state = initial_state(jnp.asarray(last_tokens, jnp.int32), jnp.asarray(newest + 1, jnp.int32), cache, eos,
+                          first_step, rows)
     tokens: list[list[int]] = [[] for _ in range(batch)]
     # [B, N, V]: each step or block is written in at its step (_write_logits); on a mesh, rows on `data` as the logits
     placement = None if cache.mesh is None else sharding.batch_sharding(cache)

@@ -91,20 +91,39 @@ class UserJit:
         self.jitted = jax.jit(scaled)
 
 
-def compiles_during(call) -> int:
-    """XLA compiles (JAX's backend-compile events) while `call()` runs."""
-    events: list[str] = []
+def compiled_names(call) -> list[str]:
+    """The functions XLA compiles while `call()` runs (JAX's backend-compile events), by name: jit(_prefill), ..."""
+    names: list[str] = []
 
     def listen(event: str, seconds: float, **kwargs: object) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
-            events.append(event)
+            names.append(str(kwargs.get("fun_name")))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         call()
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
-    return len(events)
+    return names
+
+
+def compiles_during(call) -> int:
+    """XLA compiles while `call()` runs."""
+    return len(compiled_names(call))
+
+
+@pytest.mark.parametrize(("mode", "size"), [("step", 61), ("fused", 67)])
+def test_a_new_cache_size_compiles_its_prefill_decode_and_buffers_only(model, mode, size):
+    """A request at a cache size the process has not seen compiles its prefill, its decode (step or fused block)
+    and its cache's zeroed buffers (broadcast_in_dim), and no eager op on the host's path: each one compiles once
+    per shape and holds an executable until a drop. Before, continue_generation reduced the cache's slot positions
+    on the device (two `_reduce_max` compiles per size) to check and start the positions; it reads them on the host."""
+    backend.generate(model, [PROMPT], 3, mode=mode, cache="static", max_cache_len=40)  # the size-free ops, compiled
+    names = compiled_names(lambda: backend.generate(model, [PROMPT], 3, mode=mode, cache="static",
+                                                    max_cache_len=size))
+    decode = "jit(_sampled_step)" if mode == "step" else "jit(_fused_decode)"
+    assert decode in names and "jit(_prefill)" in names, names  # the size is new to the process: both compiled
+    assert set(names) <= {"jit(_prefill)", decode, "jit(broadcast_in_dim)"}, names
 
 
 @pytest.mark.parametrize("route", ["surgical", "jax.clear_caches"])
