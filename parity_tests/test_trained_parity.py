@@ -55,7 +55,8 @@ def judge(report: parity.ParityReport) -> None:
 
 
 def test_fp32_within_bounds_of_the_float64_truth(setup):
-    models = parity.load_models(setup["path"], "float32", impls=("torch:eager", "jax:step", "jax:fused"))
+    models = parity.load_models(setup["path"], "float32", impls=("torch:eager", "jax:step", "jax:fused"),
+                               with_reference=False)  # the module's reference: no float64 copy per test
     args = (models, setup["prompts"], STEPS, "float32")
     static = parity.parity_report(*args, ["static"], ("torch:eager", "jax:step"), reference=setup["reference"])
     sliding = parity.parity_report(*args, ["sliding_window"], ("torch:eager", "jax:fused"),
@@ -70,7 +71,7 @@ def test_fp32_within_bounds_of_the_float64_truth(setup):
 @pytest.mark.parametrize(("dtype", "cache", "jax_impl", "floor_above"),
                          [("bfloat16", "sliding_window", "jax:step", 0.1), ("float16", "static", "jax:fused", 1e-2)])
 def test_half_precision_within_bounds_of_the_float64_truth(setup, dtype, cache, jax_impl, floor_above):
-    models = parity.load_models(setup["path"], dtype, impls=("torch:eager", jax_impl))
+    models = parity.load_models(setup["path"], dtype, impls=("torch:eager", jax_impl), with_reference=False)
     report = parity.parity_report(models, setup["prompts"], STEPS, dtype, [cache], ("torch:eager", jax_impl),
                                   reference=setup["reference"])
     judge(report)

@@ -9,10 +9,12 @@ the code under test. Usage outside pytest: python -m parity_tests.trained_model 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,8 @@ def gguf_model() -> Any:
 
     gguf = _checked_gguf()
     hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with _gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
 def gguf_tokenizer() -> Any:
@@ -61,21 +64,48 @@ def gguf_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     gguf = _checked_gguf()
-    return with_gguf_special_tokens(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return with_gguf_special_tokens(tokenizer, gguf)
 
 
 def gguf_fields(path: Path) -> Any:
-    """gguf's reader's fields of a GGUF file (as llama.cpp reads them), read once per version of the file in a process:
-    reading SmolLM2's parses its 49,152-token vocabulary, ~2 s of a core."""
+    """gguf's reader's fields of a GGUF file (as llama.cpp reads them)."""
+    return gguf_reader(path).fields
+
+
+def gguf_reader(path: Path | str) -> Any:
+    """gguf's reader of a GGUF file, made once per version of the file in a process: making one parses the file's
+    metadata, SmolLM2's 49,152-token vocabulary included, ~2.5 s of a core. It only reads (a read-only memory map)."""
     stat = Path(path).stat()
-    return _gguf_fields(str(path), stat.st_mtime_ns, stat.st_size)
+    return _gguf_reader(str(path), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=8)
-def _gguf_fields(path: str, mtime_ns: int, size: int) -> Any:
+def _gguf_reader(path: str, mtime_ns: int, size: int) -> Any:
+    from gguf.gguf_reader import GGUFReader  # the class itself, also while _gguf_parsed_once stands in for it
+
+    return GGUFReader(path)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Inside, transformers' GGUF loading gets gguf's reader of a file from gguf_reader and gguf's tensor-name map of
+    an architecture and depth made once: it makes a reader per call (config, weights, tokenizer: 3 of SmolLM2's, ~7 s)
+    and the same map again per module it names (397 times, ~2.5 s). Both are gguf's own, unchanged and only read;
+    transformers still does all of its own reading of them. twincache's GGUF code is never inside."""
     import gguf
 
-    return gguf.GGUFReader(path).fields
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        return gguf_reader(path) if mode == "r" else real_reader(path, mode)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 GGUF_SPECIAL_TOKEN_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",

@@ -425,9 +425,12 @@ class ParityReport:
 
 
 def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
-                impls: Sequence[str] = IMPLEMENTATIONS, sliding_window: int | None = None) -> Models:
+                impls: Sequence[str] = IMPLEMENTATIONS, sliding_window: int | None = None,
+                with_reference: bool = True) -> Models:
     """Load every model a parity run needs from one checkpoint directory or GGUF file, on CUDA when torch sees one;
-    each attending with `sliding_window` instead of the checkpoint's window when given (--sliding-window)."""
+    each attending with `sliding_window` instead of the checkpoint's window when given (--sliding-window).
+    with_reference=False leaves out the float64 model (None): for a caller that gives parity_report its reference,
+    computed once (a float64 copy of a 135M model is ~1 GB and a second of loading)."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -456,12 +459,13 @@ def load_models(model_dir: Path, dtype: str, with_transformers: bool = True,
                                         progress=False)
                 return hf.to(device).eval()
 
-            return Models(towers, load(getattr(torch, dtype)), load(torch.float64))
+            return Models(towers, load(getattr(torch, dtype)), load(torch.float64) if with_reference else None)
     from torch_cache.model import Mistral as TorchMistral  # the fallback is torch_cache by definition
 
     floor = towers["torch"] if "torch" in towers else set_window(
         TorchMistral.from_pretrained(model_dir, getattr(torch, dtype), device), sliding_window)
-    reference = set_window(TorchMistral.from_pretrained(model_dir, torch.float64, device), sliding_window)
+    reference = set_window(TorchMistral.from_pretrained(model_dir, torch.float64, device),
+                           sliding_window) if with_reference else None
     return Models(towers, floor, reference, why_not)
 
 
@@ -506,6 +510,8 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
     config = next(iter(models.towers.values())).config
     prompts = validate_prompts(prompts, config)
     if reference is None:
+        if models.reference is None:
+            raise ValueError("models loaded with_reference=False need the reference given")
         reference = float64_reference(models.reference, prompts, steps, models.why_not_transformers)
     floor = floor_oracle(models.floor, prompts, reference.tokens, dtype, models.why_not_transformers)
     lengths = [ref_keys.shape[2] for ref_keys in reference.keys]
