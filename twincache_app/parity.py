@@ -511,7 +511,9 @@ def parity_report(models: Models, prompts: Sequence[Sequence[int]], steps: int, 
     prompts = validate_prompts(prompts, config)
     if reference is None:
         if models.reference is None:
-            raise ValueError("models loaded with_reference=False need the reference given")
+            raise ValueError("parity_report: these models were loaded with with_reference=False, so no float64 model "
+                             "computes the reference; pass reference=float64_reference(...) or load them with "
+                             "with_reference=True")
         reference = float64_reference(models.reference, prompts, steps, models.why_not_transformers)
     floor = floor_oracle(models.floor, prompts, reference.tokens, dtype, models.why_not_transformers)
     lengths = [ref_keys.shape[2] for ref_keys in reference.keys]
