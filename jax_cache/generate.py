@@ -148,8 +148,8 @@ def _drop_executables(name: str) -> None:
     C++ cache and its trace (the jaxpr keys JAX's lowering cache, whose lowering keeps its compiled executable: the
     fused blocks' too, evicted from their table or not), both dropped by its `clear_cache()`; the eager ops that
     build and read a cache of each shape: primitives (`jnp.zeros`), each an executable of a jitted callable that
-    dispatch.xla_primitive_callable keeps, and JAX's own jitted library functions called eagerly (`jnp.max` of a
-    cache's positions), whose C++ entries and traces their `clear_cache()` drops; and the traces of the JAX
+    dispatch.xla_primitive_callable keeps, and JAX's own jitted library functions called eagerly (`jnp.max` in a
+    cache's `next_positions()`), whose C++ entries and traces their `clear_cache()` drops; and the traces of the JAX
     functions nested in ours (jnp's ufuncs, einsum), one per shape in partial_eval.trace_to_jaxpr, which has no
     size limit. So this clears jax_cache's jitted functions, JAX's module-level jitted functions, the primitive
     callables, and the traces of functions of jax_cache and JAX (a user's eager ops compile again once per shape,
@@ -854,9 +854,10 @@ def _handed_back(given: StaticCache, state: DecodeState, read_until: int,
         (older_start, older), (newer_start, newer) = undo[0], undo[-1]
         # the steps undone are those of the blocks not read through, whose logs decode_fused keeps; should they not
         # reach back to the first of them, no exact cache can be rebuilt, and a consumed cache says so at its next use
-        if int(live.length) - steps < older_start:
+        first_undone = int(live.length) - steps  # the column of the first undone step
+        if first_undone < older_start:
             return (f"its undo logs reach back to column {older_start}, past the first undone step's column "
-                    f"{int(live.length) - steps}")
+                    f"{first_undone}")
         live = _undone(live, (older, newer), jnp.asarray([older_start, newer_start], jnp.int32), jnp.int32(steps))
     elif steps > 0:
         live = _roll_back(live, jnp.int32(steps))
