@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from parity_tests import background
+from twincache.xla_flags import add_xla_flag
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Strict tests, as Equinox runs its own: JAX refuses implicit dtype promotion (a bfloat16 array meeting a float32 one
@@ -22,6 +23,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAX_NUMPY_DTYPE_PROMOTION", "strict")
 
 WINDOW = 8
+
+# This process's own XLA compiles skip LLVM's optimisation passes (-O0): the tests compile hundreds of tiny programs
+# whose run time is nothing beside their compile (test_jax_generate.py + test_jax_parity.py alone: 90 -> 69 s on 2
+# cores). XLA's HLO passes, which decide fusion, donation and copies (what the tests count), run as before. The
+# processes the tests start (the CLI, `twincache parity`, the mesh workers, bench) do not inherit it
+# (xla_codegen_unoptimised_in_this_process_only): they compile as a user's do, and judge parity there too.
+IN_PROCESS_XLA_FLAG = "xla_backend_optimization_level"
+_USER_SET_IN_PROCESS_XLA_FLAG = IN_PROCESS_XLA_FLAG in os.environ.get("XLA_FLAGS", "")
+add_xla_flag(IN_PROCESS_XLA_FLAG, 0)  # read once, when JAX starts its backend
+
+
+@pytest.fixture(scope="session", autouse=True)
+def xla_codegen_unoptimised_in_this_process_only():
+    """Start JAX's backend, which reads XLA_FLAGS once, then take IN_PROCESS_XLA_FLAG back out of the environment the
+    tests' processes inherit (a value the user set stays)."""
+    try:
+        import jax
+    except ImportError:  # a torch-only environment
+        yield
+        return
+    jax.devices()
+    if not _USER_SET_IN_PROCESS_XLA_FLAG:
+        os.environ["XLA_FLAGS"] = " ".join(flag for flag in os.environ["XLA_FLAGS"].split()
+                                           if not flag.startswith(f"--{IN_PROCESS_XLA_FLAG}="))
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -56,6 +56,15 @@ def test_an_xla_option_is_added_once_and_never_over_the_users_setting(monkeypatc
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 --xla_allow_excess_precision=false"
 
 
+def test_the_processes_tests_start_compile_xla_as_a_users_do():
+    """conftest has this process's XLA skip LLVM's optimisations; the processes the tests start (the CLI, `twincache
+    parity`, the mesh workers), which copy this environment, must not inherit that: they judge parity as users run."""
+    from parity_tests.conftest import _USER_SET_IN_PROCESS_XLA_FLAG, IN_PROCESS_XLA_FLAG
+
+    inherited = IN_PROCESS_XLA_FLAG in os.environ.get("XLA_FLAGS", "")
+    assert inherited == _USER_SET_IN_PROCESS_XLA_FLAG, os.environ.get("XLA_FLAGS")
+
+
 def test_parse_mesh_reads_both_axes_in_any_order_and_refuses_anything_else():
     assert parse_mesh("model=2") == MeshShape(data=1, model=2)
     assert parse_mesh("data=4, model=2") == MeshShape(data=4, model=2)
