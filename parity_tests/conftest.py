@@ -86,11 +86,12 @@ def xla_executables_shared_by_the_session(tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="session", autouse=True)
-def background_lane(request: pytest.FixtureRequest):
+def background_lane(request: pytest.FixtureRequest, xla_codegen_unoptimised_in_this_process_only: None):
     """The module fixtures that only run processes start at the session's first test, in a background thread
     (parity_tests/background.py), and run while the in-process tests use the other core. In-process torch keeps to
     one thread meanwhile: a second OpenMP thread would spin-wait on a core the lane's processes hold (the tests' tiny
-    models decode fastest on one thread anyway; see one_torch_thread)."""
+    models decode fastest on one thread anyway; see one_torch_thread). After the in-process XLA flag has left the
+    environment: the jobs copy it when they are prepared, here."""
     import torch
 
     threads = torch.get_num_threads()
